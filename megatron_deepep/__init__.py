@@ -1,0 +1,1 @@
+"""megatron_deepep: a Megatron-LM MoE token dispatcher on our own NVLink kernels."""
