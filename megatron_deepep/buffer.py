@@ -1,0 +1,299 @@
+"""The public `Buffer`: expert-parallel dispatch and combine on one EP process group.
+
+A Buffer picks a transport once: the NVLink kernels (CUDA IPC symmetric buffers, one per rank)
+or the pure-torch reference over `all_to_all_single` (any backend, CPU included). Both implement
+the same semantics (`reference.py`), so callers and tests do not care which one runs.
+
+Streams: NVLink operations run on the Buffer's communication stream. They first wait for
+`previous_event` (else for the current stream); with `async_finish=True` they return an
+`EventHandle` to wait on, otherwise the current stream waits for them before returning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_deepep import validate
+from megatron_deepep.events import EventHandle
+from megatron_deepep.handle import DispatchHandle
+from megatron_deepep.layout import DispatchLayout
+from megatron_deepep.reference import ReferenceTransport
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "nvlink", "reference")
+DEFAULT_NUM_SMS = 24
+DEFAULT_TIMEOUT_S = 100.0
+
+
+def _pick_transport(transport: str) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport != "auto":
+        return transport
+    return "nvlink" if torch.cuda.is_available() else "reference"
+
+
+class Buffer:
+    """Dispatch/combine state for one EP group, reused across calls.
+
+    Args:
+        group: the EP `torch.distributed` process group (NCCL, or gloo when ranks share a GPU).
+        num_max_tokens_per_rank: N_max, the most tokens any rank dispatches in one call.
+        hidden: the widest row (elements of 2 bytes) any call dispatches.
+        num_topk: the largest top-k any call uses (at most 16).
+        transport: "auto" (NVLink kernels when CUDA is available, else the reference), "nvlink"
+            or "reference".
+        num_sms: SM budget of the communication kernels (the rest stay free for compute).
+        timeout_s: how long any cross-GPU wait may last before it fails naming the peer.
+    """
+
+    def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
+                 transport: str = "auto", num_sms: int = DEFAULT_NUM_SMS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        if group is None:
+            group = dist.group.WORLD
+        for name, value, low in (("num_max_tokens_per_rank", num_max_tokens_per_rank, 1),
+                                 ("hidden", hidden, 8), ("num_topk", num_topk, 1),
+                                 ("num_sms", num_sms, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if num_topk > validate.MAX_TOPK:
+            raise ValueError(f"num_topk={num_topk} exceeds the limit {validate.MAX_TOPK}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.num_sms = num_sms
+        self.timeout_s = timeout_s
+        self.transport_name = _pick_transport(transport)
+        if self.transport_name == "nvlink":
+            if self.num_ranks > validate.MAX_RANKS:
+                raise ValueError(f"the NVLink transport spans one node: EP size {self.num_ranks}"
+                                 f" exceeds {validate.MAX_RANKS}")
+            from megatron_deepep.transport.nvlink import NVLinkTransport
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self._transport = NVLinkTransport(group, num_max_tokens_per_rank, hidden, num_topk,
+                                              num_sms=num_sms, timeout_s=timeout_s)
+            self._comm_stream = torch.cuda.Stream(device=self.device)
+        else:
+            self.device = None  # the reference follows its inputs' device
+            self._transport = ReferenceTransport(group, num_max_tokens_per_rank)
+            self._comm_stream = None
+        logger.info("megatron_deepep Buffer: rank %d/%d, transport %s, %d bytes", self.rank,
+                    self.num_ranks, self.transport_name, self.num_bytes)
+
+    # ----------------------------------------------------------------------------------------
+    @staticmethod
+    def size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,
+                  num_topk: int) -> int:
+        """Bytes of the symmetric NVLink buffer each rank allocates for these limits."""
+        from megatron_deepep.transport.regions import BufferRegions
+        return BufferRegions(num_ranks, num_max_tokens_per_rank, hidden, num_topk).num_bytes
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes this rank's symmetric buffer holds (0 for the reference transport)."""
+        if self.transport_name != "nvlink":
+            return 0
+        return self._transport.regions.num_bytes
+
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        return self._comm_stream
+
+    # ----------------------------------------------------------------------------------------
+    def _device_of(self, x: torch.Tensor) -> Optional[torch.device]:
+        return self.device if self.device is not None else x.device
+
+    def _run(self, fn, inputs, previous_event: Optional[EventHandle], async_finish: bool):
+        """Runs `fn` on the comm stream (NVLink) or inline (reference); returns (result, event)."""
+        if self._comm_stream is None:
+            return fn(), EventHandle(None)
+        compute = torch.cuda.current_stream()
+        if previous_event is not None and previous_event.event is not None:
+            self._comm_stream.wait_event(previous_event.event)
+        else:
+            self._comm_stream.wait_stream(compute)
+        with torch.cuda.stream(self._comm_stream):
+            result = fn()
+        outputs = [t for t in _flatten(result) if isinstance(t, torch.Tensor) and t.is_cuda]
+        for t in outputs:
+            t.record_stream(compute)
+        if async_finish:
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self._comm_stream)
+            event = torch.cuda.Event()
+            event.record(self._comm_stream)
+            return result, EventHandle(event, extra_tensors=tuple(inputs))
+        compute.wait_stream(self._comm_stream)
+        return result, EventHandle(None)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventHandle] = None,
+                            async_finish: bool = False
+                            ) -> Tuple[DispatchLayout, EventHandle]:
+        """Computes where each token goes (no host synchronization).
+
+        Args:
+            topk_idx: `[N, K]`, int64 or int32, expert ids in `[-1, num_experts)`.
+            num_experts: E.
+
+        Returns:
+            The `DispatchLayout` and an event.
+        """
+        validate.check_tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int32, torch.int64),
+                              device=self._device_of(topk_idx))
+        validate.check_num_experts(num_experts, self.num_ranks)
+        return self._run(lambda: self._transport.get_dispatch_layout(topk_idx, num_experts),
+                         [topk_idx], previous_event, async_finish)
+
+    def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, *,
+                 num_experts: Optional[int] = None, handle: Optional[DispatchHandle] = None,
+                 layout: Optional[DispatchLayout] = None, expert_alignment: int = 1,
+                 num_max_recv_rows: Optional[int] = None,
+                 previous_event: Optional[EventHandle] = None, async_finish: bool = False
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], DispatchHandle, EventHandle]:
+        """Sends every token once per destination rank and expands it into expert-major rows.
+
+        Args:
+            x: `[N, H]`, torch.bfloat16 (the reference also takes float32), contiguous.
+            topk_idx: `[N, K]`, int64 or int32, expert ids, -1 for none.
+            topk_weights: `[N, K]`, float32.
+            num_experts: E, a multiple of the EP size.
+            handle: a previous dispatch's handle: replay its routing for new rows (cached
+                dispatch; no topk arguments, no host synchronization).
+            layout: a precomputed `get_dispatch_layout` result for `topk_idx`.
+            expert_alignment: pad each local expert's segment with zero rows to a multiple of it.
+            num_max_recv_rows: an upper bound on the received rows. Given, the call never
+                synchronizes with the host (CUDA-graph safe); rows past the used ones are
+                unspecified, and a bound that is too small is reported as an error.
+            previous_event: wait for this event instead of the current stream.
+            async_finish: return an event instead of making the current stream wait.
+
+        Returns:
+            `recv_x [M, H]` (rows grouped by local expert, each expert's rows ordered by source
+            rank, source token and k), `recv_weights [M]` float32 (None for cached dispatch),
+            the handle and an event.
+        """
+        device = self._device_of(x)
+        validate.check_tensor("x", x, ndim=2, dtypes=self._row_dtypes(), device=device)
+        validate.check_hidden("x", x.shape[1], x.element_size(), self.hidden)
+        if x.shape[0] > self.num_max_tokens_per_rank:
+            raise ValueError(f"x has {x.shape[0]} tokens, more than the Buffer's "
+                             f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}")
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("cached dispatch (handle=...) takes no topk_idx/topk_weights")
+            if tuple(x.shape) != (handle.num_tokens, handle.hidden):
+                raise ValueError(f"cached dispatch: x has shape {tuple(x.shape)}, the handle was"
+                                 f" made for {(handle.num_tokens, handle.hidden)}")
+            recv_x, event = self._run(lambda: self._transport.cached_dispatch(x, handle), [x],
+                                      previous_event, async_finish)
+            return recv_x, None, handle, event
+        if topk_idx is None or topk_weights is None or num_experts is None:
+            raise ValueError("dispatch needs topk_idx, topk_weights and num_experts "
+                             "(or a handle for cached dispatch)")
+        validate.check_routing(x, topk_idx, topk_weights, max_tokens=self.num_max_tokens_per_rank,
+                               max_topk=self.num_topk, device=device)
+        validate.check_num_experts(num_experts, self.num_ranks)
+        validate.check_alignment(expert_alignment)
+        if num_max_recv_rows is not None and (not isinstance(num_max_recv_rows, int)
+                                              or num_max_recv_rows < 0):
+            raise ValueError(f"num_max_recv_rows must be an int >= 0, got {num_max_recv_rows!r}")
+
+        def run():
+            return self._transport.dispatch(x, topk_idx, topk_weights, num_experts,
+                                            expert_alignment, num_max_recv_rows, layout)
+
+        (recv_x, recv_weights, new_handle), event = self._run(
+            run, [x, topk_idx, topk_weights], previous_event, async_finish)
+        return recv_x, recv_weights, new_handle, event
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = False,
+                grad_row_weights: Optional[torch.Tensor] = None,
+                previous_event: Optional[EventHandle] = None, async_finish: bool = False
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventHandle]:
+        """Reduces expert rows back to their source tokens.
+
+        Args:
+            y: `[M, H]` in the dispatch's row order, same dtype as the dispatched rows.
+            handle: the dispatch's handle.
+            weighted: multiply each row by its routing weight first (Megatron's experts already
+                apply the probs, so its dispatcher leaves this off).
+            grad_row_weights: optional `[M]` float32 per-row values gathered back per (token, k)
+                into `[N, K]` (dispatch's backward uses it for the routing-weight gradient).
+
+        Returns:
+            `out [N, H]` (fp32 accumulation, rounded once), the `[N, K]` gathered
+            `grad_row_weights` or None, and an event.
+        """
+        validate.check_tensor("y", y, ndim=2, dtypes=self._row_dtypes(), device=self._device_of(y))
+        if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
+            raise ValueError(f"combine: y has shape {tuple(y.shape)}, the handle expects "
+                             f"{(handle.num_recv_rows, handle.hidden)}")
+        if grad_row_weights is not None:
+            validate.check_tensor("grad_row_weights", grad_row_weights, ndim=1,
+                                  dtypes=(torch.float32,), device=self._device_of(y))
+            if grad_row_weights.shape[0] != handle.num_recv_rows:
+                raise ValueError(f"grad_row_weights has {grad_row_weights.shape[0]} rows, the "
+                                 f"handle expects {handle.num_recv_rows}")
+        (out, weights), event = self._run(
+            lambda: self._transport.combine(y, handle, weighted, grad_row_weights),
+            [y], previous_event, async_finish)
+        return out, weights, event
+
+    def _row_dtypes(self):
+        if self.transport_name == "nvlink":
+            return (torch.bfloat16,)
+        return (torch.bfloat16, torch.float32)
+
+    def check_errors(self) -> None:
+        """Raises the first error a kernel recorded (a stalled peer, a bad expert id)."""
+        if self.transport_name == "nvlink":
+            self._transport.check_errors()
+
+    def destroy(self) -> None:
+        """Frees the symmetric buffer and closes peer mappings (collective; idempotent)."""
+        if self._transport is not None:
+            self._transport.destroy()
+            self._transport = None
+
+
+def _flatten(obj):
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _flatten(item)
+    elif isinstance(obj, DispatchHandle):
+        yield from (obj.recv_weights, obj.slot_rows, obj.recv.tokens_per_expert)
+    else:
+        yield obj
+
+
+_BUFFERS = {}
+
+
+def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
+               transport: str = "auto", **kwargs) -> Buffer:
+    """A process-wide Buffer for `group` that grows (never shrinks) when a call needs more."""
+    key = (id(group), _pick_transport(transport))
+    buf = _BUFFERS.get(key)
+    if buf is not None and (buf.num_max_tokens_per_rank >= num_max_tokens_per_rank
+                            and buf.hidden >= hidden and buf.num_topk >= num_topk):
+        return buf
+    if buf is not None:
+        num_max_tokens_per_rank = max(num_max_tokens_per_rank, buf.num_max_tokens_per_rank)
+        hidden, num_topk = max(hidden, buf.hidden), max(num_topk, buf.num_topk)
+        buf.destroy()
+    buf = Buffer(group, num_max_tokens_per_rank, hidden, num_topk, transport=transport, **kwargs)
+    _BUFFERS[key] = buf
+    return buf

@@ -1,0 +1,221 @@
+"""Pure-torch dispatch and combine over `all_to_all_single`: the oracle and a fallback transport.
+
+This module defines the semantics every transport implements (see `layout.py` and `handle.py`):
+
+* dispatch sends each token once per destination rank and expands it on the receiver into the
+  expert-major layout: local expert e's rows are ordered by (source rank, source token, k) and
+  padded with zero rows to a multiple of `expert_alignment`;
+* combine reduces, on each expert rank, the rows of one token into one fp32 partial that is rounded
+  to the row dtype and sent back once; the source sums its partials in fp32 over ranks in ascending
+  order and rounds once. Rows are summed in k order.
+
+It runs on any process group that supports `all_to_all_single` (gloo on CPU, NCCL on GPU) and
+synchronizes with the host to learn split sizes, so it is correct everywhere but not fast.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_deepep import validate
+from megatron_deepep.handle import DispatchHandle, compute_recv_layout
+from megatron_deepep.layout import DispatchLayout, compute_layout
+
+
+def _all_to_all(tensor: torch.Tensor, send_splits: List[int], recv_splits: List[int],
+                group) -> torch.Tensor:
+    """`all_to_all_single` along dim 0; 2-byte rows travel as int32 bits (gloo has neither bf16
+    nor int16, and every row holds an even number of elements)."""
+    packed = tensor.element_size() == 2
+    wire = tensor.contiguous().view(torch.int32) if packed else tensor.contiguous()
+    out = wire.new_empty((sum(recv_splits),) + tuple(wire.shape[1:]))
+    if dist.get_world_size(group) == 1:
+        out.copy_(wire)
+    else:
+        dist.all_to_all_single(out, wire, recv_splits, send_splits, group=group)
+    return out.view(tensor.dtype) if packed else out
+
+
+def _check_ranks_agree(header: List[int], names: List[str], group) -> None:
+    """Raises ValueError when ranks disagree on call parameters (that would corrupt the layout)."""
+    if dist.get_world_size(group) == 1:
+        return
+    mine = torch.tensor(header, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu()
+    for col, name in enumerate(names):
+        values = table[:, col].tolist()
+        if len(set(values)) > 1:
+            raise ValueError(f"ranks disagree on {name}: per-rank values {values}")
+
+
+class ReferenceTransport:
+    """Dispatch/combine in pure torch over a process group.
+
+    Args:
+        group: the EP process group.
+        num_max_tokens_per_rank: N_max; also the slot count per source in `slot_rows`.
+    """
+
+    name = "reference"
+
+    def __init__(self, group, num_max_tokens_per_rank: int):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        return compute_layout(topk_idx, num_experts, self.num_ranks)
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 num_experts: int, expert_alignment: int = 1,
+                 num_max_recv_rows: Optional[int] = None,
+                 layout: Optional[DispatchLayout] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Dispatches `x`; see the module docstring for the layout of the result.
+
+        Returns:
+            `recv_x [M, H]` (x.dtype), `recv_weights [M]` float32 and the handle.
+        """
+        group, num_ranks, rank = self.group, self.num_ranks, self.rank
+        num_local = num_experts // num_ranks
+        num_tokens, num_topk = topk_idx.shape
+        hidden = x.shape[1]
+        validate.check_expert_ids_on_host(topk_idx, num_experts)
+        _check_ranks_agree([hidden, num_topk, num_experts, expert_alignment],
+                           ["hidden", "top-k", "num_experts", "expert_alignment"], group)
+        layout = layout if layout is not None else compute_layout(topk_idx, num_experts,
+                                                                  num_ranks)
+        ones = [1] * num_ranks
+        counts_from_src = _all_to_all(
+            layout.num_tokens_per_expert.view(num_ranks, num_local), ones, ones, group)
+        send_splits = layout.num_tokens_per_rank.tolist()
+        recv_splits = _all_to_all(layout.num_tokens_per_rank, ones, ones, group).tolist()
+
+        # Tokens in slot order for every destination, with their per-k local expert ids.
+        order = torch.cat([layout.slot_token[r, :send_splits[r]] for r in range(num_ranks)]).long()
+        dest_of_row = torch.repeat_interleave(
+            torch.arange(num_ranks, device=x.device), torch.tensor(send_splits, device=x.device))
+        idx = topk_idx[order].long()
+        on_dest = (idx >= 0) & (idx // num_local == dest_of_row.unsqueeze(1))
+        local_e = torch.where(on_dest, idx - dest_of_row.unsqueeze(1) * num_local, -1)
+        pos = torch.where(on_dest, layout.pos_in_expert[order].long(), -1)
+        meta = torch.cat([local_e, pos], dim=1).to(torch.int32)
+
+        recv_rows = _all_to_all(x[order], send_splits, recv_splits, group)
+        recv_meta = _all_to_all(meta, send_splits, recv_splits, group).long()
+        recv_w = _all_to_all(topk_weights[order], send_splits, recv_splits, group)
+
+        recv = compute_recv_layout(counts_from_src, expert_alignment)
+        num_rows = int(recv.expert_row_start[-1])
+        if num_max_recv_rows is not None:
+            if num_rows > num_max_recv_rows:
+                raise ValueError(
+                    f"num_max_recv_rows={num_max_recv_rows} is too small: this rank receives "
+                    f"{num_rows} rows (padding included)")
+            num_rows = num_max_recv_rows
+
+        src = torch.repeat_interleave(torch.arange(num_ranks, device=x.device),
+                                      torch.tensor(recv_splits, device=x.device))
+        slot = torch.cat([torch.arange(n, device=x.device) for n in recv_splits]) \
+            if recv_rows.shape[0] else torch.zeros(0, dtype=torch.long, device=x.device)
+        e, p = recv_meta[:, :num_topk], recv_meta[:, num_topk:]
+        valid = e >= 0
+        e_safe = e.clamp(min=0)
+        rows = (recv.expert_row_start.long()[e_safe]
+                + recv.src_expert_offset.long()[src.unsqueeze(1), e_safe] + p)
+        rows = torch.where(valid, rows, -1)
+
+        recv_x = torch.zeros(num_rows, hidden, dtype=x.dtype, device=x.device)
+        recv_weights = torch.zeros(num_rows, dtype=torch.float32, device=x.device)
+        token_of = torch.arange(rows.shape[0], device=x.device).unsqueeze(1).expand_as(rows)
+        recv_x[rows[valid]] = recv_rows[token_of[valid]]
+        recv_weights[rows[valid]] = recv_w[valid]
+
+        slot_rows = torch.full((num_ranks, self.num_max_tokens_per_rank, num_topk), -1,
+                               dtype=torch.int32, device=x.device)
+        slot_rows[src, slot] = rows.to(torch.int32)
+        handle = DispatchHandle(
+            layout=layout, recv=recv,
+            num_recv_tokens_per_rank=torch.tensor(recv_splits, dtype=torch.int32,
+                                                  device=x.device),
+            slot_rows=slot_rows, recv_weights=recv_weights, num_experts=num_experts,
+            num_topk=num_topk, hidden=hidden, expert_alignment=expert_alignment,
+            num_recv_rows=num_rows, tokens_per_expert_list=recv.tokens_per_expert.tolist(),
+            transport_state=(send_splits, recv_splits))
+        return recv_x, recv_weights, handle
+
+    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Replays a dispatch's routing for new rows `x [N, H]`; returns `[M, H]`."""
+        send_splits, recv_splits = handle.transport_state
+        layout = handle.layout
+        order = torch.cat([layout.slot_token[r, :send_splits[r]]
+                           for r in range(self.num_ranks)]).long()
+        recv_rows = _all_to_all(x[order], send_splits, recv_splits, self.group)
+        rows = self._received_slot_rows(handle, recv_splits)
+        out = torch.zeros(handle.num_recv_rows, x.shape[1], dtype=x.dtype, device=x.device)
+        valid = rows >= 0
+        token_of = torch.arange(rows.shape[0], device=x.device).unsqueeze(1).expand_as(rows)
+        out[rows[valid]] = recv_rows[token_of[valid]]
+        return out
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool = False,
+                grad_row_weights: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Combines expert rows `y [M, H]` back to `[N, H]` (see the module docstring).
+
+        Args:
+            y: `[M, H]` in the dispatch's row order.
+            handle: the dispatch's handle.
+            weighted: multiply each row by its routing weight before summing.
+            grad_row_weights: optional `[M]` float32 per-row values returned per (token, k) as
+                `[N, K]` (the gradient of the routing weights in dispatch's backward).
+        """
+        send_splits, recv_splits = handle.transport_state
+        rows = self._received_slot_rows(handle, recv_splits)
+        valid = rows >= 0
+        safe = rows.clamp(min=0).long()
+        acc = torch.zeros(rows.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+        for k in range(rows.shape[1]):
+            term = y[safe[:, k]].float()
+            if weighted:
+                term = term * handle.recv_weights[safe[:, k]].unsqueeze(1)
+            acc = torch.where(valid[:, k:k + 1], acc + term, acc)
+        partial = _all_to_all(acc.to(y.dtype), recv_splits, send_splits, self.group)
+        wvals = None
+        if grad_row_weights is not None:
+            w = torch.where(valid, grad_row_weights.float()[safe], 0.0)
+            wvals = _all_to_all(w, recv_splits, send_splits, self.group)
+
+        layout = handle.layout
+        offsets = [0]
+        for n in send_splits:
+            offsets.append(offsets[-1] + n)
+        out = torch.zeros(layout.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+        wsum = (torch.zeros(layout.num_tokens, handle.num_topk, dtype=torch.float32,
+                            device=y.device) if wvals is not None else None)
+        for r in range(self.num_ranks):
+            in_rank = layout.is_token_in_rank[:, r]
+            src = (offsets[r] + layout.token_slot_in_rank[:, r].clamp(min=0)).long()
+            if partial.shape[0] == 0:
+                continue
+            src = src.clamp(max=partial.shape[0] - 1)
+            out = torch.where(in_rank.unsqueeze(1), out + partial[src].float(), out)
+            if wsum is not None:
+                wsum = torch.where(in_rank.unsqueeze(1), wsum + wvals[src], wsum)
+        return out.to(y.dtype), wsum
+
+    def _received_slot_rows(self, handle: DispatchHandle, recv_splits: List[int]) -> torch.Tensor:
+        """`[T_recv, K]` rows of every received slot, in (source, slot) order."""
+        parts = [handle.slot_rows[s, :n] for s, n in enumerate(recv_splits)]
+        return torch.cat(parts) if parts else handle.slot_rows[0, :0]
+
+    def destroy(self) -> None:
+        pass

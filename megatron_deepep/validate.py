@@ -1,0 +1,93 @@
+"""Argument checks shared by every transport: each error names the argument and the limit."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+MAX_TOPK = 16
+MAX_LOCAL_EXPERTS = 256
+MAX_RANKS = 8
+ROW_ALIGN_BYTES = 16
+
+
+def check_tensor(name: str, t, *, ndim: int, dtypes: Iterable[torch.dtype],
+                 device: Optional[torch.device] = None) -> None:
+    """Raises ValueError unless `t` is a contiguous tensor of the given rank, dtype and device."""
+    dtypes = tuple(dtypes)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but this Buffer lives on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
+
+
+def check_hidden(name: str, hidden: int, element_size: int, max_hidden: int) -> None:
+    """Checks the row width against the 16-byte vector rule and the buffer's declared hidden."""
+    if hidden * element_size % ROW_ALIGN_BYTES != 0:
+        raise ValueError(
+            f"{name}: hidden={hidden} gives rows of {hidden * element_size} bytes; rows must be a "
+            f"multiple of {ROW_ALIGN_BYTES} bytes (hidden a multiple of "
+            f"{ROW_ALIGN_BYTES // element_size})")
+    if hidden > max_hidden:
+        raise ValueError(f"{name}: hidden={hidden} exceeds the Buffer's hidden={max_hidden}")
+
+
+def check_num_experts(num_experts, num_ranks: int) -> int:
+    """Checks E against the rank count and the per-rank expert limit; returns E_local."""
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_experts={num_experts} must be a multiple of the EP size ({num_ranks})")
+    num_local = num_experts // num_ranks
+    if num_local > MAX_LOCAL_EXPERTS:
+        raise ValueError(
+            f"num_experts={num_experts} gives {num_local} experts per rank; the limit is "
+            f"{MAX_LOCAL_EXPERTS}")
+    return num_local
+
+
+def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+                  max_tokens: int, max_topk: int, device: torch.device) -> None:
+    """Checks the routing tensors against `x` and the Buffer's declared limits."""
+    check_tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int32, torch.int64), device=device)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=device)
+    num_tokens, num_topk = topk_idx.shape
+    if num_tokens != x.shape[0]:
+        raise ValueError(f"topk_idx has {num_tokens} rows but x has {x.shape[0]} tokens")
+    if tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        raise ValueError(
+            f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_idx shape "
+            f"{tuple(topk_idx.shape)}")
+    if not 1 <= num_topk <= min(max_topk, MAX_TOPK):
+        raise ValueError(
+            f"topk_idx has top-k={num_topk}; the limit is {min(max_topk, MAX_TOPK)} (the Buffer "
+            f"was declared with num_topk={max_topk})")
+    if num_tokens > max_tokens:
+        raise ValueError(
+            f"x has {num_tokens} tokens, more than the Buffer's num_max_tokens_per_rank="
+            f"{max_tokens}")
+
+
+def check_expert_ids_on_host(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Host-side range check of expert ids (synchronizes; used where a sync happens anyway)."""
+    if topk_idx.numel() == 0:
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise ValueError(
+            f"topk_idx holds expert id {bad}, outside [-1, num_experts={num_experts})")
+
+
+def check_alignment(expert_alignment) -> None:
+    if not isinstance(expert_alignment, int) or not 1 <= expert_alignment <= 1024:
+        raise ValueError(f"expert_alignment must be an int in [1, 1024], got {expert_alignment!r}")

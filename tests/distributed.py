@@ -1,0 +1,57 @@
+"""Multi-process launcher for tests: one process per rank over gloo (CPU) or NCCL."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, fn, args, errors):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:  # reported to the parent, which fails the test
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 600):
+    """Runs `fn(rank, world_size, *args)` on `world_size` processes; re-raises the first failure.
+
+    `fn` must be a module-level function (it is pickled into the spawned processes).
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            raise TimeoutError(f"rank process {p.pid} did not finish within {timeout_s}s")
+    if not errors.empty():
+        rank, tb = errors.get()
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"rank processes exited with codes {bad}")

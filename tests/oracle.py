@@ -1,0 +1,89 @@
+"""A single-process oracle: what every rank must receive, computed by plain loops.
+
+It knows nothing of layouts or slots, only the documented order: local expert e's rows are the
+(source rank, source token, k) entries naming it, in that order, then zero rows up to the
+alignment. Tests compare every transport against it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+
+def oracle_dispatch(xs: List[torch.Tensor], idxs: List[torch.Tensor], ws: List[torch.Tensor],
+                    num_experts: int, expert_alignment: int = 1
+                    ) -> List[Tuple[torch.Tensor, torch.Tensor, List[int], List[Tuple]]]:
+    """Returns per rank: (recv_x, recv_weights, tokens_per_expert_list, row_sources).
+
+    `row_sources[i]` is `(source rank, token, k)` of row i, or None for a padding row.
+    """
+    num_ranks = len(xs)
+    num_local = num_experts // num_ranks
+    hidden = xs[0].shape[1]
+    out = []
+    for r in range(num_ranks):
+        rows, weights, sources, sizes = [], [], [], []
+        for e in range(num_local):
+            g = r * num_local + e
+            seg = [(s, n, k) for s in range(num_ranks) for n in range(idxs[s].shape[0])
+                   for k in range(idxs[s].shape[1]) if int(idxs[s][n, k]) == g]
+            pad = (-len(seg)) % expert_alignment
+            for s, n, k in seg:
+                rows.append(xs[s][n])
+                weights.append(float(ws[s][n, k]))
+                sources.append((s, n, k))
+            for _ in range(pad):
+                rows.append(torch.zeros(hidden, dtype=xs[0].dtype))
+                weights.append(0.0)
+                sources.append(None)
+            sizes.append(len(seg) + pad)
+        recv_x = torch.stack(rows) if rows else torch.zeros(0, hidden, dtype=xs[0].dtype)
+        out.append((recv_x, torch.tensor(weights, dtype=torch.float32), sizes, sources))
+    return out
+
+
+def oracle_combine(ys: List[torch.Tensor], sources: List[List[Tuple]], num_tokens: List[int],
+                   weights: List[torch.Tensor] = None) -> List[torch.Tensor]:
+    """Combines per-rank rows `ys[r] [M_r, H]` back to the sources with the documented rounding.
+
+    Each rank first sums a token's rows in k order in fp32 (times the row weight when `weights`
+    is given) and rounds to the row dtype; the source sums those partials over ranks in
+    ascending order in fp32 and rounds once.
+    """
+    num_ranks = len(ys)
+    dtype, hidden = ys[0].dtype, ys[0].shape[1]
+    acc = [torch.zeros(n, hidden, dtype=torch.float32) for n in num_tokens]
+    for r in range(num_ranks):
+        partial = {}
+        for i, src in enumerate(sources[r]):
+            if src is None:
+                continue
+            s, n, _ = src
+            term = ys[r][i].float()
+            if weights is not None:
+                term = term * weights[r][i]
+            partial[(s, n)] = partial.get((s, n), torch.zeros(hidden)) + term
+        for (s, n), p in partial.items():
+            acc[s][n] += p.to(dtype).float()
+    return [a.to(dtype) for a in acc]
+
+
+def random_routing(num_tokens: int, num_experts: int, num_topk: int, *, kind: str = "random",
+                   generator: torch.Generator = None) -> torch.Tensor:
+    """`[N, K]` int64 expert ids: "random" (distinct per token), "skewed" (all to expert 0 plus
+    distinct others), "dropped" (random with some -1 entries), "empty" (all -1)."""
+    if kind == "empty":
+        return torch.full((num_tokens, num_topk), -1, dtype=torch.int64)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    if kind == "skewed":
+        scores[:, 0] = 2.0
+    idx = scores.topk(min(num_topk, num_experts), dim=1).indices
+    if idx.shape[1] < num_topk:
+        pad = torch.full((num_tokens, num_topk - idx.shape[1]), -1, dtype=torch.int64)
+        idx = torch.cat([idx, pad], dim=1)
+    if kind == "dropped":
+        drop = torch.rand(num_tokens, num_topk, generator=generator) < 0.3
+        idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    return idx
