@@ -1,0 +1,213 @@
+// Combine over NVLink, in two kernels on the communication stream:
+//   combine_send (expert side): for every slot received from a peer, the slot's rows of y are
+//     summed in k order in fp32 (times their routing weight when kWeighted), rounded to bf16
+//     and written once into that peer's combine region; with kWithWeights the per-k values of
+//     grad_row_weights go along. The last block releases "done" to every peer.
+//   combine_reduce (source side): waits for every peer's "done", then for each token sums its
+//     partials over ranks in ascending order in fp32 (its own rank's partial is computed from
+//     y directly, with the same rounding) and rounds once; releases "consumed" to every peer.
+#include "common/buffer.cuh"
+#include "common/error.cuh"
+#include "common/warp.cuh"
+
+using namespace mdeep;
+
+constexpr int kCombineThreads = 512;
+constexpr int kCombineUnroll = 2;
+
+// Sums one slot's rows of y for the int4 words [base, base + 32 * kCombineUnroll) of a lane.
+template <int kTopk, bool kWeighted>
+__device__ __forceinline__ void slot_partial(float (*acc)[8], const int4* y, const int* rows,
+                                             const float* row_weights, int num_int4, int base,
+                                             int lane) {
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
+#pragma unroll
+    for (int k = 0; k < kTopk; ++k) {
+        if (rows[k] < 0) continue;
+        const float w = kWeighted ? row_weights[k] : 1.f;
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < num_int4)
+                accumulate_bf16x8<kWeighted>(acc[u], ld_nc_v4(y + (i64)rows[k] * num_int4 + i), w);
+        }
+    }
+}
+
+template <int kTopk, bool kWeighted>
+__device__ __forceinline__ void load_slot_rows(const int* slot_rows, const float* recv_weights,
+                                               i64 slot, int* rows, float* weights) {
+#pragma unroll
+    for (int k = 0; k < kTopk; ++k) {
+        rows[k] = slot_rows[slot * kTopk + k];
+        weights[k] = (kWeighted && rows[k] >= 0) ? recv_weights[rows[k]] : 1.f;
+    }
+}
+
+template <int kTopk, bool kWeighted, bool kWithWeights>
+__global__ void __launch_bounds__(kCombineThreads) combine_send(
+    const int4* y, int num_int4, const float* recv_weights, const float* grad_row_weights,
+    const int* slot_rows, const int* num_recv_tokens_per_rank, const u64* peer_bases,
+    const Regions* regions_ptr, int rank, int num_ranks, u32 epoch, u64 timeout_ns,
+    int* error_claim, ErrorRecord* error_record) {
+    const ErrorState err{error_claim, error_record};
+    const Regions rg = *regions_ptr;
+    Meta* mine = meta_of(peer_bases[rank]);
+    __shared__ bool ok;
+    __shared__ int slot_start[kMaxRanks + 1];
+    if (threadIdx.x == 0) {
+        ok = true;
+        slot_start[0] = 0;
+        for (int s = 0; s < num_ranks; ++s)
+            slot_start[s + 1] = slot_start[s] + (s == rank ? 0 : num_recv_tokens_per_rank[s]);
+    }
+    __syncthreads();
+    if (threadIdx.x < num_ranks && threadIdx.x != rank &&
+        !wait_epoch(&mine->combine_consumed[threadIdx.x], epoch - 1, timeout_ns, err, rank,
+                    threadIdx.x, kPhaseCombineSend))
+        ok = false;
+    __syncthreads();
+    if (ok) {
+        const int lane = threadIdx.x & 31;
+        const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+        const int num_warps = (gridDim.x * blockDim.x) >> 5;
+        const int total = slot_start[num_ranks];
+        for (int i = warp; i < total; i += num_warps) {
+            int s = 0;
+            while (i >= slot_start[s + 1]) ++s;
+            const int j = i - slot_start[s];
+            int rows[kTopk];
+            float weights[kTopk];
+            load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights, (i64)s * rg.max_tokens + j,
+                                             rows, weights);
+            int4* dst = reinterpret_cast<int4*>(slot_ptr(peer_bases[s], rg.combine_rows,
+                                                         rg.row_stride, rg.max_tokens, rank, j));
+            for (int base = 0; base < num_int4; base += 32 * kCombineUnroll) {
+                float acc[kCombineUnroll][8];
+                slot_partial<kTopk, kWeighted>(acc, y, rows, weights, num_int4, base, lane);
+#pragma unroll
+                for (int u = 0; u < kCombineUnroll; ++u) {
+                    const int w = base + u * 32 + lane;
+                    if (w < num_int4) st_v4(dst + w, pack_bf16x8(acc[u]));
+                }
+            }
+            if (kWithWeights && lane < kTopk) {
+                float* wdst = reinterpret_cast<float*>(slot_ptr(
+                    peer_bases[s], rg.combine_weights, rg.weight_stride, rg.max_tokens, rank, j));
+                int row_lane = -1;
+#pragma unroll
+                for (int k = 0; k < kTopk; ++k)
+                    if (k == lane) row_lane = rows[k];
+                wdst[lane] = row_lane >= 0 ? grad_row_weights[row_lane] : 0.f;
+            }
+        }
+    }
+    auto* ws = reinterpret_cast<Workspace*>(reinterpret_cast<char*>(peer_bases[rank]) +
+                                            rg.workspace);
+    if (last_block_done(&ws->block_counter[2]) && !has_error(err))
+        for (int s = 0; s < num_ranks; ++s)
+            if (s != rank) st_release_sys(&meta_of(peer_bases[s])->combine_done[rank], epoch);
+}
+
+template <int kTopk, bool kWeighted, bool kWithWeights>
+__global__ void __launch_bounds__(kCombineThreads) combine_reduce(
+    int4* out, float* out_weights, int num_tokens, int num_int4, const int4* y,
+    const float* recv_weights, const float* grad_row_weights, const int* slot_rows,
+    const u8* is_token_in_rank, const int* token_slot_in_rank, const u64* peer_bases,
+    const Regions* regions_ptr, int rank, int num_ranks, u32 epoch, u64 timeout_ns,
+    int* error_claim, ErrorRecord* error_record) {
+    const ErrorState err{error_claim, error_record};
+    const Regions rg = *regions_ptr;
+    Meta* mine = meta_of(peer_bases[rank]);
+    __shared__ bool ok;
+    if (threadIdx.x == 0) ok = true;
+    __syncthreads();
+    if (threadIdx.x < num_ranks && threadIdx.x != rank &&
+        !wait_epoch(&mine->combine_done[threadIdx.x], epoch, timeout_ns, err, rank, threadIdx.x,
+                    kPhaseCombineReduce))
+        ok = false;
+    __syncthreads();
+    if (ok) {
+        const int lane = threadIdx.x & 31;
+        const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+        const int num_warps = (gridDim.x * blockDim.x) >> 5;
+        for (int n = warp; n < num_tokens; n += num_warps) {
+            int slots[kMaxRanks];
+            for (int r = 0; r < num_ranks; ++r)
+                slots[r] = is_token_in_rank[(i64)n * num_ranks + r]
+                               ? token_slot_in_rank[(i64)n * num_ranks + r] : -1;
+            int self_rows[kTopk];
+            float self_weights[kTopk];
+            if (slots[rank] >= 0)
+                load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights,
+                                                 (i64)rank * rg.max_tokens + slots[rank],
+                                                 self_rows, self_weights);
+            for (int base = 0; base < num_int4; base += 32 * kCombineUnroll) {
+                float acc[kCombineUnroll][8];
+#pragma unroll
+                for (int u = 0; u < kCombineUnroll; ++u)
+#pragma unroll
+                    for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
+                for (int r = 0; r < num_ranks; ++r) {
+                    if (slots[r] < 0) continue;
+                    int4 partial[kCombineUnroll];
+                    if (r == rank) {
+                        float self_acc[kCombineUnroll][8];
+                        slot_partial<kTopk, kWeighted>(self_acc, y, self_rows, self_weights,
+                                                       num_int4, base, lane);
+#pragma unroll
+                        for (int u = 0; u < kCombineUnroll; ++u)
+                            partial[u] = pack_bf16x8(self_acc[u]);
+                    } else {
+                        const int4* src = reinterpret_cast<const int4*>(slot_ptr(
+                            peer_bases[rank], rg.combine_rows, rg.row_stride, rg.max_tokens, r,
+                            slots[r]));
+#pragma unroll
+                        for (int u = 0; u < kCombineUnroll; ++u) {
+                            const int i = base + u * 32 + lane;
+                            if (i < num_int4) partial[u] = ld_cg_v4(src + i);
+                        }
+                    }
+#pragma unroll
+                    for (int u = 0; u < kCombineUnroll; ++u)
+                        if (base + u * 32 + lane < num_int4)
+                            accumulate_bf16x8<false>(acc[u], partial[u], 1.f);
+                }
+#pragma unroll
+                for (int u = 0; u < kCombineUnroll; ++u) {
+                    const int i = base + u * 32 + lane;
+                    if (i < num_int4) out[(i64)n * num_int4 + i] = pack_bf16x8(acc[u]);
+                }
+            }
+            if (kWithWeights && lane < kTopk) {
+                float wsum = 0.f;
+                for (int r = 0; r < num_ranks; ++r) {
+                    if (slots[r] < 0) continue;
+                    float v;
+                    if (r == rank) {
+                        int row_lane = -1;
+#pragma unroll
+                        for (int k = 0; k < kTopk; ++k)
+                            if (k == lane) row_lane = self_rows[k];
+                        v = row_lane >= 0 ? grad_row_weights[row_lane] : 0.f;
+                    } else {
+                        const volatile float* src = reinterpret_cast<const volatile float*>(
+                            slot_ptr(peer_bases[rank], rg.combine_weights, rg.weight_stride,
+                                     rg.max_tokens, r, slots[r]));
+                        v = src[lane];
+                    }
+                    wsum = __fadd_rn(wsum, v);
+                }
+                out_weights[(i64)n * kTopk + lane] = wsum;
+            }
+        }
+    }
+    auto* ws = reinterpret_cast<Workspace*>(reinterpret_cast<char*>(peer_bases[rank]) +
+                                            rg.workspace);
+    if (last_block_done(&ws->block_counter[3]) && !has_error(err))
+        for (int r = 0; r < num_ranks; ++r)
+            if (r != rank) st_release_sys(&meta_of(peer_bases[r])->combine_consumed[rank], epoch);
+}

@@ -1,0 +1,60 @@
+// Typed views of one rank's symmetric buffer. Every rank's buffer has the same layout, so a
+// region of peer r is `peer_base[r] + offset`. Offsets come from the host
+// (megatron_deepep/transport/regions.py, which mirrors this file).
+#pragma once
+#include "common/types.cuh"
+
+namespace mdeep {
+
+constexpr int kCountStride = 8 + kMaxLocalExperts;  // header ints, then per-expert counts
+// Header ints of a notify row.
+constexpr int kHdrTokens = 0, kHdrHidden = 1, kHdrTopk = 2, kHdrExperts = 3, kHdrAlign = 4;
+
+// The metadata region at offset 0 of every buffer. Index [s] of a flag array is written by peer s.
+struct Meta {
+    u32 notify_flag[kMaxRanks];
+    u32 dispatch_done[kMaxRanks];
+    u32 dispatch_consumed[kMaxRanks];
+    u32 combine_done[kMaxRanks];
+    u32 combine_consumed[kMaxRanks];
+    u32 pad[3 * kMaxRanks];
+    int counts[kMaxRanks][kCountStride];
+};
+
+// Block-completion counters, local to the owning rank (never written by peers).
+struct Workspace {
+    u32 block_counter[8];
+    int error_claim;
+};
+
+// Where the staging regions are, per call (all byte offsets from the buffer base).
+struct Regions {
+    i64 dispatch_rows;      // [R][N_max] rows of row_stride bytes
+    i64 dispatch_meta;      // [R][N_max] slot metadata of meta_stride bytes
+    i64 combine_rows;       // [R][N_max] partial rows of row_stride bytes
+    i64 combine_weights;    // [R][N_max] K floats of weight_stride bytes
+    i64 row_stride;
+    i64 meta_stride;
+    i64 weight_stride;
+    int max_tokens;         // N_max
+    int workspace;          // offset of Workspace (local)
+};
+
+__device__ __forceinline__ Meta* meta_of(u64 base) { return reinterpret_cast<Meta*>(base); }
+
+__device__ __forceinline__ char* slot_ptr(u64 base, i64 region, i64 stride, int max_tokens,
+                                          int src, int slot) {
+    return reinterpret_cast<char*>(base) + region + ((i64)src * max_tokens + slot) * stride;
+}
+
+// Slot metadata written by the sender next to each staged row: the source token, then per k
+// the destination-local expert (or -1), the entry's position in that expert and its weight.
+template <int kTopk>
+struct SlotMeta {
+    int token;
+    int local_expert[kTopk];
+    int pos[kTopk];
+    float weight[kTopk];
+};
+
+}  // namespace mdeep

@@ -1,0 +1,94 @@
+// Notify: each rank writes its per-expert counts and call parameters into every peer's metadata
+// region, releases a flag carrying the call's epoch, waits for all peers' flags, then derives its
+// receive layout (per-source offsets inside each local expert, padded segment sizes and the
+// total row count) and publishes it to the host through mapped pinned memory. One block.
+#include "common/buffer.cuh"
+#include "common/error.cuh"
+
+using namespace mdeep;
+
+struct HostInfo {  // mirrored by megatron_deepep/transport/nvlink.py
+    int epoch;
+    int num_recv_rows;
+    int pad[2];
+    int tokens_per_expert[kMaxLocalExperts];
+};
+
+__global__ void __launch_bounds__(256) notify_kernel(
+    const u64* peer_bases, int rank, int num_ranks, u32 epoch, const int* num_tokens_per_rank,
+    const int* num_tokens_per_expert, int num_local, int hidden, int num_topk, int alignment,
+    int max_recv_rows, int* num_recv_tokens_per_rank, int* num_recv_tokens_per_expert,
+    int* tokens_per_expert, int* expert_row_start, int* src_expert_offset, HostInfo* host_info,
+    u64 timeout_ns, int* error_claim, ErrorRecord* error_record) {
+    const ErrorState err{error_claim, error_record};
+    const int row_len = 8 + num_local;
+    // 1. My row into every rank's Meta.counts[rank].
+    for (int i = threadIdx.x; i < num_ranks * row_len; i += blockDim.x) {
+        const int dst = i / row_len, col = i % row_len;
+        int value;
+        switch (col) {
+            case kHdrTokens: value = num_tokens_per_rank[dst]; break;
+            case kHdrHidden: value = hidden; break;
+            case kHdrTopk: value = num_topk; break;
+            case kHdrExperts: value = num_local * num_ranks; break;
+            case kHdrAlign: value = alignment; break;
+            default: value = col >= 8 ? num_tokens_per_expert[dst * num_local + col - 8] : 0;
+        }
+        meta_of(peer_bases[dst])->counts[rank][col] = value;
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < num_ranks)
+        st_release_sys(&meta_of(peer_bases[threadIdx.x])->notify_flag[rank], epoch);
+    // 2. Everyone's row into mine.
+    Meta* mine = meta_of(peer_bases[rank]);
+    __shared__ bool ok;
+    if (threadIdx.x == 0) ok = true;
+    __syncthreads();
+    if (threadIdx.x < num_ranks &&
+        !wait_epoch(&mine->notify_flag[threadIdx.x], epoch, timeout_ns, err, rank, threadIdx.x,
+                    kPhaseNotify))
+        ok = false;
+    __syncthreads();
+    if (!ok) return;
+    volatile int(*counts)[kCountStride] = mine->counts;
+    if (threadIdx.x < num_ranks) {
+        const int s = threadIdx.x;
+        const int mine_hdr[5] = {0, hidden, num_topk, num_local * num_ranks, alignment};
+        for (int f = kHdrHidden; f <= kHdrAlign; ++f)
+            if (counts[s][f] != mine_hdr[f])
+                record_error(err, kErrRankMismatch, rank, s, kPhaseNotify, f, mine_hdr[f],
+                             counts[s][f]);
+        num_recv_tokens_per_rank[s] = counts[s][kHdrTokens];
+    }
+    // 3. Receive layout: offsets per (source, expert), padded segments, their prefix sum.
+    __shared__ int padded[kMaxLocalExperts];
+    for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+        int running = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            src_expert_offset[s * num_local + e] = running;
+            running += counts[s][8 + e];
+        }
+        num_recv_tokens_per_expert[e] = running;
+        padded[e] = (running + alignment - 1) / alignment * alignment;
+        tokens_per_expert[e] = padded[e];
+        host_info->tokens_per_expert[e] = padded[e];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int running = 0;
+        for (int e = 0; e < num_local; ++e) {
+            expert_row_start[e] = running;
+            running += padded[e];
+        }
+        expert_row_start[num_local] = running;
+        if (max_recv_rows >= 0 && running > max_recv_rows)
+            record_error(err, kErrRecvOverflow, rank, -1, kPhaseNotify, 0, max_recv_rows,
+                         running);
+        st_volatile(&host_info->num_recv_rows, running);
+        __threadfence_system();
+        st_volatile(&host_info->epoch, (int)epoch);
+        __threadfence_system();
+    }
+}

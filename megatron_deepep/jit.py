@@ -1,0 +1,225 @@
+"""Run-time compilation of `cuda_src/` kernels: NVRTC to a cubin, loaded through CuPy.
+
+This module knows no kernel. It reads a `.cu` file, hashes it together with every `cuda_src/`
+header it includes (recursively), compiles the requested template instantiations (name
+expressions) with NVRTC from `cuda-bindings` (which needs no GPU, so CI compiles every kernel for
+sm_90), caches the cubin on disk under that hash, and loads it as a `cupy.RawModule`.
+
+Environment knobs (all read at first use):
+
+| variable                         | meaning                                             |
+|----------------------------------|-----------------------------------------------------|
+| `MEGATRON_DEEPEP_CACHE_DIR`      | cubin cache (default `~/.cache/megatron_deepep`)    |
+| `MEGATRON_DEEPEP_JIT_DEBUG`      | 1: `-G`-free debug: log every compile and its options |
+| `MEGATRON_DEEPEP_JIT_LINEINFO`   | 1: compile with `-lineinfo` (for profilers)          |
+| `MEGATRON_DEEPEP_JIT_NO_CACHE`   | 1: always recompile                                  |
+| `MEGATRON_DEEPEP_ARCH`           | target, e.g. `sm_90` (default: the current device)  |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "MEGATRON_DEEPEP_"
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(ENV_PREFIX + name, "0") not in ("", "0", "false", "False")
+
+
+def cuda_src_dir() -> Path:
+    """The kernel sources: the repo's `cuda_src/`, or the copy installed inside the package."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "cuda_src", here / "cuda_src"):
+        if (candidate / "common").is_dir():
+            return candidate
+    import megatron_deepep.cuda_src as installed  # the wheel maps cuda_src/ here
+    return Path(installed.__file__).resolve().parent
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message carries everything needed to reproduce it."""
+
+
+def _read_with_includes(path: Path, root: Path, seen: Tuple[Path, ...] = ()) -> List[Path]:
+    """Every file `path` includes from `root`, depth first; rejects cycles and foreign includes."""
+    if path in seen:
+        raise CompileError(f"include cycle: {' -> '.join(str(p) for p in seen + (path,))}")
+    files = [path]
+    for name in _INCLUDE_RE.findall(path.read_text()):
+        target = root / name
+        if not target.is_file():
+            raise CompileError(f"{path.name} includes {name!r}, which is not under {root} "
+                               "(kernels may include only our own headers)")
+        for f in _read_with_includes(target, root, seen + (path,)):
+            if f not in files:
+                files.append(f)
+    return files
+
+
+def source_hash(source_file: str) -> str:
+    """sha256 of a `.cu` file and every header it includes (an edited header changes it)."""
+    root = cuda_src_dir()
+    digest = hashlib.sha256()
+    for f in _read_with_includes(root / source_file, root):
+        digest.update(str(f.relative_to(root)).encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def _options(arch: str) -> List[str]:
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-I{cuda_src_dir()}",
+            "-default-device", "-DNDEBUG"]
+    if _env_flag("JIT_LINEINFO"):
+        opts.append("-lineinfo")
+    return opts
+
+
+def _check(result, what: str):
+    err = result[0]
+    if int(err) != 0:
+        raise CompileError(f"NVRTC {what} failed: {err}")
+    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+
+def compile_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "sm_90"
+                  ) -> Tuple[bytes, Dict[str, str]]:
+    """Compiles `cuda_src/<source_file>` for `arch` (no GPU needed).
+
+    Args:
+        source_file: path relative to `cuda_src/`, e.g. "dispatch.cu".
+        name_expressions: template instantiations, e.g. ["dispatch_send<8>"].
+        arch: NVRTC target, e.g. "sm_90".
+
+    Returns:
+        The cubin bytes and a map from name expression to lowered (mangled) name.
+
+    Raises:
+        CompileError: with the kernel names, options and the NVRTC log.
+    """
+    from cuda.bindings import nvrtc
+
+    root = cuda_src_dir()
+    code = (root / source_file).read_bytes()
+    opts = _options(arch)
+    prog = _check(nvrtc.nvrtcCreateProgram(code, source_file.encode(), 0, [], []), "create")
+    try:
+        for expr in name_expressions:
+            _check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()), "add name expression")
+        status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
+        log_size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * log_size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log_text = log.decode(errors="replace").rstrip("\x00 \n")
+        if int(status) != 0:
+            raise CompileError(
+                f"compiling {source_file} failed ({status})\n  kernels: {list(name_expressions)}"
+                f"\n  options: {opts}\n  NVRTC log:\n{log_text}")
+        if _env_flag("JIT_DEBUG"):
+            logger.info("compiled %s %s with %s\n%s", source_file, list(name_expressions), opts,
+                        log_text)
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        cubin = b" " * size
+        _check((nvrtc.nvrtcGetCUBIN(prog, cubin)[0], None), "get cubin")
+        lowered = {}
+        for expr in name_expressions:
+            name = _check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), "lowered name")
+            lowered[expr] = name.decode() if isinstance(name, bytes) else name
+        return cubin, lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _cache_dir() -> Path:
+    default = Path.home() / ".cache" / "megatron_deepep"
+    return Path(os.environ.get(ENV_PREFIX + "CACHE_DIR", default))
+
+
+def _device_arch() -> str:
+    override = os.environ.get(ENV_PREFIX + "ARCH")
+    if override:
+        return override
+    import torch
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+@dataclasses.dataclass
+class Kernel:
+    """A loaded kernel: call it with `launch(grid, block, args, stream, shared_mem)`."""
+
+    name: str
+    function: object
+
+    def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0) -> None:
+        """Launches on a torch stream; `args` are numpy scalars (pointers as np.uint64)."""
+        import cupy
+        with cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index):
+            self.function((max(int(grid), 1),), (int(block),), tuple(args),
+                          shared_mem=shared_mem)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(source_file: str, name_expr: str, arch: str, device_index: int) -> Kernel:
+    import cupy
+    key = hashlib.sha256(f"{source_hash(source_file)}|{name_expr}|{arch}|{_nvrtc_version()}|"
+                         f"{_options(arch)}".encode()).hexdigest()[:32]
+    cache = _cache_dir()
+    cubin_path = cache / f"{key}.cubin"
+    name_path = cache / f"{key}.name"
+    if _env_flag("JIT_NO_CACHE") or not (cubin_path.exists() and name_path.exists()):
+        cubin, lowered = compile_cubin(source_file, [name_expr], arch)
+        cache.mkdir(parents=True, exist_ok=True)
+        for path, data in ((cubin_path, cubin), (name_path, lowered[name_expr].encode())):
+            fd, tmp = tempfile.mkstemp(dir=cache)  # atomic: concurrent ranks compile too
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(path=str(cubin_path))
+        function = module.get_function(name_path.read_text())
+    return Kernel(name_expr, function)
+
+
+def get_kernel(source_file: str, name: str, template_args: Sequence = ()) -> Kernel:
+    """Returns `name<template_args...>` from `cuda_src/<source_file>`, compiled for this GPU.
+
+    Args:
+        source_file: e.g. "dispatch.cu".
+        name: the kernel template's name.
+        template_args: values rendered into the name expression (ints, bools, type names).
+    """
+    import torch
+    args = ", ".join(_render(a) for a in template_args)
+    expr = f"{name}<{args}>" if template_args else name
+    return _load(source_file, expr, _device_arch(), torch.cuda.current_device())
+
+
+def _render(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def ptr(tensor) -> np.uint64:
+    """A tensor's device address as a kernel argument (0 for None)."""
+    return np.uint64(0 if tensor is None else tensor.data_ptr())
