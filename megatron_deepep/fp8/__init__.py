@@ -1,0 +1,32 @@
+"""FP8 wire formats for dispatch: TE's blockwise 1x128 and MXFP8 1x32 recipe formats.
+
+`formats` holds the format descriptions and their pure-torch references (bit-exact with TE and
+with the device code in `cuda_src/common/fp8.cuh`); `te_bridge` wraps received data as TE's own
+quantized tensor types when Transformer Engine is importable.
+"""
+
+from megatron_deepep.fp8.formats import (
+    BLOCKWISE_1x128,
+    BLOCKWISE_1x128_FP32_SCALES,
+    FORMATS,
+    MXFP8_1x32,
+    Fp8Format,
+    ScaleKind,
+    cuda_dequantize,
+    cuda_quantize,
+    dequantize,
+    quantize,
+)
+
+__all__ = [
+    "BLOCKWISE_1x128",
+    "BLOCKWISE_1x128_FP32_SCALES",
+    "FORMATS",
+    "MXFP8_1x32",
+    "Fp8Format",
+    "ScaleKind",
+    "cuda_dequantize",
+    "cuda_quantize",
+    "dequantize",
+    "quantize",
+]
