@@ -16,13 +16,13 @@ namespace fp8 {
 __device__ __forceinline__ void load4_bf16(const u16* row, int col, int hidden, float (&v)[4]) {
   if (col + 4 <= hidden && (hidden & 3) == 0) {
     const uint2 packed = *reinterpret_cast<const uint2*>(row + col);
-    v[0] = bf16_bits_to_f32(static_cast<u16>(packed.x & 0xFFFFu));
-    v[1] = bf16_bits_to_f32(static_cast<u16>(packed.x >> 16));
-    v[2] = bf16_bits_to_f32(static_cast<u16>(packed.y & 0xFFFFu));
-    v[3] = bf16_bits_to_f32(static_cast<u16>(packed.y >> 16));
+    v[0] = bf16_to_f32(static_cast<u16>(packed.x & 0xFFFFu));
+    v[1] = bf16_to_f32(static_cast<u16>(packed.x >> 16));
+    v[2] = bf16_to_f32(static_cast<u16>(packed.y & 0xFFFFu));
+    v[3] = bf16_to_f32(static_cast<u16>(packed.y >> 16));
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = col + i < hidden ? bf16_bits_to_f32(row[col + i]) : 0.0f;
+    for (int i = 0; i < 4; ++i) v[i] = col + i < hidden ? bf16_to_f32(row[col + i]) : 0.0f;
   }
 }
 
@@ -52,7 +52,7 @@ __device__ __forceinline__ void load4_e4m3(const u8* row, int col, int hidden, f
 __device__ __forceinline__ void store4_bf16(u16* row, int col, int hidden, const float (&v)[4]) {
   u16 b[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) b[i] = f32_to_bf16_bits_rn(v[i]);
+  for (int i = 0; i < 4; ++i) b[i] = static_cast<u16>(f32_to_bf16_rn(v[i]));
   if (col + 4 <= hidden && (hidden & 3) == 0) {
     uint2 packed;
     packed.x = static_cast<u32>(b[0]) | (static_cast<u32>(b[1]) << 16);
@@ -83,6 +83,7 @@ template <int kNumWarps, bool kPow2Scale>
 __global__ void __launch_bounds__(kNumWarps * 32)
     quantize_blockwise(const unsigned short* x, unsigned char* q, float* scale_inv,
                        int num_tokens, int hidden, float amax_epsilon) {
+  using namespace mdeep;
   using namespace mdeep::fp8;
   long long token;
   int chunk;
@@ -109,6 +110,7 @@ template <int kNumWarps>
 __global__ void __launch_bounds__(kNumWarps * 32)
     dequantize_blockwise(const unsigned char* q, const float* scale_inv, unsigned short* out,
                          int num_tokens, int hidden) {
+  using namespace mdeep;
   using namespace mdeep::fp8;
   long long token;
   int chunk;
@@ -129,6 +131,7 @@ template <int kNumWarps>
 __global__ void __launch_bounds__(kNumWarps * 32)
     quantize_mxfp8(const unsigned short* x, unsigned char* q, unsigned char* scales,
                    int num_tokens, int hidden) {
+  using namespace mdeep;
   using namespace mdeep::fp8;
   long long token;
   int chunk;
@@ -154,6 +157,7 @@ template <int kNumWarps>
 __global__ void __launch_bounds__(kNumWarps * 32)
     dequantize_mxfp8(const unsigned char* q, const unsigned char* scales, unsigned short* out,
                      int num_tokens, int hidden) {
+  using namespace mdeep;
   using namespace mdeep::fp8;
   long long token;
   int chunk;

@@ -319,38 +319,14 @@ KERNELS = [
 ]
 
 
-def _nvrtc_compile(source: str, name_expressions, arch: str):
-    # TODO: switch to megatron_deepep.jit.compile_cubin once its options compile (it passes
-    # `--use_fast_math=false`, which NVRTC rejects: the flag takes no argument).
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings not installed")
-    code = (CUDA_SRC / source).read_bytes()
-    err, prog = nvrtc.nvrtcCreateProgram(code, source.encode(), 0, [], [])
-    assert int(err) == 0, err
-    try:
-        for expr in name_expressions:
-            assert int(nvrtc.nvrtcAddNameExpression(prog, expr.encode())[0]) == 0
-        opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-I{CUDA_SRC}", "-default-device"]
-        status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        assert int(status) == 0, f"NVRTC failed for {arch}:\n{log.decode(errors='replace')}"
-        _, cubin_size = nvrtc.nvrtcGetCUBINSize(prog)
-        lowered = {}
-        for expr in name_expressions:
-            err, name = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
-            assert int(err) == 0
-            lowered[expr] = name.decode() if isinstance(name, bytes) else name
-        return cubin_size, lowered
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_kernels_compile(arch):
     # sm_80 exercises the software e4m3 cast (no cvt.e4m3x2 before sm_89).
-    cubin_size, lowered = _nvrtc_compile("fp8.cu", KERNELS, arch)
-    assert cubin_size > 0
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
+    from megatron_deepep.jit import compile_cubin
+
+    cubin, lowered = compile_cubin("fp8.cu", KERNELS, arch)
+    assert len(cubin) > 0
     assert set(lowered) == set(KERNELS)
     assert all(name.startswith("_Z") for name in lowered.values())  # templates, not extern "C"
 
@@ -362,4 +338,3 @@ def test_sources_include_only_our_headers():
             if match:
                 assert match.group(1) == '"', f"{path.name}: system include {line!r}"
                 assert (CUDA_SRC / match.group(2)).is_file(), f"{path.name}: {line!r}"
-    assert "#include" not in (CUDA_SRC / "common" / "fp8.cuh").read_text()

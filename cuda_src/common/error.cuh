@@ -24,7 +24,7 @@ enum Phase : int {
     kPhaseCombineReduce = 5,
 };
 
-struct ErrorRecord {  // 32 bytes, mirrored by megatron_deepep/transport/errors.py
+struct ErrorRecord {  // 40 bytes, mirrored by megatron_deepep/transport/errors.py
     int code;
     int rank;
     int peer;

@@ -6,17 +6,16 @@
 // Every function here reproduces, bit for bit, the torch reference in
 // megatron_deepep/fp8/formats.py; that file names the TE source of each rule.
 //
-// Header-only and free of system includes, so NVRTC compiles it with only -I<repo>/cuda_src.
+// Header-only and free of system includes, so NVRTC compiles it with only -I<repo>/cuda_src;
+// bf16 <-> fp32 come from common/types.cuh (mdeep::bf16_to_f32, mdeep::f32_to_bf16_rn).
 // NaN rule shared by both formats: a block's amax ignores NaN (fmaxf semantics, as TE), so a
 // NaN element is stored as the e4m3 NaN and does not disturb its block's scale.
 #pragma once
 
+#include "common/types.cuh"
+
 namespace mdeep {
 namespace fp8 {
-
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
 
 constexpr float kE4M3Max = 448.0f;
 // TE's value_for_inf for bf16 input (TypeExtrema<bf16>::max): the largest finite bf16.
@@ -26,19 +25,7 @@ constexpr float kE4M3MaxRcp = (float)(1.0 / 448.0);
 constexpr int kBlockwiseBlock = 128;
 constexpr int kMxfp8Block = 32;
 
-// ---- bf16 <-> fp32 (private; bits in u16 so no cuda_bf16.h is needed) --------------------------
-
-__device__ __forceinline__ float bf16_bits_to_f32(u16 bits) {
-  return __uint_as_float(static_cast<u32>(bits) << 16);
-}
-
-// Round to nearest even; any NaN becomes 0x7FC0, as torch's float -> bfloat16 cast does.
-__device__ __forceinline__ u16 f32_to_bf16_bits_rn(float value) {
-  u32 bits = __float_as_uint(value);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<u16>(bits >> 16);
-}
+// ---- fp32 classification (bit tests: exact whatever the math flags) -------------------------
 
 __device__ __forceinline__ bool is_nan(float value) {
   return (__float_as_uint(value) & 0x7FFFFFFFu) > 0x7F800000u;

@@ -1,0 +1,166 @@
+"""One thin typed wrapper per CUDA operation: picks template arguments and launches.
+
+The only module that calls `jit`. Callers (the NVLink transport) have validated the user's
+arguments; wrappers here assert internal invariants (dtypes, contiguity) and pass raw pointers.
+Every launch goes on the torch stream that is current when it is called.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megatron_deepep import jit
+from megatron_deepep.layout import DispatchLayout
+
+LAYOUT_THREADS = 512
+NOTIFY_THREADS = 256
+COMM_THREADS = 512
+
+i32, u32, u64 = np.int32, np.uint32, np.uint64
+ptr = jit.ptr
+
+
+def _index_type(t: torch.Tensor) -> str:
+    return "long long" if t.dtype == torch.int64 else "int"
+
+
+def _stream():
+    return torch.cuda.current_stream()
+
+
+class ErrorSink:
+    """Where kernels record the first error: a device claim word and a host-mapped record."""
+
+    def __init__(self, claim_ptr: int, record_ptr: int):
+        self.claim, self.record = u64(claim_ptr), u64(record_ptr)
+
+
+def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
+           errors: ErrorSink) -> DispatchLayout:
+    """`DispatchLayout` of `topk_idx [N, K]` (see layout.py), computed by layout.cu."""
+    num_tokens, num_topk = topk_idx.shape
+    dev = topk_idx.device
+    out = DispatchLayout(
+        num_tokens_per_rank=torch.empty(num_ranks, dtype=torch.int32, device=dev),
+        num_tokens_per_expert=torch.empty(num_experts, dtype=torch.int32, device=dev),
+        is_token_in_rank=torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev),
+        token_slot_in_rank=torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev),
+        slot_token=torch.empty(num_ranks, num_tokens, dtype=torch.int32, device=dev),
+        pos_in_expert=torch.empty(num_tokens, num_topk, dtype=torch.int32, device=dev))
+    kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
+    kernel.launch(num_experts + num_ranks, LAYOUT_THREADS, [
+        ptr(topk_idx), i32(num_tokens), i32(num_experts), i32(num_ranks),
+        ptr(out.num_tokens_per_expert), ptr(out.pos_in_expert), ptr(out.num_tokens_per_rank),
+        ptr(out.is_token_in_rank), ptr(out.token_slot_in_rank), ptr(out.slot_token),
+        errors.claim, errors.record, i32(rank)], _stream())
+    return out
+
+
+def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch: int,
+           lay: DispatchLayout, num_local: int, hidden: int, num_topk: int, alignment: int,
+           max_recv_rows: int, recv, num_recv_tokens_per_rank: torch.Tensor, host_info_ptr: int,
+           timeout_ns: int, errors: ErrorSink) -> None:
+    """Exchanges counts with every peer and fills `recv` (a RecvLayout) on the device."""
+    kernel = jit.get_kernel("notify.cu", "notify_kernel")
+    kernel.launch(1, NOTIFY_THREADS, [
+        ptr(peer_bases), i32(rank), i32(num_ranks), u32(epoch & 0xFFFFFFFF),
+        ptr(lay.num_tokens_per_rank), ptr(lay.num_tokens_per_expert), i32(num_local),
+        i32(hidden), i32(num_topk), i32(alignment), i32(max_recv_rows),
+        ptr(num_recv_tokens_per_rank), ptr(recv.num_recv_tokens_per_expert),
+        ptr(recv.tokens_per_expert), ptr(recv.expert_row_start), ptr(recv.src_expert_offset),
+        u64(host_info_ptr), u64(timeout_ns), errors.claim, errors.record], _stream())
+
+
+def dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                  lay: DispatchLayout, cached: bool, peer_bases: torch.Tensor,
+                  regions: torch.Tensor, rank: int, num_ranks: int, num_local: int, epoch: int,
+                  num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
+    """Writes every token row into the staging region of each peer that needs it."""
+    num_tokens, hidden = x.shape
+    num_topk = lay.pos_in_expert.shape[1]
+    kernel = jit.get_kernel("dispatch.cu", "dispatch_send",
+                            [num_topk, cached, _index_type(topk_idx)])
+    kernel.launch(num_sms, COMM_THREADS, [
+        ptr(x), i32(num_tokens), i32(hidden * 2 // 16), ptr(topk_idx), ptr(topk_weights),
+        ptr(lay.pos_in_expert), ptr(lay.is_token_in_rank), ptr(lay.token_slot_in_rank),
+        ptr(peer_bases), ptr(regions), i32(rank), i32(num_ranks), i32(num_local),
+        u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim, errors.record], _stream())
+
+
+def dispatch_recv(recv_x: torch.Tensor, recv_weights: Optional[torch.Tensor], recv,
+                  num_recv_tokens_per_rank: torch.Tensor, slot_rows: torch.Tensor,
+                  x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                  lay: DispatchLayout, cached: bool, peer_bases: torch.Tensor,
+                  regions: torch.Tensor, rank: int, num_ranks: int, num_local: int, epoch: int,
+                  num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
+    """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`."""
+    num_topk = slot_rows.shape[2]
+    kernel = jit.get_kernel("dispatch.cu", "dispatch_recv",
+                            [num_topk, cached, _index_type(topk_idx)])
+    kernel.launch(num_sms, COMM_THREADS, [
+        ptr(recv_x), ptr(recv_weights), i32(recv_x.shape[0]), i32(recv_x.shape[1] * 2 // 16),
+        ptr(num_recv_tokens_per_rank), ptr(recv.num_recv_tokens_per_expert),
+        ptr(recv.expert_row_start), ptr(recv.src_expert_offset), ptr(slot_rows), ptr(x),
+        ptr(topk_idx), ptr(topk_weights), ptr(lay.pos_in_expert), ptr(lay.slot_token),
+        i32(x.shape[0]), ptr(peer_bases), ptr(regions), i32(rank), i32(num_ranks),
+        i32(num_local), u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim,
+        errors.record], _stream())
+
+
+def combine_send(y: torch.Tensor, handle, weighted: bool,
+                 grad_row_weights: Optional[torch.Tensor], peer_bases: torch.Tensor,
+                 regions: torch.Tensor, rank: int, num_ranks: int, epoch: int, num_sms: int,
+                 timeout_ns: int, errors: ErrorSink) -> None:
+    """Sends one fp32-accumulated partial row per received slot back to its source rank."""
+    kernel = jit.get_kernel("combine.cu", "combine_send",
+                            [handle.num_topk, weighted, grad_row_weights is not None])
+    kernel.launch(num_sms, COMM_THREADS, [
+        ptr(y), i32(y.shape[1] * 2 // 16), ptr(handle.recv_weights), ptr(grad_row_weights),
+        ptr(handle.slot_rows), ptr(handle.num_recv_tokens_per_rank), ptr(peer_bases),
+        ptr(regions), i32(rank), i32(num_ranks), u32(epoch & 0xFFFFFFFF), u64(timeout_ns),
+        errors.claim, errors.record], _stream())
+
+
+def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
+                   handle, weighted: bool, grad_row_weights: Optional[torch.Tensor],
+                   peer_bases: torch.Tensor, regions: torch.Tensor, rank: int, num_ranks: int,
+                   epoch: int, num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
+    """Sums every token's partials over ranks into `out [N, H]`."""
+    kernel = jit.get_kernel("combine.cu", "combine_reduce",
+                            [handle.num_topk, weighted, grad_row_weights is not None])
+    lay = handle.layout
+    kernel.launch(num_sms, COMM_THREADS, [
+        ptr(out), ptr(out_weights), i32(out.shape[0]), i32(out.shape[1] * 2 // 16), ptr(y),
+        ptr(handle.recv_weights), ptr(grad_row_weights), ptr(handle.slot_rows),
+        ptr(lay.is_token_in_rank), ptr(lay.token_slot_in_rank), ptr(peer_bases), ptr(regions),
+        i32(rank), i32(num_ranks), u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim,
+        errors.record], _stream())
+
+
+def kernel_names(num_topk: int) -> dict:
+    """Every instantiation a top-k needs, per source file (for compile checks and warm-up)."""
+    names = {"layout.cu": [], "notify.cu": ["notify_kernel"], "dispatch.cu": [],
+             "combine.cu": []}
+    for index_type in ("long long", "int"):
+        names["layout.cu"].append(f"layout_kernel<{index_type}, {num_topk}>")
+        for cached in ("false", "true"):
+            for kind in ("dispatch_send", "dispatch_recv"):
+                names["dispatch.cu"].append(f"{kind}<{num_topk}, {cached}, {index_type}>")
+    for weighted in ("false", "true"):
+        for with_weights in ("false", "true"):
+            for kind in ("combine_send", "combine_reduce"):
+                names["combine.cu"].append(f"{kind}<{num_topk}, {weighted}, {with_weights}>")
+    return names
+
+
+def warm_up(num_topks) -> None:
+    """Compiles (or loads from the disk cache) every kernel the given top-k values need."""
+    for num_topk in num_topks:
+        for source, exprs in kernel_names(num_topk).items():
+            for expr in exprs:
+                name, _, args = expr.partition("<")
+                jit.get_kernel(source, name, [a.strip() for a in args.rstrip(">").split(",")]
+                               if args else [])

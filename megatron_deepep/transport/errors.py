@@ -1,0 +1,48 @@
+"""Decoding of the kernels' error record (mirrors `cuda_src/common/error.cuh`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+ERROR_RECORD_WORDS = 10  # sizeof(ErrorRecord) = 40 bytes
+CODE_TIMEOUT, CODE_BAD_EXPERT_ID, CODE_RANK_MISMATCH, CODE_RECV_OVERFLOW = 1, 2, 3, 4
+PHASES = {0: "layout", 1: "notify", 2: "dispatch send (waiting for the peer to consume the "
+          "previous dispatch)", 3: "dispatch receive", 4: "combine send (waiting for the peer to "
+          "consume the previous combine)", 5: "combine reduce"}
+HEADER_FIELDS = {1: "hidden", 2: "top-k", 3: "num_experts", 4: "expert_alignment"}
+
+
+class PeerTimeoutError(RuntimeError):
+    """A cross-GPU wait expired: the named peer did not reach the same operation in time."""
+
+
+def error_from_record(words: np.ndarray, timeout_s: float):
+    """Builds the exception for a non-zero record, or returns None.
+
+    Args:
+        words: the record as 10 int32 words (code, rank, peer, phase, detail, pad, expected lo/hi
+            and seen lo/hi as int64 pairs).
+        timeout_s: the Buffer's timeout (for the message).
+    """
+    code = int(words[0])
+    if code == 0:
+        return None
+    rank, peer, phase, detail = (int(w) for w in words[1:5])
+    expected, seen = (int(v) for v in words[6:10].view(np.int64))
+    where = PHASES.get(phase, f"phase {phase}")
+    if code == CODE_TIMEOUT:
+        return PeerTimeoutError(
+            f"megatron_deepep: rank {rank} timed out after {timeout_s:g}s in {where}: peer {peer}"
+            f" stalled (waited for epoch {expected}, saw {seen}). Every rank of the EP group must"
+            " call the same operations in the same order.")
+    if code == CODE_BAD_EXPERT_ID:
+        return ValueError(f"topk_idx holds expert id {seen} (token {detail}), outside "
+                          f"[-1, num_experts={expected})")
+    if code == CODE_RANK_MISMATCH:
+        field = HEADER_FIELDS.get(detail, f"field {detail}")
+        return ValueError(f"ranks disagree on {field}: rank {rank} has {expected}, rank {peer} "
+                          f"has {seen}")
+    if code == CODE_RECV_OVERFLOW:
+        return ValueError(f"num_max_recv_rows={expected} is too small: rank {rank} receives "
+                          f"{seen} rows (padding included)")
+    return RuntimeError(f"megatron_deepep: kernel error code {code} on rank {rank}")

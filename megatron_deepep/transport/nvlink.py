@@ -1,0 +1,197 @@
+"""The intranode NVLink transport: the protocol of DESIGN.md on our kernels.
+
+Per dispatch: layout (local) -> notify (counts to every peer, epoch flag) -> dispatch_send (each
+token once per destination rank into its staging region) -> [one host wait for the row count,
+unless the caller gave an upper bound] -> dispatch_recv (expand into expert-major rows).
+Per combine: combine_send (one partial row per received slot back to its source) ->
+combine_reduce (sum over ranks). Flags carry per-operation epochs, so the buffer is never zeroed
+between calls, and every writer first waits until its reader has consumed the previous call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Tuple
+
+import torch
+
+from megatron_deepep import ops
+from megatron_deepep.handle import DispatchHandle, RecvLayout
+from megatron_deepep.layout import DispatchLayout
+from megatron_deepep.transport.errors import ERROR_RECORD_WORDS, error_from_record
+from megatron_deepep.transport.ipc import MappedHostArray, SymmetricBuffer
+from megatron_deepep.transport.regions import MAX_LOCAL_EXPERTS, BufferRegions
+
+logger = logging.getLogger(__name__)
+
+HOST_INFO_WORDS = 4 + MAX_LOCAL_EXPERTS  # struct HostInfo of notify.cu
+CLAIM_OFFSET = 8 * 4                     # Workspace.error_claim, after 8 block counters
+
+
+class BrokenBufferError(RuntimeError):
+    """The buffer saw a kernel error earlier; its flags are no longer consistent."""
+
+
+class NVLinkTransport:
+    """Dispatch/combine over a CUDA-IPC symmetric buffer (ranks of one node, or one GPU).
+
+    Args:
+        group: the EP process group (any backend: only handles travel through it).
+        num_max_tokens_per_rank: N_max.
+        hidden: the widest row in bf16 elements.
+        num_topk: the largest top-k.
+        num_sms: blocks of the communication kernels.
+        timeout_s: limit of every cross-GPU wait.
+    """
+
+    name = "nvlink"
+
+    def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
+                 num_sms: int, timeout_s: float):
+        self.regions = BufferRegions(torch.distributed.get_world_size(group),
+                                     num_max_tokens_per_rank, hidden, num_topk)
+        self.sym = SymmetricBuffer(group, self.regions.num_bytes)
+        self.rank, self.num_ranks = self.sym.rank, self.sym.num_ranks
+        self.device = self.sym.device
+        self.regions_dev = self.regions.as_device_struct(self.device)
+        self.num_sms = num_sms
+        self.timeout_s = timeout_s
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.host_info = MappedHostArray(HOST_INFO_WORDS)
+        self.error_record = MappedHostArray(ERROR_RECORD_WORDS)
+        self.errors = ops.ErrorSink(self.sym.ptr + self.regions.workspace + CLAIM_OFFSET,
+                                    self.error_record.device_ptr)
+        self.notify_epoch = 0
+        self.dispatch_epoch = 0
+        self.combine_epoch = 0
+        self._broken: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ errors
+    def check_errors(self) -> None:
+        """Raises the first error any kernel recorded (reads host memory; no device sync)."""
+        if self._broken is not None:
+            raise BrokenBufferError(
+                f"this Buffer failed earlier ({self._broken}); destroy it and build a new one")
+        exc = error_from_record(self.error_record.words, self.timeout_s)
+        if exc is not None:
+            self._broken = exc
+            raise exc
+
+    def _wait_host_info(self, epoch: int) -> Tuple[int, list]:
+        """Polls the mapped notify result of `epoch`; raises on a recorded error or timeout."""
+        words = self.host_info.words
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        target = epoch & 0xFFFFFFFF
+        spins = 0
+        while (int(words[0]) & 0xFFFFFFFF) != target:
+            spins += 1
+            if spins % 64 == 0:
+                self.check_errors()
+                if time.monotonic() > deadline:
+                    self._broken = RuntimeError("host wait for notify timed out")
+                    raise RuntimeError(
+                        f"megatron_deepep: rank {self.rank} waited {self.timeout_s + 5:g}s for "
+                        "the notify kernel, which never finished (the GPU did not run it)")
+                if spins > 4096:
+                    time.sleep(1e-5)
+        num_rows = int(words[1])
+        self.check_errors()
+        return num_rows, words[4:4 + self._num_local].tolist()
+
+    # ------------------------------------------------------------------ dispatch
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
+        self.check_errors()
+        return ops.layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
+                          self.errors)
+
+    def _common(self):
+        return dict(peer_bases=self.sym.peer_bases, regions=self.regions_dev, rank=self.rank,
+                    num_ranks=self.num_ranks)
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 num_experts: int, expert_alignment: int = 1,
+                 num_max_recv_rows: Optional[int] = None,
+                 layout: Optional[DispatchLayout] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        self.check_errors()
+        dev, R = x.device, self.num_ranks
+        num_local = num_experts // R
+        self._num_local = num_local
+        num_topk = topk_idx.shape[1]
+        if layout is None:
+            layout = ops.layout(topk_idx, num_experts, R, self.rank, self.errors)
+        recv = RecvLayout(
+            num_recv_tokens_per_expert=torch.empty(num_local, dtype=torch.int32, device=dev),
+            tokens_per_expert=torch.empty(num_local, dtype=torch.int32, device=dev),
+            expert_row_start=torch.empty(num_local + 1, dtype=torch.int32, device=dev),
+            src_expert_offset=torch.empty(R, num_local, dtype=torch.int32, device=dev))
+        num_recv_tokens_per_rank = torch.empty(R, dtype=torch.int32, device=dev)
+        self.notify_epoch += 1
+        self.dispatch_epoch += 1
+        bound = -1 if num_max_recv_rows is None else num_max_recv_rows
+        ops.notify(self.sym.peer_bases, self.rank, R, self.notify_epoch, layout, num_local,
+                   x.shape[1], num_topk, expert_alignment, bound, recv,
+                   num_recv_tokens_per_rank, self.host_info.device_ptr, self.timeout_ns,
+                   self.errors)
+        if R > 1:
+            ops.dispatch_send(x, topk_idx, topk_weights, layout, False, num_local=num_local,
+                              epoch=self.dispatch_epoch, num_sms=self.num_sms,
+                              timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
+        tokens_per_expert_list = None
+        if num_max_recv_rows is None:
+            num_rows, tokens_per_expert_list = self._wait_host_info(self.notify_epoch)
+        else:
+            num_rows = num_max_recv_rows
+        recv_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=dev)
+        recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
+        slot_rows = torch.empty(R, self.regions.max_tokens, num_topk, dtype=torch.int32,
+                                device=dev)
+        ops.dispatch_recv(recv_x, recv_weights, recv, num_recv_tokens_per_rank, slot_rows, x,
+                          topk_idx, topk_weights, layout, False, num_local=num_local,
+                          epoch=self.dispatch_epoch, num_sms=self.num_sms,
+                          timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
+        handle = DispatchHandle(
+            layout=layout, recv=recv, num_recv_tokens_per_rank=num_recv_tokens_per_rank,
+            slot_rows=slot_rows, recv_weights=recv_weights, num_experts=num_experts,
+            num_topk=num_topk, hidden=x.shape[1], expert_alignment=expert_alignment,
+            num_recv_rows=num_rows, tokens_per_expert_list=tokens_per_expert_list,
+            transport_state=topk_idx)
+        return recv_x, recv_weights, handle
+
+    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        self.check_errors()
+        num_local = handle.num_local_experts
+        topk_idx = handle.transport_state
+        self.dispatch_epoch += 1
+        if self.num_ranks > 1:
+            ops.dispatch_send(x, topk_idx, None, handle.layout, True, num_local=num_local,
+                              epoch=self.dispatch_epoch, num_sms=self.num_sms,
+                              timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
+        recv_x = torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype, device=x.device)
+        ops.dispatch_recv(recv_x, None, handle.recv, handle.num_recv_tokens_per_rank,
+                          handle.slot_rows, x, topk_idx, None, handle.layout, True,
+                          num_local=num_local, epoch=self.dispatch_epoch, num_sms=self.num_sms,
+                          timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
+        return recv_x
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool = False,
+                grad_row_weights: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.check_errors()
+        self.combine_epoch += 1
+        common = dict(epoch=self.combine_epoch, num_sms=self.num_sms, timeout_ns=self.timeout_ns,
+                      errors=self.errors, **self._common())
+        if self.num_ranks > 1:
+            ops.combine_send(y, handle, weighted, grad_row_weights, **common)
+        out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+        out_weights = (torch.empty(handle.num_tokens, handle.num_topk, dtype=torch.float32,
+                                   device=y.device) if grad_row_weights is not None else None)
+        ops.combine_reduce(out, out_weights, y, handle, weighted, grad_row_weights, **common)
+        return out, out_weights
+
+    def destroy(self) -> None:
+        self.sym.destroy()
+        self.host_info.destroy()
+        self.error_record.destroy()

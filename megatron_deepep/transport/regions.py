@@ -1,0 +1,85 @@
+"""Byte layout of one rank's symmetric buffer (mirrors `cuda_src/common/buffer.cuh`).
+
+    [0, META)              Meta: epoch flags written by peers, per-source count rows
+    [META, +WORKSPACE)     Workspace: block counters and the error claim (local only)
+    dispatch rows          [R][N_max] rows of `row_stride` bytes (align16(H * 2))
+    dispatch metadata      [R][N_max] slot records of `meta_stride` bytes (align16(4 + 12 K))
+    combine rows           [R][N_max] partial rows of `row_stride` bytes
+    combine weights        [R][N_max] K floats of `weight_stride` bytes (align16(4 K))
+
+Region [s][j] of rank r's buffer is written only by source s, so writers never collide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+MAX_RANKS = 8
+MAX_LOCAL_EXPERTS = 256
+COUNT_STRIDE = 8 + MAX_LOCAL_EXPERTS
+META_BYTES = (8 * MAX_RANKS) * 4 + MAX_RANKS * COUNT_STRIDE * 4  # sizeof(Meta)
+WORKSPACE_BYTES = 4096
+PAGE = 4096
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferRegions:
+    """Offsets and strides for a buffer sized for (R, N_max, H, K)."""
+
+    num_ranks: int
+    max_tokens: int
+    hidden: int
+    num_topk: int
+
+    @property
+    def row_stride(self) -> int:
+        return _align(self.hidden * 2, 16)
+
+    @property
+    def meta_stride(self) -> int:
+        return _align(4 + 12 * self.num_topk, 16)
+
+    @property
+    def weight_stride(self) -> int:
+        return _align(4 * self.num_topk, 16)
+
+    @property
+    def workspace(self) -> int:
+        return _align(META_BYTES, PAGE)
+
+    def _slots(self) -> int:
+        return self.num_ranks * self.max_tokens
+
+    @property
+    def dispatch_rows(self) -> int:
+        return _align(self.workspace + WORKSPACE_BYTES, PAGE)
+
+    @property
+    def dispatch_meta(self) -> int:
+        return _align(self.dispatch_rows + self._slots() * self.row_stride, PAGE)
+
+    @property
+    def combine_rows(self) -> int:
+        return _align(self.dispatch_meta + self._slots() * self.meta_stride, PAGE)
+
+    @property
+    def combine_weights(self) -> int:
+        return _align(self.combine_rows + self._slots() * self.row_stride, PAGE)
+
+    @property
+    def num_bytes(self) -> int:
+        """Total bytes: ~ 2 R N_max (2 H + 16) plus a few pages."""
+        return _align(self.combine_weights + self._slots() * self.weight_stride, 2 << 20)
+
+    def as_device_struct(self, device) -> torch.Tensor:
+        """The `Regions` struct of buffer.cuh as 8 int64 words on `device`."""
+        words = [self.dispatch_rows, self.dispatch_meta, self.combine_rows, self.combine_weights,
+                 self.row_stride, self.meta_stride, self.weight_stride,
+                 (self.workspace << 32) | self.max_tokens]
+        return torch.tensor(words, dtype=torch.int64, device=device)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU tier and the benchmark on the GPU machine, in one call:
+#   bash scripts/gpu_tier.sh            # tests (N = 1,2,3,4,8 processes) then the benchmark
+# Knobs: MDEEP_TEST_PROCS (default 1,2,3,4,8), MDEEP_TEST_CALLS (default 1000), SKIP_TESTS=1,
+# SKIP_BENCH=1, OUT (log folder; default .bench_out). Wheels in .whl/ (megatron-core) are installed
+# into /tmp/site first when present.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 MEGATRON_DEEPEP_CACHE_DIR=${MEGATRON_DEEPEP_CACHE_DIR:-/tmp/mdeep_cache}
+OUT=${OUT:-.bench_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+rc=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu tests/gpu -x -q -rs 2>&1 | tee "$OUT/gpu_tests.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  timeout ${BENCH_TIMEOUT:-240} python3 -m megatron_deepep.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+exit $rc

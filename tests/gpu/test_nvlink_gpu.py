@@ -1,0 +1,191 @@
+"""GPU tier: the NVLink transport against the reference, N processes sharing the GPU via IPC.
+
+Every process drives the NVLink Buffer on the GPU and the reference Buffer on CPU copies of the
+same inputs (both over one gloo group), and compares: dispatch bit-exact (rows, weights, counts),
+combine bit-exact (same summation order and rounding by design), backward, cached dispatch, the
+no-sync mode, skewed/empty/uneven routing, -1 entries, back-to-back calls with changing shapes,
+bad input, and a stalled peer that must raise the timeout error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_deepep import ops
+from megatron_deepep.autograd import combine as ag_combine
+from megatron_deepep.autograd import dispatch as ag_dispatch
+from megatron_deepep.buffer import Buffer
+from megatron_deepep.transport.errors import PeerTimeoutError
+from tests.cases import expert_scale, make_inputs
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.gpu
+
+NUM_PROCS = [int(n) for n in os.environ.get("MDEEP_TEST_PROCS", "1,2,3,4,8").split(",")]
+NUM_CALLS = int(os.environ.get("MDEEP_TEST_CALLS", "1000"))
+
+# kind, tokens per rank, hidden, experts per rank, top-k, alignment
+CASES = [
+    ("random", 64, 7168, 4, 8, 1),
+    ("random", 37, 2880, 3, 4, 16),
+    ("dropped", 50, 4096, 2, 6, 1),
+    ("skewed", 40, 2048, 2, 2, 32),
+    ("empty", 16, 2048, 1, 1, 1),
+    ("uneven", None, 2048, 8, 16, 8),
+    ("random", 0, 2048, 1, 2, 1),
+]
+
+
+def _init_device():
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+
+
+def _warm(rank):
+    if rank == 0:
+        ops.warm_up({c[4] for c in CASES} | {2, 8})
+    dist.barrier()
+
+
+def _case(rank, world, nvl, ref, seed, kind, num_tokens, hidden, per_rank, topk, align):
+    if kind == "uneven":  # rank 0 sends nothing; the others send different amounts
+        num_tokens = [0] + [5 + 7 * r for r in range(1, world)]
+        kind = "random"
+    experts = per_rank * world
+    xs, idxs, ws = make_inputs(seed, world, num_tokens, hidden, experts, topk, kind)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    dev = torch.device("cuda")
+    got = nvl.dispatch(x.to(dev), idx.to(dev), w.to(dev), num_experts=experts,
+                       expert_alignment=align)
+    exp = ref.dispatch(x, idx, w, num_experts=experts, expert_alignment=align)
+    recv_x, recv_w, handle = got[0], got[1], got[2]
+    assert torch.equal(recv_x.cpu(), exp[0]), f"dispatch rows differ ({kind}, H={hidden})"
+    assert torch.equal(recv_w.cpu(), exp[1])
+    assert handle.tokens_per_expert_list == exp[2].tokens_per_expert_list
+    assert torch.equal(handle.num_recv_tokens_per_expert.cpu(),
+                       exp[2].num_recv_tokens_per_expert)
+    for name in ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
+                 "token_slot_in_rank", "pos_in_expert"):
+        assert torch.equal(getattr(handle.layout, name).cpu(), getattr(exp[2].layout, name)), name
+
+    y = expert_scale(recv_x.cpu(), handle.tokens_per_expert_list)
+    grad_rows = torch.rand(y.shape[0])
+    for weighted in (False, True):
+        out, out_w, _ = nvl.combine(y.to(dev), handle, weighted=weighted,
+                                    grad_row_weights=grad_rows.to(dev))
+        ref_out, ref_w, _ = ref.combine(y, exp[2], weighted=weighted, grad_row_weights=grad_rows)
+        torch.testing.assert_close(out.cpu().float(), ref_out.float(), rtol=1e-2, atol=1e-2)
+        assert torch.equal(out.cpu(), ref_out), "combine: same order and rounding, bit-exact"
+        assert torch.equal(out_w.cpu(), ref_w)
+
+    cached, _, _, _ = nvl.dispatch((x * 3).to(dev), handle=handle)
+    assert torch.equal(cached.cpu(), ref.dispatch(x * 3, handle=exp[2])[0])
+
+    # No host synchronization: a caller-given bound, checked on the used prefix.
+    bound = world * max(max(xs_.shape[0] for xs_ in xs), 1) * topk + per_rank * align
+    free = nvl.dispatch(x.to(dev), idx.to(dev), w.to(dev), num_experts=experts,
+                        expert_alignment=align, num_max_recv_rows=bound)
+    used = sum(exp[2].tokens_per_expert_list)
+    assert free[0].shape[0] == bound and free[2].tokens_per_expert_list is None
+    assert torch.equal(free[0][:used].cpu(), exp[0])
+    assert torch.equal(free[2].tokens_per_expert.cpu(), exp[2].tokens_per_expert)
+
+
+def _autograd(rank, world, nvl, ref, seed):
+    xs, idxs, ws = make_inputs(seed, world, 33, 2048, 4 * world, 4, "dropped")
+    results = []
+    for buf, dev in ((nvl, "cuda"), (ref, "cpu")):
+        x = xs[rank].to(dev).requires_grad_()
+        w = ws[rank].to(dev).requires_grad_()
+        recv_x, recv_w, handle = ag_dispatch(buf, x, idxs[rank].to(dev), w,
+                                             num_experts=4 * world)
+        y = (recv_x.float() * recv_w.unsqueeze(1) * 1.5).to(torch.bfloat16)
+        out = ag_combine(buf, y, handle)
+        g = torch.linspace(-1, 1, out.numel(), device=dev).view_as(out)
+        (out.float() * g).sum().backward()
+        results.append((out.detach().cpu(), x.grad.cpu(), w.grad.cpu()))
+    (o1, gx1, gw1), (o2, gx2, gw2) = results
+    assert torch.equal(o1, o2)
+    torch.testing.assert_close(gx1.float(), gx2.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gw1, gw2, rtol=1e-4, atol=1e-4)
+
+
+def _back_to_back(rank, world, nvl, num_calls):
+    """Changing shapes every call; integer-valued rows make every sum exact, so each call can be
+    checked cheaply: out = (entries of the token) * x."""
+    g = torch.Generator().manual_seed(99)
+    dev = torch.device("cuda")
+    for call in range(num_calls):
+        n = int(torch.randint(0, 48, (1,), generator=g))
+        topk = [2, 8][call % 2]
+        experts = [2, 4][call % 3 % 2] * world
+        counts = torch.randint(0, 48, (world,), generator=g)
+        counts[rank] = n
+        x = torch.randint(-3, 4, (n, 2048), generator=g).to(torch.bfloat16).to(dev)
+        idx = torch.rand(n, experts, generator=g).topk(topk, dim=1).indices
+        idx[torch.rand(n, topk, generator=g) < 0.2] = -1
+        w = torch.rand(n, topk, generator=g)
+        recv_x, _, handle, _ = nvl.dispatch(x, idx.to(dev), w.to(dev), num_experts=experts)
+        out, _, _ = nvl.combine(recv_x, handle)
+        expected = x.float() * (idx >= 0).sum(1, keepdim=True).to(dev)
+        assert torch.equal(out.float(), expected), f"call {call}"
+    nvl.check_errors()
+
+
+def _bad_input(rank, world, nvl):
+    dev = torch.device("cuda")
+    x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=dev)
+    w = torch.ones(4, 2, device=dev)
+    with pytest.raises(ValueError, match="dtype"):
+        nvl.dispatch(x.float(), torch.zeros(4, 2, dtype=torch.int64, device=dev), w,
+                     num_experts=world)
+    with pytest.raises(ValueError, match="num_max_tokens_per_rank"):
+        big = torch.zeros(nvl.num_max_tokens_per_rank + 1, 2048, dtype=torch.bfloat16, device=dev)
+        nvl.dispatch(big, torch.zeros(big.shape[0], 2, dtype=torch.int64, device=dev),
+                     torch.ones(big.shape[0], 2, device=dev), num_experts=world)
+    with pytest.raises(ValueError, match="is on cpu"):
+        nvl.dispatch(x.cpu(), torch.zeros(4, 2, dtype=torch.int64), w.cpu(), num_experts=world)
+    idx = torch.full((4, 2), 5 * world, dtype=torch.int64, device=dev)  # out of range
+    with pytest.raises(ValueError, match="outside"):
+        nvl.dispatch(x, idx, w, num_experts=world)
+
+
+def _stalled_peer(rank, world, nvl):
+    """The last rank never calls dispatch: every other rank must raise naming it."""
+    dev = torch.device("cuda")
+    if rank == world - 1:
+        return
+    x = torch.zeros(8, 2048, dtype=torch.bfloat16, device=dev)
+    idx = torch.arange(8, device=dev).view(8, 1) % world
+    with pytest.raises(PeerTimeoutError, match=f"peer {world - 1}"):
+        nvl.dispatch(x, idx, torch.ones(8, 1, device=dev), num_experts=world)
+
+
+def _worker(rank, world, num_calls):
+    _init_device()
+    _warm(rank)
+    group = dist.group.WORLD
+    nvl = Buffer(group, 256, 7168, 16, transport="nvlink", num_sms=8, timeout_s=30)
+    ref = Buffer(group, 256, 7168, 16, transport="reference")
+    for i, case in enumerate(CASES):
+        _case(rank, world, nvl, ref, 1000 * world + i, *case)
+    _autograd(rank, world, nvl, ref, 7 + world)
+    _back_to_back(rank, world, nvl, num_calls)
+    nvl.destroy()
+    dist.barrier()
+    bad = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=4, timeout_s=30)
+    _bad_input(rank, world, bad)
+    bad.destroy()
+    if world > 1:
+        stalled = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=4, timeout_s=3)
+        _stalled_peer(rank, world, stalled)
+        dist.barrier()
+        stalled.destroy()
+
+
+@pytest.mark.parametrize("num_procs", NUM_PROCS)
+def test_nvlink_matches_reference(num_procs):
+    run_distributed(num_procs, _worker, NUM_CALLS, backend="gloo", timeout_s=1500)
