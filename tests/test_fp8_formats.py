@@ -286,6 +286,13 @@ def test_partial_last_block():
     assert torch.equal(s2[:, -1], s[:, -1])
 
 
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=FORMAT_IDS)
+def test_no_tokens(fmt):
+    q, s = F.quantize(torch.zeros(0, 2880, dtype=torch.bfloat16), fmt)
+    assert tuple(q.shape) == (0, 2880) and tuple(s.shape) == (0, fmt.num_blocks(2880))
+    assert tuple(F.dequantize(q, s, fmt).shape) == (0, 2880)
+
+
 def test_bytes_per_token():
     bw, mx = F.BLOCKWISE_1x128, F.MXFP8_1x32
     assert bw.bytes_per_token(7168) == 7168 + 4 * 56

@@ -162,11 +162,11 @@ def _blocks(values: torch.Tensor, block_size: int) -> torch.Tensor:
     pad = (-hidden) % block_size
     if pad:
         values = torch.nn.functional.pad(values, (0, pad))
-    return values.reshape(num_tokens, -1, block_size)
+    return values.reshape(num_tokens, (hidden + pad) // block_size, block_size)
 
 
 def _unblock(blocks: torch.Tensor, hidden: int) -> torch.Tensor:
-    return blocks.reshape(blocks.shape[0], -1)[:, :hidden]
+    return blocks.reshape(blocks.shape[0], blocks.shape[1] * blocks.shape[2])[:, :hidden]
 
 
 def block_amax(values: torch.Tensor) -> torch.Tensor:
