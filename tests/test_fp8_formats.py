@@ -191,9 +191,10 @@ def oracle_dequantize(q: np.ndarray, scales: np.ndarray, fmt) -> np.ndarray:
 
 def _same_bits(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     mismatch = np.nonzero(actual != expected)
-    assert mismatch[0].size == 0, (
-        f"{what}: {mismatch[0].size} mismatches, first at {tuple(int(i[0]) for i in mismatch)}: "
-        f"got {actual[tuple(i[0] for i in mismatch)]}, want {expected[tuple(i[0] for i in mismatch)]}")
+    if mismatch[0].size:
+        first = tuple(int(i[0]) for i in mismatch)
+        raise AssertionError(f"{what}: {mismatch[0].size} mismatches, first at {first}: "
+                             f"got {actual[first]}, want {expected[first]}")
 
 
 def _scale_bits(scales: np.ndarray) -> np.ndarray:
@@ -345,3 +346,78 @@ def test_sources_include_only_our_headers():
             if match:
                 assert match.group(1) == '"', f"{path.name}: system include {line!r}"
                 assert (CUDA_SRC / match.group(2)).is_file(), f"{path.name}: {line!r}"
+
+
+# ---- TE bridge -----------------------------------------------------------------------------------
+
+def _te_missing_reason() -> str:
+    from megatron_deepep.fp8 import te_bridge
+    ok, reason = te_bridge.te_available()
+    return "" if ok else reason
+
+
+class _QParams:
+    def __init__(self, power_2_scale, amax_epsilon=0.0):
+        self.power_2_scale, self.amax_epsilon = power_2_scale, amax_epsilon
+
+
+class _Format:
+    def __init__(self, name):
+        self.name = name
+
+
+class Float8BlockScaling:  # duck-typed stand-in: format_for_recipe reads fields by name
+    def __init__(self, power_2_scale=True, x_dim=1, fp8_format="E4M3"):
+        self.fp8_format = _Format(fp8_format)
+        self.fp8_quant_fwd_inp = _QParams(power_2_scale)
+        self.x_block_scaling_dim = x_dim
+
+
+class MXFP8BlockScaling:
+    def __init__(self, fp8_format="E4M3"):
+        self.fp8_format = _Format(fp8_format)
+
+
+def test_format_for_recipe():
+    from megatron_deepep.fp8 import te_bridge
+    fmt, _ = te_bridge.format_for_recipe(Float8BlockScaling())
+    assert fmt == F.BLOCKWISE_1x128
+    fmt, _ = te_bridge.format_for_recipe(Float8BlockScaling(power_2_scale=False))
+    assert fmt == F.BLOCKWISE_1x128_FP32_SCALES
+    assert te_bridge.format_for_recipe(MXFP8BlockScaling("HYBRID"))[0] == F.MXFP8_1x32
+    fmt, reason = te_bridge.format_for_recipe(Float8BlockScaling(x_dim=2))
+    assert fmt is None and "x_block_scaling_dim" in reason
+    fmt, reason = te_bridge.format_for_recipe(None)
+    assert fmt is None and reason
+
+
+def test_te_bridge_without_te():
+    reason = _te_missing_reason()
+    if not reason:
+        pytest.skip("transformer_engine is installed; this checks the TE-absent path")
+    from megatron_deepep.fp8 import te_bridge
+    q, s = F.quantize(make_input("random", 2, 256), F.BLOCKWISE_1x128)
+    with pytest.raises(te_bridge.TEUnavailableError, match="transformer_engine"):
+        te_bridge.to_te_tensor(q, s, F.BLOCKWISE_1x128)
+    tensor, why = te_bridge.maybe_to_te_tensor(q, s, F.BLOCKWISE_1x128)
+    assert tensor is None and "transformer_engine" in why
+    assert te_bridge.active_recipe() is None
+    assert te_bridge.recipe_matches(F.MXFP8_1x32, MXFP8BlockScaling())[0] is False
+
+
+@pytest.mark.parametrize("fmt", [F.BLOCKWISE_1x128, F.BLOCKWISE_1x128_FP32_SCALES, F.MXFP8_1x32],
+                         ids=lambda f: f.name)
+def test_te_tensor_dequantizes_like_reference(fmt):
+    reason = _te_missing_reason()
+    if reason:
+        pytest.skip(f"TE bridge needs Transformer Engine: {reason}")
+    if not torch.cuda.is_available():
+        pytest.skip("TE quantized tensors need a CUDA device")
+    if fmt is F.MXFP8_1x32 and torch.cuda.get_device_capability()[0] < 10:
+        pytest.skip("TE's MXFP8 dequantize kernel needs sm_100+")
+    from megatron_deepep.fp8 import te_bridge
+    x = make_input("random", 13, 2048)
+    q, s = F.quantize(x, fmt)
+    tensor = te_bridge.to_te_tensor(q.cuda(), s.cuda(), fmt)
+    got = tensor.dequantize(dtype=torch.bfloat16).cpu()
+    assert torch.equal(got.view(torch.int16), F.dequantize(q, s, fmt).view(torch.int16))

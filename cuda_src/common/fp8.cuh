@@ -132,7 +132,7 @@ __device__ __forceinline__ float blockwise_scale_inv(float scale) {
   return static_cast<float>(1.0 / static_cast<double>(scale));
 }
 
-// ---- E8M0 (TE ptx::float_to_e8m0 / exp2f_rcp / exp2f) ---------------------------------------------
+// ---- E8M0 (TE ptx::float_to_e8m0 / exp2f_rcp / exp2f) -----------------------------------------
 
 // E8M0 biased exponent of a non-negative fp32, rounded up (toward +inf), saturating at 0xFE.
 __device__ __forceinline__ u8 float_to_e8m0(float value) {

@@ -39,7 +39,7 @@ def _assert_bf16_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(torch.isnan(a), torch.isnan(e)), "NaN positions differ"
     finite = ~torch.isnan(e)
     diff = (a.view(torch.int16) != e.view(torch.int16)) & finite
-    assert not bool(diff.any()), f"{int(diff.sum())} bf16 values differ, first at {diff.nonzero()[0]}"
+    assert not bool(diff.any()), f"{int(diff.sum())} bf16 differ, first at {diff.nonzero()[0]}"
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=FORMAT_IDS)
