@@ -13,15 +13,28 @@
 using namespace mdeep;
 
 constexpr int kCombineThreads = 512;
-constexpr int kCombineUnroll = 2;
+// 16-byte words per lane per step: every row of a token (and every peer's partial) is loaded
+// before any is summed, so a warp keeps kTopk * kUnroll loads in flight.
+template <int kTopk>
+struct CombineUnroll {
+    static constexpr int value = kTopk <= 2 ? 2 : 1;
+};
 
-// Sums one slot's rows of y for the int4 words [base, base + 32 * kCombineUnroll) of a lane.
-template <int kTopk, bool kWeighted>
+// Sums one slot's rows of y for the int4 words [base, base + 32 * kU) of a lane.
+template <int kTopk, bool kWeighted, int kU>
 __device__ __forceinline__ void slot_partial(float (*acc)[8], const int4* y, const int* rows,
                                              const float* row_weights, int num_int4, int base,
                                              int lane) {
+    int4 v[kTopk][kU];
 #pragma unroll
-    for (int u = 0; u < kCombineUnroll; ++u)
+    for (int k = 0; k < kTopk; ++k)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int i = base + u * 32 + lane;
+            if (rows[k] >= 0 && i < num_int4) v[k][u] = ld_nc_v4(y + (i64)rows[k] * num_int4 + i);
+        }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
 #pragma unroll
         for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
 #pragma unroll
@@ -29,11 +42,8 @@ __device__ __forceinline__ void slot_partial(float (*acc)[8], const int4* y, con
         if (rows[k] < 0) continue;
         const float w = kWeighted ? row_weights[k] : 1.f;
 #pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < num_int4)
-                accumulate_bf16x8<kWeighted>(acc[u], ld_nc_v4(y + (i64)rows[k] * num_int4 + i), w);
-        }
+        for (int u = 0; u < kU; ++u)
+            if (base + u * 32 + lane < num_int4) accumulate_bf16x8<kWeighted>(acc[u], v[k][u], w);
     }
 }
 
@@ -85,11 +95,12 @@ __global__ void __launch_bounds__(kCombineThreads) combine_send(
                                              rows, weights);
             int4* dst = reinterpret_cast<int4*>(slot_ptr(peer_bases[s], rg.combine_rows,
                                                          rg.row_stride, rg.max_tokens, rank, j));
-            for (int base = 0; base < num_int4; base += 32 * kCombineUnroll) {
-                float acc[kCombineUnroll][8];
-                slot_partial<kTopk, kWeighted>(acc, y, rows, weights, num_int4, base, lane);
+            constexpr int kU = CombineUnroll<kTopk>::value;
+            for (int base = 0; base < num_int4; base += 32 * kU) {
+                float acc[kU][8];
+                slot_partial<kTopk, kWeighted, kU>(acc, y, rows, weights, num_int4, base, lane);
 #pragma unroll
-                for (int u = 0; u < kCombineUnroll; ++u) {
+                for (int u = 0; u < kU; ++u) {
                     const int w = base + u * 32 + lane;
                     if (w < num_int4) st_v4(dst + w, pack_bf16x8(acc[u]));
                 }
@@ -136,8 +147,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
         const int num_warps = (gridDim.x * blockDim.x) >> 5;
         for (int n = warp; n < num_tokens; n += num_warps) {
             int slots[kMaxRanks];
-            for (int r = 0; r < num_ranks; ++r)
-                slots[r] = is_token_in_rank[(i64)n * num_ranks + r]
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r)
+                slots[r] = (r < num_ranks && is_token_in_rank[(i64)n * num_ranks + r])
                                ? token_slot_in_rank[(i64)n * num_ranks + r] : -1;
             int self_rows[kTopk];
             float self_weights[kTopk];
@@ -145,39 +157,44 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
                 load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights,
                                                  (i64)rank * rg.max_tokens + slots[rank],
                                                  self_rows, self_weights);
-            for (int base = 0; base < num_int4; base += 32 * kCombineUnroll) {
-                float acc[kCombineUnroll][8];
+            constexpr int kU = CombineUnroll<kTopk>::value;
+            for (int base = 0; base < num_int4; base += 32 * kU) {
+                // Peers' partials first (all loads in flight), then the sum in rank order.
+                int4 partial[kMaxRanks][kU];
 #pragma unroll
-                for (int u = 0; u < kCombineUnroll; ++u)
+                for (int r = 0; r < kMaxRanks; ++r) {
+                    if (r >= num_ranks || r == rank || slots[r] < 0) continue;
+                    const int4* src = reinterpret_cast<const int4*>(slot_ptr(
+                        peer_bases[rank], rg.combine_rows, rg.row_stride, rg.max_tokens, r,
+                        slots[r]));
+#pragma unroll
+                    for (int u = 0; u < kU; ++u) {
+                        const int i = base + u * 32 + lane;
+                        if (i < num_int4) partial[r][u] = ld_cg_v4(src + i);
+                    }
+                }
+                float acc[kU][8];
+#pragma unroll
+                for (int u = 0; u < kU; ++u)
 #pragma unroll
                     for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
-                for (int r = 0; r < num_ranks; ++r) {
-                    if (slots[r] < 0) continue;
-                    int4 partial[kCombineUnroll];
+#pragma unroll
+                for (int r = 0; r < kMaxRanks; ++r) {
+                    if (r >= num_ranks || slots[r] < 0) continue;
                     if (r == rank) {
-                        float self_acc[kCombineUnroll][8];
-                        slot_partial<kTopk, kWeighted>(self_acc, y, self_rows, self_weights,
-                                                       num_int4, base, lane);
+                        float self_acc[kU][8];
+                        slot_partial<kTopk, kWeighted, kU>(self_acc, y, self_rows, self_weights,
+                                                           num_int4, base, lane);
 #pragma unroll
-                        for (int u = 0; u < kCombineUnroll; ++u)
-                            partial[u] = pack_bf16x8(self_acc[u]);
-                    } else {
-                        const int4* src = reinterpret_cast<const int4*>(slot_ptr(
-                            peer_bases[rank], rg.combine_rows, rg.row_stride, rg.max_tokens, r,
-                            slots[r]));
-#pragma unroll
-                        for (int u = 0; u < kCombineUnroll; ++u) {
-                            const int i = base + u * 32 + lane;
-                            if (i < num_int4) partial[u] = ld_cg_v4(src + i);
-                        }
+                        for (int u = 0; u < kU; ++u) partial[r][u] = pack_bf16x8(self_acc[u]);
                     }
 #pragma unroll
-                    for (int u = 0; u < kCombineUnroll; ++u)
+                    for (int u = 0; u < kU; ++u)
                         if (base + u * 32 + lane < num_int4)
-                            accumulate_bf16x8<false>(acc[u], partial[u], 1.f);
+                            accumulate_bf16x8<false>(acc[u], partial[r][u], 1.f);
                 }
 #pragma unroll
-                for (int u = 0; u < kCombineUnroll; ++u) {
+                for (int u = 0; u < kU; ++u) {
                     const int i = base + u * 32 + lane;
                     if (i < num_int4) out[(i64)n * num_int4 + i] = pack_bf16x8(acc[u]);
                 }

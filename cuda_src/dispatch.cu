@@ -15,7 +15,7 @@
 using namespace mdeep;
 
 constexpr int kDispatchThreads = 512;
-constexpr int kCopyUnroll = 4;
+constexpr int kCopyUnroll = 8;  // 16 B x 8 in flight per lane: enough bytes to cover latency
 
 // Copies one row of `num_int4` 16-byte words from `src` to up to kMaxDst destinations; the
 // whole warp takes part, each lane holding kCopyUnroll words in flight.
@@ -116,11 +116,11 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
     const int4 zero = make_int4(0, 0, 0, 0);
 
-    // Padding rows (no wait needed: the layout is known from notify).
-    for (int e = 0; e < num_local; ++e) {
+    // Padding rows (no wait needed: the layout is known from notify); one expert per warp.
+    for (int e = warp; e < num_local; e += num_warps) {
         const int first = expert_row_start[e] + num_recv_tokens_per_expert[e];
         const int last = min(expert_row_start[e + 1], max_rows);
-        for (int row = first + warp; row < last; row += num_warps) {
+        for (int row = first; row < last; ++row) {
             for (int i = lane; i < num_int4; i += 32) recv_x[(i64)row * num_int4 + i] = zero;
             if (!kCached && lane == 0) recv_weights[row] = 0.f;
         }

@@ -17,6 +17,7 @@ import logging
 import os
 import statistics
 import sys
+import time
 from typing import Callable, Dict, List
 
 import torch
@@ -72,9 +73,16 @@ def bench_ours(buf, xs, idxs, ws, num_experts: int, no_sync: bool) -> Dict[str, 
 
     dispatch_us = time_cuda(run_dispatch, setup)
     recv_x, _, handle, _ = state["res"]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(10):  # host cost of one call (launches, checks, the host wait)
+        setup(i)
+        run_dispatch()
+    host_us = (time.perf_counter() - t0) / 10 * 1e6
+    torch.cuda.synchronize()
     ys = [recv_x.clone() for _ in range(2)]
     combine_us = time_cuda(lambda: buf.combine(ys[state["i"] % 2], handle), setup)
-    return {"dispatch_us": dispatch_us, "combine_us": combine_us,
+    return {"dispatch_us": dispatch_us, "combine_us": combine_us, "dispatch_host_us": host_us,
             "num_recv_rows": int(handle.tokens_per_expert.sum())}
 
 

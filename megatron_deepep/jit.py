@@ -163,6 +163,29 @@ def _nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(stream_ptr: int, device_index: int):
+    """A CuPy view of a torch stream, made once per stream (making one per launch costs µs)."""
+    import cupy
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(_StreamRef(stream_ptr))
+        except Exception:  # older CuPy: the protocol object is not accepted
+            pass
+    return cupy.cuda.ExternalStream(stream_ptr, device_index)
+
+
+class _StreamRef:
+    """The CUDA stream protocol (`__cuda_stream__`) for a raw stream handle."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 @dataclasses.dataclass
 class Kernel:
     """A loaded kernel: call it with `launch(grid, block, args, stream, shared_mem)`."""
@@ -172,8 +195,7 @@ class Kernel:
 
     def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0) -> None:
         """Launches on a torch stream; `args` are numpy scalars (pointers as np.uint64)."""
-        import cupy
-        with cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index):
+        with _cupy_stream(stream.cuda_stream, stream.device.index):
             self.function((max(int(grid), 1),), (int(block),), tuple(args),
                           shared_mem=shared_mem)
 
@@ -209,9 +231,14 @@ def get_kernel(source_file: str, name: str, template_args: Sequence = ()) -> Ker
         template_args: values rendered into the name expression (ints, bools, type names).
     """
     import torch
+    return _get_kernel(source_file, name, tuple(template_args), torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _get_kernel(source_file: str, name: str, template_args: tuple, device_index: int) -> Kernel:
     args = ", ".join(_render(a) for a in template_args)
     expr = f"{name}<{args}>" if template_args else name
-    return _load(source_file, expr, _device_arch(), torch.cuda.current_device())
+    return _load(source_file, expr, _device_arch(), device_index)
 
 
 def _render(value) -> str:

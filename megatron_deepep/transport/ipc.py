@@ -79,6 +79,18 @@ class SymmetricBuffer:
         self.ptr = None
 
 
+def _device_pointer_of_host(host_ptr: int) -> int:
+    """The device address of mapped pinned memory (equal to the host address under UVA)."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return host_ptr
+    err, device_ptr = cudart.cudaHostGetDevicePointer(host_ptr, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
+    return int(device_ptr)
+
+
 class MappedHostArray:
     """Pinned host memory the GPU writes through a mapped pointer and the host reads directly.
 
@@ -91,7 +103,7 @@ class MappedHostArray:
         self._rt = cupy.cuda.runtime
         self.host_ptr = self._rt.hostAlloc(num_int32 * 4, _HOST_ALLOC_MAPPED)
         ctypes.memset(self.host_ptr, 0, num_int32 * 4)
-        self.device_ptr = self._rt.hostGetDevicePointer(self.host_ptr, 0)
+        self.device_ptr = _device_pointer_of_host(self.host_ptr)
         self.words = np.ctypeslib.as_array((ctypes.c_int32 * num_int32).from_address(
             self.host_ptr))
 

@@ -121,7 +121,8 @@ def _back_to_back(rank, world, nvl, num_calls):
     for call in range(num_calls):
         n = int(torch.randint(0, 48, (1,), generator=g))
         topk = [2, 8][call % 2]
-        experts = [2, 4][call % 3 % 2] * world
+        experts = max([2, 4][call % 3 % 2] * world, topk)
+        experts += (-experts) % world
         counts = torch.randint(0, 48, (world,), generator=g)
         counts[rank] = n
         x = torch.randint(-3, 4, (n, 2048), generator=g).to(torch.bfloat16).to(dev)
