@@ -138,7 +138,23 @@ def bench_megatron(xs, idxs, ws, num_experts: int) -> Dict[str, float]:
     return {"dispatch_us": dispatch_us, "combine_us": combine_us}
 
 
-def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool) -> List[dict]:
+def profile_kernels(buf, x, idx, w, num_experts: int, no_sync: bool) -> str:
+    """Per-kernel GPU time of a few dispatch+combine calls (torch.profiler), to split kernel time
+    from host gaps."""
+    from torch.profiler import ProfilerActivity, profile
+    bound = x.shape[0] * idx.shape[1] if no_sync else None
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            recv_x, _, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts,
+                                                num_max_recv_rows=bound)
+            buf.combine(recv_x, handle)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                     max_name_column_width=50)
+
+
+def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
+        profile_first: bool = False) -> List[dict]:
     from megatron_deepep.buffer import Buffer
 
     rank, ep = dist.get_rank(), dist.get_world_size()
@@ -157,6 +173,9 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool) -> L
             for no_sync in (False, True):
                 res = bench_ours(buf, xs, idxs, ws, num_experts, no_sync)
                 entry[f"ours_sms{num_sms}_{'nosync' if no_sync else 'sync'}"] = res
+            if profile_first and rank == 0 and not rows:
+                table = profile_kernels(buf, xs[0], idxs[0], ws[0], num_experts, True)
+                sys.stdout.write(f"profile, {num_sms} SMs:\n{table}\n")
             buf.destroy()
         rows_recv = entry[f"ours_sms{num_sms_list[0]}_sync"]["num_recv_rows"]
         entry["dispatch_bytes"] = (num_tokens + rows_recv) * hidden * 2
@@ -190,8 +209,10 @@ def print_table(rows: List[dict]) -> None:
                 lines.append(f"{tuple(e['shape'])} | {e['ep']} | {key} | {res['error']}")
                 continue
             d, c = res["dispatch_us"], res["combine_us"]
+            host = (f" (host {res['dispatch_host_us']:.0f} µs/call)"
+                    if "dispatch_host_us" in res else "")
             lines.append(
-                f"{tuple(e['shape'])} | {e['ep']} | {key} | {d:.1f} | "
+                f"{tuple(e['shape'])} | {e['ep']} | {key}{host} | {d:.1f} | "
                 f"{e['dispatch_bytes'] / d / 1e3:.0f} | {floor / d:.2f} | {c:.1f} | "
                 f"{e['combine_bytes'] / c / 1e3:.0f} | {floor / c:.2f}")
         lines.append(f"{tuple(e['shape'])} | floor {floor:.1f} µs at copy "
@@ -232,6 +253,8 @@ def main(argv=None) -> None:
     parser.add_argument("--num-sms", default="24,132", help="SM budgets to run, comma-separated")
     parser.add_argument("--out", default=".bench_out", help="folder for bench.json/bench.png")
     parser.add_argument("--no-megatron", action="store_true", help="skip Megatron's dispatcher")
+    parser.add_argument("--profile", action="store_true",
+                        help="print per-kernel GPU times for the first shape")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
@@ -249,7 +272,7 @@ def main(argv=None) -> None:
         tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     sms = [min(int(s), torch.cuda.get_device_properties(0).multi_processor_count)
            for s in args.num_sms.split(",")]
-    run(shapes, sms, args.out, not args.no_megatron)
+    run(shapes, sms, args.out, not args.no_megatron, args.profile)
     dist.destroy_process_group()
 
 

@@ -43,13 +43,17 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
     """`DispatchLayout` of `topk_idx [N, K]` (see layout.py), computed by layout.cu."""
     num_tokens, num_topk = topk_idx.shape
     dev = topk_idx.device
+    # One int32 allocation carved into the five int tensors: allocations dominate host time.
+    sizes = [num_ranks, num_experts, num_tokens * num_ranks, num_ranks * num_tokens,
+             num_tokens * num_topk]
+    per_rank, per_expert, slot_in_rank, slot_token, pos = torch.empty(
+        sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     out = DispatchLayout(
-        num_tokens_per_rank=torch.empty(num_ranks, dtype=torch.int32, device=dev),
-        num_tokens_per_expert=torch.empty(num_experts, dtype=torch.int32, device=dev),
+        num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
         is_token_in_rank=torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev),
-        token_slot_in_rank=torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev),
-        slot_token=torch.empty(num_ranks, num_tokens, dtype=torch.int32, device=dev),
-        pos_in_expert=torch.empty(num_tokens, num_topk, dtype=torch.int32, device=dev))
+        token_slot_in_rank=slot_in_rank.view(num_tokens, num_ranks),
+        slot_token=slot_token.view(num_ranks, num_tokens),
+        pos_in_expert=pos.view(num_tokens, num_topk))
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
     kernel.launch(num_experts + num_ranks, LAYOUT_THREADS, [
         ptr(topk_idx), i32(num_tokens), i32(num_experts), i32(num_ranks),

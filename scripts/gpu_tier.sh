@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu tests/gpu -x -q -rs 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu tests/gpu -x -q -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

@@ -121,12 +121,12 @@ class NVLinkTransport:
         num_topk = topk_idx.shape[1]
         if layout is None:
             layout = ops.layout(topk_idx, num_experts, R, self.rank, self.errors)
-        recv = RecvLayout(
-            num_recv_tokens_per_expert=torch.empty(num_local, dtype=torch.int32, device=dev),
-            tokens_per_expert=torch.empty(num_local, dtype=torch.int32, device=dev),
-            expert_row_start=torch.empty(num_local + 1, dtype=torch.int32, device=dev),
-            src_expert_offset=torch.empty(R, num_local, dtype=torch.int32, device=dev))
-        num_recv_tokens_per_rank = torch.empty(R, dtype=torch.int32, device=dev)
+        sizes = [num_local, num_local, num_local + 1, R * num_local, R]
+        per_expert, padded, row_start, src_offset, num_recv_tokens_per_rank = torch.empty(
+            sum(sizes), dtype=torch.int32, device=dev).split(sizes)  # one allocation
+        recv = RecvLayout(num_recv_tokens_per_expert=per_expert, tokens_per_expert=padded,
+                          expert_row_start=row_start,
+                          src_expert_offset=src_offset.view(R, num_local))
         self.notify_epoch += 1
         self.dispatch_epoch += 1
         bound = -1 if num_max_recv_rows is None else num_max_recv_rows
