@@ -1,0 +1,389 @@
+"""`DeepEPTokenDispatcher`: Megatron's six-hook MoE dispatcher contract on `megatron_deepep`.
+
+Notation (Megatron's): T local tokens (S/TP * B), H hidden, E experts, E_local = E / EP,
+K = `moe_router_topk`, M received rows (expert-major, padded per expert to the alignment).
+
+Hook mapping (`MoELayer` calls them in this order):
+
+| hook                  | work                                                    | comm |
+|-----------------------|---------------------------------------------------------|------|
+| `dispatch_preprocess` | `routing_map [T,E]`, `probs [T,E]` -> `topk_idx [T,K]`,  | none |
+|                       | `topk_weights [T,K]` (a `gather`: probs stay in graph)  |      |
+| `token_dispatch`      | `autograd.dispatch`: rows once per rank, expanded to    | EP   |
+|                       | expert-major rows on the receiver (permute fused)       |      |
+| `dispatch_postprocess`| counts for the experts; pad-to-capacity reshuffle       | none |
+| `combine_preprocess`  | undo the pad-to-capacity reshuffle                      | none |
+| `token_combine`       | `autograd.combine`: per-token partials, reduced at home | EP   |
+| `combine_postprocess` | view back to `[S/TP, B, H]`, add the shared experts     | none |
+
+The probs handed to `token_dispatch` are the ones it uses (nothing cached in between), so
+Megatron's A2A-overlap schedule may detach them between its nodes. Every forward builds a new
+handle, so `moe` recompute (the layer's forward running twice) is safe. Ranks with no tokens take
+part in every collective, forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import weakref
+from typing import List, Optional
+
+import torch
+
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+logger = logging.getLogger(__name__)
+
+#: The value of `moe_token_dispatcher_type` that selects this dispatcher.
+DISPATCHER_TYPE = "deepep"
+
+#: Prefix of our TransformerConfig fields (added by the patches) and environment variables. It is
+#: distinct from Megatron's own `moe_deepep_num_sms` / `moe_enable_deepep` (flex backend knobs).
+CONFIG_PREFIX = "moe_mdeep_"
+ENV_PREFIX = "MDEEP_"
+
+
+@dataclasses.dataclass
+class DeepEPOptions:
+    """Knobs of the dispatcher.
+
+    Each is read, highest precedence first, from the TransformerConfig field
+    `moe_mdeep_<name>` (the patches add these; None means unset), the keyword arguments of
+    `register_deepep_dispatcher(...)`, the environment variable `MDEEP_<NAME>`, and this default.
+
+    Attributes:
+        transport: "auto" (NVLink kernels on CUDA, the pure-torch reference elsewhere),
+            "nvlink" or "reference".
+        num_sms: SM budget of the communication kernels.
+        num_max_tokens_per_rank: the most tokens one rank dispatches per call. It sizes the
+            symmetric buffer and must be the same on every EP rank; None picks the next power of
+            two >= the first call's token count (at least 4096), which every rank agrees on as
+            long as they see the same token count (fixed sequence length and micro-batch).
+        metrics: collect per-layer communication and load metrics (`megatron_deepep.metrics`).
+        metrics_dir: where `metrics` also writes one JSON line per step (for
+            `scripts/plot_metrics.py`); None writes no file.
+    """
+
+    transport: str = "auto"
+    num_sms: int = 24
+    num_max_tokens_per_rank: Optional[int] = None
+    metrics: bool = False
+    metrics_dir: Optional[str] = None
+
+
+_REGISTERED_OPTIONS: dict = {}
+
+
+def set_default_options(**kwargs) -> None:
+    """Sets option defaults for dispatchers built from now on (`register_deepep_dispatcher`)."""
+    names = {f.name for f in dataclasses.fields(DeepEPOptions)}
+    for key in kwargs:
+        if key not in names:
+            raise ValueError(f"unknown megatron_deepep option {key!r}; known: {sorted(names)}")
+    _REGISTERED_OPTIONS.update({k: v for k, v in kwargs.items() if v is not None})
+
+
+def _env_value(field: dataclasses.Field):
+    raw = os.environ.get(ENV_PREFIX + field.name.upper())
+    if raw is None or raw == "":
+        return None
+    if field.name in ("num_sms", "num_max_tokens_per_rank"):
+        return int(raw)
+    if field.name == "metrics":
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return raw
+
+
+def resolve_options(config) -> DeepEPOptions:
+    """Resolves `DeepEPOptions` for `config` (see `DeepEPOptions` for the precedence)."""
+    values = {}
+    for field in dataclasses.fields(DeepEPOptions):
+        value = getattr(config, CONFIG_PREFIX + field.name, None)
+        if value is None:
+            value = _REGISTERED_OPTIONS.get(field.name)
+        if value is None:
+            value = _env_value(field)
+        if value is not None:
+            values[field.name] = value
+    return DeepEPOptions(**values)
+
+
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """Turns Megatron's dense routing into top-k lists (local, no host synchronization).
+
+    Args:
+        routing_map: `[T, E]`, bool, at most `topk` True per row (fewer after token dropping).
+        probs: `[T, E]`, float, 0 off-route; may require grad.
+        topk: K.
+
+    Returns:
+        `topk_idx [T, K]` int64 (routed experts in ascending id order, -1 for empty entries) and
+        `topk_weights [T, K]` float32 (a differentiable gather of `probs`, 0 for empty entries).
+    """
+    num_tokens, num_experts = routing_map.shape
+    k = min(topk, num_experts)
+    # Key: E - e for routed experts, 0 otherwise. Its top-k are the routed experts, ascending.
+    rank_key = torch.arange(num_experts, 0, -1, device=routing_map.device, dtype=torch.int32)
+    key = routing_map.to(torch.int32) * rank_key
+    top_key, top_idx = torch.topk(key, k, dim=1, sorted=True)
+    valid = top_key > 0
+    topk_idx = torch.where(valid, top_idx, torch.full_like(top_idx, -1))
+    weights = probs.gather(1, top_idx).float()
+    topk_weights = weights * valid.to(weights.dtype)
+    if k < topk:
+        pad = topk - k
+        topk_idx = torch.cat([topk_idx, topk_idx.new_full((num_tokens, pad), -1)], dim=1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_zeros(num_tokens, pad)], dim=1)
+    return topk_idx, topk_weights
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class DeepEPTokenDispatcher(MoETokenDispatcher):
+    """MoE token dispatcher whose EP communication runs on `megatron_deepep`.
+
+    Args:
+        num_local_experts: E_local.
+        local_expert_indices: the global ids of this rank's experts (a contiguous block).
+        config: the TransformerConfig.
+        pg_collection: the process groups; `ep` carries the communication.
+
+    Raises:
+        ValueError: for settings it does not support (expert tensor parallelism, FP8 on the
+            wire, `moe_enable_deepep`), naming the flag.
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
+                 pg_collection=None) -> None:
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.options = resolve_options(config)
+        self._check_config(config)
+
+        self.ep_rank = _group_rank(self.ep_group)
+        expected = list(range(self.ep_rank * num_local_experts,
+                              (self.ep_rank + 1) * num_local_experts))
+        if self.local_expert_indices != expected:
+            raise ValueError(
+                f"deepep dispatcher needs contiguous expert placement: EP rank {self.ep_rank} "
+                f"should own experts {expected}, got {self.local_expert_indices}")
+
+        # Per-expert segment alignment, padded in the kernel (Megatron must not pad again).
+        self.expert_alignment = 1
+        if getattr(config, "moe_router_padding_for_quantization", False):
+            from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+            self.expert_alignment = int(get_align_size_for_quantization(config)) or 1
+        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+
+        self.hidden_shape = None
+        self._topk_idx = None
+        self._probs_dtype = None
+        self._handle = None
+        self._pad_dest = None
+        self._buffer = None
+        self._layer_ref = None
+        self._metrics_pending = None
+        # The dispatch synchronizes with the host to size its output, so the `moe_preprocess`
+        # CUDA-graph scope cannot capture it: nothing to declare.
+        self.cudagraph_attrs = []
+
+    # ------------------------------------------------------------------------------------------
+    def _check_config(self, config) -> None:
+        if self.tp_size > 1:
+            raise ValueError(
+                f"moe_token_dispatcher_type='deepep' does not support expert tensor parallelism "
+                f"(expert_tensor_parallel_size={self.tp_size}); set "
+                f"--expert-tensor-parallel-size 1 (experts keep their full width, EP carries "
+                f"them)")
+        if getattr(config, "moe_enable_deepep", False):
+            raise ValueError(
+                "--moe-enable-deepep selects DeepEP inside Megatron's 'flex' dispatcher; with "
+                "--moe-token-dispatcher-type deepep (megatron_deepep) leave it off")
+        if self.num_experts % max(self.ep_size, 1) != 0:
+            raise ValueError(f"num_moe_experts={self.num_experts} must be a multiple of "
+                             f"expert_model_parallel_size={self.ep_size}")
+
+    def bind_layer(self, layer) -> None:
+        """Remembers the owning MoELayer (weakly): metrics read its `layer_number`."""
+        self._layer_ref = weakref.ref(layer)
+
+    @property
+    def layer_number(self) -> Optional[int]:
+        layer = self._layer_ref() if self._layer_ref is not None else None
+        return getattr(layer, "layer_number", None)
+
+    def set_shared_experts(self, shared_experts) -> None:
+        """Overlaps the shared experts with dispatch/combine (`--moe-shared-expert-overlap`).
+
+        Placement: TP gather in preprocess, fc1 after the dispatch, fc2 and the TP scatter after
+        the combine, the sum in `combine_postprocess`, all on the shared experts' side stream.
+        """
+        super().set_shared_experts(shared_experts)
+        if getattr(shared_experts, "use_shared_expert_gate", False):
+            self.cudagraph_attrs.append("shared_experts.gate_score")
+
+    # ------------------------------------------------------------------------------------------
+    def _get_buffer(self, hidden: torch.Tensor):
+        from megatron_deepep.buffer import get_buffer
+
+        num_tokens = hidden.shape[0]
+        n_max = self.options.num_max_tokens_per_rank
+        if n_max is None:
+            n_max = max(4096, _next_pow2(num_tokens))
+            if self._buffer is not None:
+                n_max = max(n_max, self._buffer.num_max_tokens_per_rank)
+        if num_tokens > n_max:
+            raise ValueError(
+                f"deepep: this rank dispatches {num_tokens} tokens, more than "
+                f"num_max_tokens_per_rank={n_max} (set moe_mdeep_num_max_tokens_per_rank / "
+                f"MDEEP_NUM_MAX_TOKENS_PER_RANK, the same on every rank)")
+        hidden_2b = hidden.shape[1] * max(hidden.element_size(), 2) // 2
+        self._buffer = get_buffer(self.ep_group, num_max_tokens_per_rank=n_max,
+                                  hidden=hidden_2b, num_topk=self.topk,
+                                  transport=self.options.transport,
+                                  num_sms=self.options.num_sms)
+        return self._buffer
+
+    def _metrics(self):
+        if not self.options.metrics:
+            return None
+        from megatron_deepep import metrics
+        return metrics.get_collector(self.options.metrics_dir)
+
+    # ------------------------------------------------------------------------------------------
+    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor):
+        """Local only: `[S/TP, B, H]` -> `[T, H]`; dense routing -> `topk_weights [T, K]`."""
+        self.hidden_shape = tokens.shape
+        hidden = tokens.reshape(-1, self.hidden_shape[-1])
+        self._probs_dtype = probs.dtype
+        self._topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(tokens.view(self.hidden_shape))
+        return hidden, topk_weights
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """EP dispatch: returns `(recv_x [M, H], recv_weights [M])`, expert-major."""
+        from megatron_deepep.autograd import dispatch
+
+        buffer = self._get_buffer(hidden_states)
+        metrics = self._metrics()
+        timer = metrics.start() if metrics is not None else None
+        recv_x, recv_weights, handle = dispatch(
+            buffer, hidden_states.contiguous(), self._topk_idx, probs.float().contiguous(),
+            num_experts=self.num_experts, expert_alignment=self.expert_alignment)
+        if metrics is not None:
+            self._metrics_pending = (timer.stop(), handle, hidden_states)
+        self._handle = handle
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(recv_x)
+        return recv_x, recv_weights
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Returns `(rows, tokens_per_expert, permuted_probs)` for SequentialMLP/TEGroupedMLP.
+
+        `tokens_per_expert` is int64 `[E_local]` on the CPU (the dispatch already knows the
+        counts on the host, so the experts' `.tolist()` costs nothing); segments already carry
+        the quantization padding.
+        """
+        handle = self._handle
+        permuted_probs = probs.to(self._probs_dtype) if self._probs_dtype is not None else probs
+        if handle.tokens_per_expert_list is not None:
+            tokens_per_expert = torch.tensor(handle.tokens_per_expert_list, dtype=torch.int64)
+        else:
+            tokens_per_expert = handle.tokens_per_expert.to(torch.int64)
+        if self.drop_and_pad:
+            hidden_states, permuted_probs, tokens_per_expert = self._pad_to_capacity(
+                hidden_states, permuted_probs, handle)
+        return hidden_states, tokens_per_expert, permuted_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """Local only: undoes the pad-to-capacity layout (else the identity)."""
+        if self.drop_and_pad:
+            dest = self._pad_dest
+            padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])
+            hidden_states = padded.index_select(0, dest)
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        """EP combine: `[M, H]` expert rows -> `[T, H]` per-token sums (fp32 accumulation)."""
+        from megatron_deepep.autograd import combine
+
+        metrics = self._metrics()
+        timer = metrics.start() if metrics is not None else None
+        out = combine(self._buffer, hidden_states.contiguous(), self._handle)
+        if metrics is not None:
+            combine_timer = timer.stop()
+            pending, self._metrics_pending = self._metrics_pending, None
+            if pending is not None:
+                dispatch_timer, handle, x = pending
+                metrics.record(self, handle, dispatch_timer, combine_timer,
+                               row_bytes=x.shape[1] * x.element_size())
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(out)
+            self.shared_experts.post_forward_comm()
+        return out
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        """Local only: back to `[S/TP, B, H]`, plus the overlapped shared-expert output."""
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            shared_output = self.shared_experts.get_output()
+            output = output + shared_output
+        return output
+
+    # ------------------------------------------------------------------------------------------
+    def _capacity_rows(self, num_tokens: int) -> int:
+        """Rows per local expert under pad-to-capacity: EP sources times the router capacity."""
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+
+        capacity = get_capacity(num_tokens=num_tokens * self.topk, num_experts=self.num_experts,
+                                capacity_factor=self.config.moe_expert_capacity_factor)
+        rows = int(capacity) * self.ep_size
+        align = self.expert_alignment
+        return (rows + align - 1) // align * align
+
+    def _pad_to_capacity(self, rows: torch.Tensor, probs: torch.Tensor, handle):
+        """Moves each local expert's rows into a fixed-size segment (static expert shapes).
+
+        The router already dropped tokens over capacity, so every source sends at most
+        `capacity` rows per expert; the segment holds `capacity * EP` rows, zeros after the used
+        ones. Differentiable (index_add forward, index_select backward).
+        """
+        num_tokens = handle.num_tokens
+        seg = self._capacity_rows(num_tokens)
+        e_local, m = self.num_local_experts, rows.shape[0]
+        device = rows.device
+        padded_counts = handle.tokens_per_expert.to(device=device, dtype=torch.long)
+        used_counts = handle.num_recv_tokens_per_expert.to(device=device, dtype=torch.long)
+        starts = torch.cumsum(padded_counts, 0) - padded_counts
+        expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=device),
+                                                padded_counts, output_size=m)
+        pos = torch.arange(m, device=device) - starts[expert_of_row]
+        keep = (pos < used_counts[expert_of_row]) & (pos < seg)
+        dump = e_local * seg
+        dest = torch.where(keep, expert_of_row * seg + pos, torch.full_like(pos, dump))
+        self._pad_dest = dest
+        out = rows.new_zeros(dump + 1, rows.shape[1]).index_add(0, dest, rows)[:dump]
+        out_probs = probs.new_zeros(dump + 1).index_add(0, dest, probs)[:dump]
+        tokens_per_expert = torch.full((e_local,), seg, dtype=torch.int64)
+        return out, out_probs, tokens_per_expert
+
+
+def _group_rank(group) -> int:
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)

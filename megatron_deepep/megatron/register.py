@@ -1,0 +1,267 @@
+"""Runtime plugin: makes `deepep` a dispatcher type of an unmodified pip megatron-core.
+
+    import megatron_deepep.megatron as mdm
+    mdm.register_deepep_dispatcher()          # before building configs / parsing arguments
+
+After the call (megatron-core 0.16.x to 0.19.x):
+
+* `TransformerConfig.moe_token_dispatcher_type` accepts "deepep": its `Literal` gains the value
+  (megatron.training 0.16+ derives `--moe-token-dispatcher-type` choices from it, so the CLI
+  accepts it when arguments are parsed after the call), and `__post_init__` validates a deepep
+  config with the rules of "alltoall" (which allow shared-expert overlap, the EP A2A overlap and
+  router padding), after our own checks;
+* `MoELayer` builds a `DeepEPTokenDispatcher` for it;
+* the A2A-overlap memory policy (`should_free_input`) keeps the dispatched rows alive (the
+  experts save them: our dispatch postprocess is an identity);
+* on versions that have `skip_routed_expert_padding`, experts do not pad again when
+  `moe_router_padding_for_quantization` is set (the kernel pads each expert's rows);
+* Megatron's step-end MoE report first flushes `megatron_deepep.metrics` (when enabled).
+
+Everything is a wrapper around the original function, idempotent, and undone by
+`unregister_deepep_dispatcher()`. On Megatron-LM source trees the patches in `patches/` do the
+same statically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import typing
+from typing import Dict, List, Tuple
+
+from megatron_deepep.megatron.dispatcher import (
+    DISPATCHER_TYPE,
+    DeepEPTokenDispatcher,
+    set_default_options,
+)
+
+logger = logging.getLogger(__name__)
+
+# Type whose validation rules a deepep config borrows inside TransformerConfig.__post_init__.
+_VALIDATE_AS = "alltoall"
+# Branch of MoELayer.__init__'s if/elif chain that we route to our class while it runs.
+_BUILD_AS = "allgather"
+_BUILD_AS_CLASS = "MoEAllGatherTokenDispatcher"
+
+_MARK = "_megatron_deepep_wrapped"
+# (owner, attribute, original) for every replacement, for unregister.
+_PATCHES: List[Tuple[object, str, object]] = []
+_REBOUND: List[Tuple[object, str, object]] = []
+_STATE: Dict[str, object] = {"registered": False}
+
+
+def _replace(owner, name: str, new) -> None:
+    old = getattr(owner, name)
+    _PATCHES.append((owner, name, old))
+    setattr(owner, name, new)
+
+
+def _rebind_everywhere(old, new) -> None:
+    """Points every loaded module's global bound to `old` (a `from x import f`) at `new`."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not namespace or not getattr(module, "__name__", "").startswith("megatron"):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is old:
+                _REBOUND.append((module, attr, old))
+                setattr(module, attr, new)
+
+
+@contextlib.contextmanager
+def _dispatcher_type_as(config, alias: str):
+    """Temporarily shows `alias` as the config's dispatcher type (single-threaded init code)."""
+    object.__setattr__(config, "moe_token_dispatcher_type", alias)
+    try:
+        yield
+    finally:
+        object.__setattr__(config, "moe_token_dispatcher_type", DISPATCHER_TYPE)
+
+
+def _is_deepep(config) -> bool:
+    return getattr(config, "moe_token_dispatcher_type", None) == DISPATCHER_TYPE
+
+
+# ----------------------------------------------------------------------------------------------
+def _patch_config() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
+    choices = typing.get_args(field.type) if typing.get_origin(field.type) is typing.Literal \
+        else ()
+    if DISPATCHER_TYPE not in choices:
+        new_type = typing.Literal[tuple(choices) + (DISPATCHER_TYPE,)] if choices else str
+        _PATCHES.append((field, "type", field.type))
+        field.type = new_type
+        annotations = TransformerConfig.__dict__.get("__annotations__", {})
+        if "moe_token_dispatcher_type" in annotations:
+            _PATCHES.append((annotations, None, dict(annotations)))
+            annotations["moe_token_dispatcher_type"] = new_type
+
+    original = TransformerConfig.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        if not _is_deepep(self):
+            return original(self, *args, **kwargs)
+        check_config(self)
+        with _dispatcher_type_as(self, _VALIDATE_AS):
+            return original(self, *args, **kwargs)
+
+    setattr(__post_init__, _MARK, True)
+    _replace(TransformerConfig, "__post_init__", __post_init__)
+
+
+def check_config(config) -> None:
+    """Our own validation of a deepep config, run before Megatron's (errors name the flag)."""
+    if getattr(config, "moe_enable_deepep", False):
+        raise ValueError(
+            "--moe-enable-deepep selects DeepEP inside Megatron's 'flex' dispatcher; it cannot be "
+            "combined with --moe-token-dispatcher-type deepep (megatron_deepep). Drop it.")
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    if etp is not None and etp > 1:
+        raise ValueError(
+            f"--moe-token-dispatcher-type deepep does not support expert tensor parallelism "
+            f"(--expert-tensor-parallel-size {etp}); use --expert-tensor-parallel-size 1")
+    if getattr(config, "num_moe_experts", None) is None:
+        raise ValueError("--moe-token-dispatcher-type deepep needs --num-experts")
+
+
+def _patch_moe_layer() -> None:
+    from megatron.core.transformer.moe import moe_layer
+
+    original = moe_layer.MoELayer.__init__
+
+    def build_dispatcher(num_local_experts, local_expert_indices, config=None,
+                         pg_collection=None, **kwargs):
+        if kwargs:
+            raise TypeError(f"deepep dispatcher: unexpected arguments {sorted(kwargs)} (Megatron "
+                            f"before 0.15 passes model_comm_pgs: use the patches/ for it)")
+        return DeepEPTokenDispatcher(num_local_experts, local_expert_indices, config=config,
+                                     pg_collection=pg_collection)
+
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        if not _is_deepep(config):
+            return original(self, config, *args, **kwargs)
+        saved = getattr(moe_layer, _BUILD_AS_CLASS)
+        setattr(moe_layer, _BUILD_AS_CLASS, build_dispatcher)
+        try:
+            with _dispatcher_type_as(config, _BUILD_AS):
+                original(self, config, *args, **kwargs)
+        finally:
+            setattr(moe_layer, _BUILD_AS_CLASS, saved)
+        if not isinstance(self.token_dispatcher, DeepEPTokenDispatcher):
+            raise RuntimeError("megatron_deepep: MoELayer did not build the deepep dispatcher; "
+                               "this Megatron version needs the patch from patches/")
+        self.token_dispatcher.bind_layer(self)
+
+    setattr(__init__, _MARK, True)
+    _replace(moe_layer.MoELayer, "__init__", __init__)
+
+
+# Nodes of the A2A-overlap schedule whose inputs may be freed right after their forward.
+_DEEPEP_FREE_INPUT = {
+    # The experts save the dispatched rows (our postprocess is an identity): keep them.
+    "mlp": False,
+    # Conservative, like Megatron's own deepep/hybridep backends.
+    "moe_dispatch": False,
+    "moe_combine": True,
+}
+
+
+def should_free_input_for_deepep(name: str) -> bool:
+    return _DEEPEP_FREE_INPUT.get(name, False)
+
+
+def _patch_should_free_input() -> None:
+    modules = []
+    for path in ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"):
+        try:
+            __import__(path)
+            modules.append(sys.modules[path])
+        except Exception:  # absent in this version, or needs optional packages
+            continue
+    seen = set()
+    for module in modules:
+        original = getattr(module, "should_free_input", None)
+        if original is None or getattr(original, _MARK, False) or id(original) in seen:
+            continue
+        seen.add(id(original))
+
+        def make(original):
+            @functools.wraps(original)
+            def should_free_input(name, is_moe, *args, **kwargs):
+                config = args[0] if args else kwargs.get("config")
+                if is_moe and config is not None and not isinstance(config, bool) \
+                        and _is_deepep(config):
+                    return should_free_input_for_deepep(name)
+                return original(name, is_moe, *args, **kwargs)
+            setattr(should_free_input, _MARK, True)
+            return should_free_input
+
+        wrapped = make(original)
+        _rebind_everywhere(original, wrapped)
+
+
+def _patch_skip_padding() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    original = getattr(moe_utils, "skip_routed_expert_padding", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def skip_routed_expert_padding(config, *args, **kwargs):
+        if _is_deepep(config) and getattr(config, "moe_router_padding_for_quantization", False):
+            return True
+        return original(config, *args, **kwargs)
+
+    setattr(skip_routed_expert_padding, _MARK, True)
+    _rebind_everywhere(original, skip_routed_expert_padding)
+
+
+# ----------------------------------------------------------------------------------------------
+def register_deepep_dispatcher(**options) -> None:
+    """Makes `moe_token_dispatcher_type="deepep"` work in this process (idempotent).
+
+    Call it before TransformerConfigs are built and before megatron.training parses arguments.
+
+    Args:
+        **options: defaults for `DeepEPOptions` (`transport`, `num_sms`,
+            `num_max_tokens_per_rank`, `metrics`, `metrics_dir`); config fields
+            `moe_mdeep_<name>` (patched Megatron) override them, and they override `MDEEP_<NAME>`
+            environment variables.
+    """
+    set_default_options(**options)
+    if _STATE["registered"]:
+        return
+    _patch_config()
+    _patch_moe_layer()
+    _patch_should_free_input()
+    _patch_skip_padding()
+    from megatron_deepep import metrics
+    metrics.install_megatron_hooks()
+    _STATE["registered"] = True
+    logger.info("megatron_deepep: moe_token_dispatcher_type='deepep' registered")
+
+
+def is_registered() -> bool:
+    return bool(_STATE["registered"])
+
+
+def unregister_deepep_dispatcher() -> None:
+    """Restores every function and annotation `register_deepep_dispatcher` replaced."""
+    while _REBOUND:
+        module, attr, old = _REBOUND.pop()
+        setattr(module, attr, old)
+    while _PATCHES:
+        owner, name, old = _PATCHES.pop()
+        if name is None:  # an annotations dict
+            owner.clear()
+            owner.update(old)
+        else:
+            setattr(owner, name, old)
+    _STATE["registered"] = False
