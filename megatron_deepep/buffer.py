@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import validate
+from megatron_deepep import ops, validate
 from megatron_deepep.events import EventHandle
 from megatron_deepep.handle import DispatchHandle
 from megatron_deepep.layout import DispatchLayout
@@ -122,13 +122,12 @@ class Buffer:
             self._comm_stream.wait_event(previous_event.event)
         else:
             self._comm_stream.wait_stream(compute)
-        with torch.cuda.stream(self._comm_stream):
+        # Outputs are allocated on the current stream and written on the comm stream; a
+        # synchronous call ends with the current stream waiting, so no record_stream is needed.
+        with ops.launch_on(self._comm_stream):
             result = fn()
-        outputs = [t for t in _flatten(result) if isinstance(t, torch.Tensor) and t.is_cuda]
-        for t in outputs:
-            t.record_stream(compute)
         if async_finish:
-            for t in inputs:
+            for t in list(inputs) + list(_flatten(result)):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(self._comm_stream)
             event = torch.cuda.Event()

@@ -7,6 +7,8 @@ Every launch goes on the torch stream that is current when it is called.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Optional
 
 import numpy as np
@@ -27,8 +29,24 @@ def _index_type(t: torch.Tensor) -> str:
     return "long long" if t.dtype == torch.int64 else "int"
 
 
+_launch = threading.local()
+
+
+@contextlib.contextmanager
+def launch_on(stream):
+    """Kernels launched inside go to `stream`; tensors are still allocated on the current stream
+    (so a synchronous call needs no `record_stream`)."""
+    previous = getattr(_launch, "stream", None)
+    _launch.stream = stream
+    try:
+        yield
+    finally:
+        _launch.stream = previous
+
+
 def _stream():
-    return torch.cuda.current_stream()
+    stream = getattr(_launch, "stream", None)
+    return stream if stream is not None else torch.cuda.current_stream()
 
 
 class ErrorSink:

@@ -121,9 +121,11 @@ class NVLinkTransport:
         num_topk = topk_idx.shape[1]
         if layout is None:
             layout = ops.layout(topk_idx, num_experts, R, self.rank, self.errors)
-        sizes = [num_local, num_local, num_local + 1, R * num_local, R]
-        per_expert, padded, row_start, src_offset, num_recv_tokens_per_rank = torch.empty(
-            sum(sizes), dtype=torch.int32, device=dev).split(sizes)  # one allocation
+        slots = R * self.regions.max_tokens * num_topk
+        sizes = [num_local, num_local, num_local + 1, R * num_local, R, slots]
+        per_expert, padded, row_start, src_offset, num_recv_tokens_per_rank, slot_rows = \
+            torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)  # one allocation
+        slot_rows = slot_rows.view(R, self.regions.max_tokens, num_topk)
         recv = RecvLayout(num_recv_tokens_per_expert=per_expert, tokens_per_expert=padded,
                           expert_row_start=row_start,
                           src_expert_offset=src_offset.view(R, num_local))
@@ -145,8 +147,6 @@ class NVLinkTransport:
             num_rows = num_max_recv_rows
         recv_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        slot_rows = torch.empty(R, self.regions.max_tokens, num_topk, dtype=torch.int32,
-                                device=dev)
         ops.dispatch_recv(recv_x, recv_weights, recv, num_recv_tokens_per_rank, slot_rows, x,
                           topk_idx, topk_weights, layout, False, num_local=num_local,
                           epoch=self.dispatch_epoch, num_sms=self.num_sms,
