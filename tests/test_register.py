@@ -1,0 +1,171 @@
+"""The runtime plugin: an unmodified pip megatron-core accepts `deepep` after one call.
+
+Every check runs in a spawned interpreter (fresh imports, nothing registered before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+H = 32
+
+
+def _config(dispatcher_type, **kwargs):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=H, ffn_hidden_size=64, num_attention_heads=4,
+                num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type=dispatcher_type,
+                use_cpu_initialization=True, add_bias_linear=False,
+                gradient_accumulation_fusion=False)
+    base.update(kwargs)
+    return TransformerConfig(**base)
+
+
+def _moe_layer(dispatcher_type, seed=0, **kwargs):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    submodules = MoESubmodules(experts=ModuleSpec(
+        module=SequentialMLP,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)))
+    torch.manual_seed(seed)
+    return MoELayer(_config(dispatcher_type, **kwargs), submodules, layer_number=1)
+
+
+def _cpu_router(layer):
+    """Megatron's TopKRouter moves its weight to CUDA; this CPU stand-in keeps its math."""
+
+    def forward(hidden, padding_mask=None):
+        logits = hidden.reshape(-1, H) @ layer.router.weight.t()
+        scores = torch.softmax(logits.float(), dim=-1)
+        _, idx = torch.topk(scores, layer.config.moe_router_topk, dim=-1)
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
+        return scores * routing_map, routing_map
+
+    layer.router.forward = forward
+
+
+_SHARED_OVERLAP = dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True)
+_A2A_OVERLAP = dict(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2,
+                    bf16=True)
+
+
+def _accepts_worker(rank, world_size):
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    import megatron_deepep.megatron as mdm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # Before: Megatron refuses the type where it checks it.
+    with pytest.raises(ValueError, match="alltoall"):
+        _config("deepep", **_SHARED_OVERLAP)
+    with pytest.raises(AssertionError, match="alltoall"):
+        _config("deepep", **_A2A_OVERLAP)
+    with pytest.raises(ValueError, match="Unsupported token dispatcher type"):
+        _moe_layer("deepep")
+
+    mdm.register_deepep_dispatcher(transport="reference")
+    mdm.register_deepep_dispatcher(transport="reference")  # idempotent
+    assert mdm.is_registered()
+
+    # TransformerConfig: the Literal (which megatron.training turns into CLI choices) and checks.
+    field = {f.name: f for f in dataclasses.fields(TransformerConfig)}["moe_token_dispatcher_type"]
+    choices = typing.get_args(field.type)
+    assert "deepep" in choices and {"allgather", "alltoall", "flex"} <= set(choices)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe-token-dispatcher-type", type=str, choices=choices)
+    assert parser.parse_args(["--moe-token-dispatcher-type", "deepep"]).moe_token_dispatcher_type \
+        == "deepep"
+    assert _config("deepep").moe_token_dispatcher_type == "deepep"
+    assert _config("deepep", **_SHARED_OVERLAP).moe_shared_expert_overlap
+    assert _config("deepep", **_A2A_OVERLAP).overlap_moe_expert_parallel_comm
+    # Other types keep Megatron's rules.
+    with pytest.raises(ValueError, match="alltoall"):
+        _config("allgather", **_SHARED_OVERLAP)
+    # Our own checks name the flag.
+    with pytest.raises(ValueError, match="moe-enable-deepep"):
+        _config("deepep", moe_enable_deepep=True)
+
+    # MoELayer builds our dispatcher and binds it to the layer.
+    layer = _moe_layer("deepep")
+    assert isinstance(layer.token_dispatcher, mdm.DeepEPTokenDispatcher)
+    assert layer.token_dispatcher.layer_number == 1
+    assert layer.config.moe_token_dispatcher_type == "deepep"
+
+    # A2A-overlap memory policy: dispatched rows are kept for the experts' backward.
+    from megatron.core.models.gpt import fine_grained_callables as fgc
+    cfg = _config("deepep")
+    assert fgc.should_free_input("mlp", True, cfg) is False
+    assert fgc.should_free_input("moe_dispatch", True, cfg) is False
+    assert fgc.should_free_input("moe_combine", True, cfg) is True
+    assert fgc.should_free_input("mlp", False, cfg) is False
+    assert fgc.should_free_input("mlp", True, _config("alltoall")) is True
+
+    # Option precedence: config field > register kwargs > environment.
+    assert mdm.resolve_options(cfg).transport == "reference"
+    cfg.moe_mdeep_num_sms = 7
+    assert mdm.resolve_options(cfg).num_sms == 7
+    with pytest.raises(ValueError, match="unknown megatron_deepep option"):
+        mdm.register_deepep_dispatcher(not_an_option=1)
+
+    # Undo restores Megatron's behaviour.
+    mdm.unregister_deepep_dispatcher()
+    assert "deepep" not in typing.get_args(field.type)
+    with pytest.raises(ValueError, match="Unsupported token dispatcher type"):
+        _moe_layer("deepep")
+    assert fgc.should_free_input("mlp", True, cfg) is True
+    ps.destroy_model_parallel()
+
+
+def test_plugin_makes_deepep_accepted():
+    run_distributed(1, _accepts_worker, timeout_s=120)
+
+
+def _layer_parity_worker(rank, world_size):
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    import megatron_deepep.megatron as mdm
+
+    mdm.register_deepep_dispatcher(transport="reference")
+    ours = _moe_layer("deepep", seed=3)
+    theirs = _moe_layer("allgather", seed=4)
+    theirs.load_state_dict(ours.state_dict())
+    for layer in (ours, theirs):
+        _cpu_router(layer)
+    x = torch.randn(9, 2, H, generator=torch.Generator().manual_seed(5))
+    grad = torch.randn(9, 2, H, generator=torch.Generator().manual_seed(6))
+    results = []
+    for layer in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        out, bias = layer(xi)
+        assert bias is None
+        (out * grad).sum().backward()
+        results.append((out.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (o1, g1, p1), (o2, g2, p2) = results
+    torch.testing.assert_close(o1, o2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-6)
+    assert p1.keys() == p2.keys()
+    for name in p1:
+        assert p1[name] is not None, name
+        torch.testing.assert_close(p1[name], p2[name], rtol=1e-6, atol=1e-6)
+    ps.destroy_model_parallel()
+
+
+def test_moe_layer_matches_allgather_on_cpu():
+    """A real MoELayer (SequentialMLP experts, router gradient through the probs), EP=1."""
+    run_distributed(1, _layer_parity_worker, timeout_s=120)
