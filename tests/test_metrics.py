@@ -1,0 +1,155 @@
+"""Per-layer comm/load metrics: values, the Megatron tracker hook, the JSONL file and the plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+
+H = 16
+E = 8
+K = 2
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, name, value, iteration):
+        self.scalars[(name, iteration)] = float(value)
+
+
+class _Layer:
+    def __init__(self, number):
+        self.layer_number = number
+
+
+def _routing(num_tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.softmax(torch.randn(num_tokens, E, generator=gen) * 3, dim=-1)
+    _, idx = torch.topk(scores, K, dim=1)
+    routing_map = torch.zeros(num_tokens, E, dtype=torch.bool).scatter(1, idx, True)
+    return scores * routing_map, routing_map
+
+
+def _worker(rank, world_size, out_dir):
+    warnings.filterwarnings("ignore")
+    import megatron_deepep.megatron as mdm
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_deepep import metrics
+
+    mdm.register_deepep_dispatcher(transport="reference", metrics=True, metrics_dir=out_dir)
+    ps.initialize_model_parallel(expert_model_parallel_size=world_size)
+    pg = get_default_pg_collection()
+    config = TransformerConfig(num_layers=3, hidden_size=H, num_attention_heads=4,
+                               num_moe_experts=E, moe_router_topk=K,
+                               expert_model_parallel_size=world_size,
+                               moe_token_dispatcher_type="deepep", use_cpu_initialization=True)
+    num_local = E // world_size
+    local = list(range(rank * num_local, (rank + 1) * num_local))
+    layers = {}
+    for number in (1, 3):
+        d = mdm.DeepEPTokenDispatcher(num_local, local, config=config, pg_collection=pg)
+        layers[number] = _Layer(number)
+        d.bind_layer(layers[number])
+        layers[number].dispatcher = d
+
+    tokens = [12, 0] if rank == 0 else [7, 20]  # two micro-batches; rank 0 has an empty one
+    expect_counts = {1: torch.zeros(E, dtype=torch.long), 3: torch.zeros(E, dtype=torch.long)}
+    sent_rows = {1: 0, 3: 0}
+    for mb, n in enumerate(tokens):
+        for number, layer in layers.items():
+            d = layer.dispatcher
+            probs, routing_map = _routing(n, seed=100 * number + 10 * mb + rank)
+            x = torch.randn(n, 1, H).requires_grad_(True)
+            h, p = d.dispatch_preprocess(x, routing_map, probs)
+            h, p = d.token_dispatch(h, p)
+            rows, tpe, pp = d.dispatch_postprocess(h, p)
+            y = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * pp[:, None])))
+            y.sum().backward()
+            counts = routing_map.sum(0).long()
+            dist.all_reduce(counts)
+            expect_counts[number] += counts
+            dest = torch.zeros(n, world_size, dtype=torch.bool)
+            for r in range(world_size):
+                dest[:, r] = routing_map[:, r * num_local:(r + 1) * num_local].any(1)
+            sent_rows[number] += int(dest[:, [r for r in range(world_size) if r != rank]].sum())
+
+    # Nothing was synchronized or reduced yet: the forward only accumulated.
+    collector = metrics.get_collector()
+    assert collector.last_results == {}
+
+    writer = _Writer()
+    moe_utils.track_moe_metrics(loss_scale=0.5, iteration=7, writer=writer,
+                                per_layer_logging=True, num_layers=3)
+    results = collector.last_results
+    assert sorted(results) == [1, 3]
+    for number, m in results.items():
+        counts = expect_counts[number].float()
+        assert m["num_micro_batches"] == 2
+        assert m["tokens_per_expert"] == expect_counts[number].tolist()
+        per_rank = counts.view(world_size, num_local).sum(1)
+        assert m["tokens_per_rank"] == per_rank.long().tolist()
+        assert m["load_imbalance"] == pytest.approx((counts.max() / counts.mean()).item())
+        assert m["idle_share"] == pytest.approx(1 - (per_rank.min() / per_rank.max()).item())
+        assert m["dispatch_ms"] > 0 and m["combine_ms"] > 0
+        mean_sent = torch.tensor(float(sent_rows[number] * H * 4))
+        dist.all_reduce(mean_sent)
+        assert m["bytes_sent"] == pytest.approx(mean_sent.item() / world_size)
+        assert m["dispatch_GBps"] == pytest.approx(
+            m["bytes_sent"] / (m["dispatch_ms"] * 1e-3) / 1e9)
+
+    # Reached the Megatron tracker, hence the writer: mean over the 3 layers' slots (2 MoE
+    # layers recorded; Megatron divides the sum by num_layers), per layer too, loss_scale undone.
+    imb = {n: results[n]["load_imbalance"] for n in results}
+    assert writer.scalars[("deepep_load_imbalance", 7)] == pytest.approx(sum(imb.values()) / 3,
+                                                                         rel=1e-5)
+    assert writer.scalars[("moe/deepep_load_imbalance_layer_0", 7)] == pytest.approx(imb[1],
+                                                                                   rel=1e-5)
+    assert writer.scalars[("moe/deepep_load_imbalance_layer_1", 7)] == 0.0
+    assert writer.scalars[("moe/deepep_idle_share_layer_2", 7)] == pytest.approx(
+        results[3]["idle_share"], rel=1e-5)
+    for name in metrics.TRACKER_NAMES:
+        assert (name, 7) in writer.scalars, name
+
+    # The next report has nothing new: no stale values.
+    writer2 = _Writer()
+    moe_utils.track_moe_metrics(loss_scale=0.5, iteration=8, writer=writer2, num_layers=3)
+    assert writer2.scalars.get(("deepep_load_imbalance", 8), 0.0) == 0.0
+    ps.destroy_model_parallel()
+
+
+def test_metrics_through_megatron_tracker(tmp_path):
+    out_dir = str(tmp_path / "metrics")
+    run_distributed(2, _worker, out_dir, timeout_s=150)
+    path = os.path.join(out_dir, "deepep_metrics_rank0.jsonl")
+    lines = [json.loads(l) for l in open(path, encoding="utf-8")]
+    assert [l["step"] for l in lines] == [7]
+    assert sorted(lines[0]["layers"]) == ["1", "3"]
+    assert not os.path.exists(os.path.join(out_dir, "deepep_metrics_rank1.jsonl"))
+
+    plots = tmp_path / "plots"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"),
+                           out_dir, "--out", str(plots)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("expert_load_heatmap.png", "comm_time_per_layer.png"):
+        assert (plots / name).stat().st_size > 1000, name
+
+
+def test_plot_script_rejects_empty_dir(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "deepep_metrics" in proc.stderr
