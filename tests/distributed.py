@@ -23,6 +23,9 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
         fn(rank, world_size, *args)
+        # Every rank's last collective must be done before any rank tears its group down
+        # (gloo aborts a process whose peer vanishes mid-transfer).
+        dist.barrier()
     except BaseException:  # reported to the parent, which fails the test
         errors.put((rank, traceback.format_exc()))
         raise
