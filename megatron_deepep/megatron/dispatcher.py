@@ -102,6 +102,8 @@ def resolve_options(config) -> DeepEPOptions:
     values = {}
     for field in dataclasses.fields(DeepEPOptions):
         value = getattr(config, CONFIG_PREFIX + field.name, None)
+        if value is False:  # a bool config field can only switch a feature on
+            value = None
         if value is None:
             value = _REGISTERED_OPTIONS.get(field.name)
         if value is None:
