@@ -4,7 +4,7 @@ The CUDA sources in the top-level ``cuda_src/`` are compiled at run time (NVRTC)
 carry them: they are installed as the package ``megatron_deepep.cuda_src`` through ``package_dir``.
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 CUDA_SRC_PATTERNS = ["*.cu", "common/*.cuh"]
 
@@ -16,13 +16,8 @@ setup(
         "README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=[
-        "megatron_deepep",
-        "megatron_deepep.transport",
-        "megatron_deepep.megatron",
-        "megatron_deepep.fp8",
-        "megatron_deepep.cuda_src",
-    ],
+    packages=find_packages(include=["megatron_deepep", "megatron_deepep.*"])
+    + ["megatron_deepep.cuda_src"],
     package_dir={"megatron_deepep.cuda_src": "cuda_src"},
     package_data={"megatron_deepep.cuda_src": CUDA_SRC_PATTERNS},
     include_package_data=False,
