@@ -192,12 +192,21 @@ class Kernel:
 
     name: str
     function: object
+    takes_stream: bool = True
 
     def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0) -> None:
         """Launches on a torch stream; `args` are numpy scalars (pointers as np.uint64)."""
-        with _cupy_stream(stream.cuda_stream, stream.device.index):
-            self.function((max(int(grid), 1),), (int(block),), tuple(args),
-                          shared_mem=shared_mem)
+        cupy_stream = _cupy_stream(stream.cuda_stream, stream.device.index)
+        grid_dims, block_dims = (max(int(grid), 1),), (int(block),)
+        if self.takes_stream:
+            try:  # cupy.cuda.function.Function takes the stream directly: no context switch
+                self.function(grid_dims, block_dims, tuple(args), shared_mem=shared_mem,
+                              stream=cupy_stream)
+                return
+            except TypeError:
+                self.takes_stream = False
+        with cupy_stream:
+            self.function(grid_dims, block_dims, tuple(args), shared_mem=shared_mem)
 
 
 @functools.lru_cache(maxsize=None)
