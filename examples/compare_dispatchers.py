@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Trains the tiny GPT-MoE N steps with `deepep` and with `alltoall` from one seed; compares.
+
+    python examples/compare_dispatchers.py --steps 50 --out compare_out          # 1 GPU, EP=1
+    torchrun --nproc-per-node 8 examples/compare_dispatchers.py --steps 50       # EP = 8
+
+Needs only megatron-core (no megatron.training, which the pip wheel lacks): GPTModel with the
+local (non-TE) layer spec, 4 layers, hidden 512, 8 experts, top-2, aux loss, bf16, random
+tokens from a fixed seed, AdamW. Both runs start from identical weights and see identical
+batches. Writes (rank 0) `loss_curves.png` (both curves) and `step_times.json` (median step time
+per dispatcher, the losses, and the max loss difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup-steps", type=int, default=5, help="left out of the median time")
+    p.add_argument("--out", default="compare_out")
+    p.add_argument("--seq-length", type=int, default=512)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dispatchers", default="deepep,alltoall")
+    return p.parse_args()
+
+
+def init_distributed():
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+
+
+def build_model(args, dispatcher):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=4 * args.hidden_size, moe_ffn_hidden_size=2 * args.hidden_size,
+        num_attention_heads=8, num_moe_experts=args.num_experts, moe_router_topk=args.topk,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+        moe_router_dtype="fp32", moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=dist.get_world_size(), add_bias_linear=False,
+        gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
+                     max_sequence_length=args.seq_length, position_embedding_type="rope")
+    return model.cuda()
+
+
+def batches(args, rank):
+    gen = torch.Generator(device="cuda").manual_seed(args.seed * 7 + rank)
+    s, b = args.seq_length, args.micro_batch_size
+    mask = torch.tril(torch.ones(s, s, device="cuda")).view(1, 1, s, s) < 0.5
+    pos = torch.arange(s, device="cuda").unsqueeze(0).expand(b, -1)
+    for _ in range(args.steps):
+        # A learnable signal: each sequence repeats a short random motif.
+        motif = torch.randint(0, args.vocab_size, (b, 16), device="cuda", generator=gen)
+        tokens = motif.repeat(1, s // 16 + 2)[:, : s + 1]
+        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), pos, mask
+
+
+def train(args, dispatcher):
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    model = build_model(args, dispatcher)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
+    losses, times = [], []
+    rank = dist.get_rank()
+    for step, (tokens, labels, pos, mask) in enumerate(batches(args, rank)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        per_token = model(tokens, pos, mask, labels=labels)
+        loss = per_token.float().mean()
+        loss.backward()
+        if dist.get_world_size() > 1:
+            # Data-parallel average of the replicated grads (EP ranks are the DP ranks here);
+            # Megatron marks expert weights `allreduce=False`: each rank owns its own.
+            for p in params:
+                if p.grad is not None and getattr(p, "allreduce", True):
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        loss_avg = loss.detach().clone()
+        dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG)
+        losses.append(loss_avg.item())
+        try:
+            clear_aux_losses_tracker()
+        except Exception:
+            pass
+        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+            print(f"[{dispatcher}] step {step:3d} loss {losses[-1]:.4f} "
+                  f"time {times[-1] * 1e3:.1f} ms", flush=True)
+    del model, opt
+    torch.cuda.empty_cache()
+    return losses, times
+
+
+def plot(out_dir, curves, steps):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, losses in curves.items():
+        ax.plot(range(len(losses)), losses, label=name, linestyle="-" if name == "deepep" else "--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("LM loss (mean over ranks)")
+    ax.set_title(f"GPT-MoE, EP={dist.get_world_size()}, {steps} steps, one seed")
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, "loss_curves.png")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("compare_dispatchers.py needs CUDA GPUs (it compares the deepep kernels with "
+              "Megatron's alltoall). On a CPU machine run: python -m pytest "
+              "tests/test_megatron_dispatcher.py tests/test_register.py", file=sys.stderr)
+        return 2
+    init_distributed()
+    import megatron_deepep.megatron as mdm
+
+    mdm.register_deepep_dispatcher()
+    results = {}
+    for name in args.dispatchers.split(","):
+        results[name] = train(args, name)
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        png = plot(args.out, {k: v[0] for k, v in results.items()}, args.steps)
+        summary = {
+            "world_size": dist.get_world_size(),
+            "steps": args.steps,
+            "warmup_steps_excluded": args.warmup_steps,
+            "median_step_time_ms": {k: 1e3 * statistics.median(v[1][args.warmup_steps:] or v[1])
+                                    for k, v in results.items()},
+            "losses": {k: v[0] for k, v in results.items()},
+            "gpu": torch.cuda.get_device_name(),
+        }
+        names = list(results)
+        if len(names) == 2:
+            a, b = (results[n][0] for n in names)
+            summary["max_abs_loss_diff"] = max(abs(x - y) for x, y in zip(a, b))
+        with open(os.path.join(args.out, "step_times.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(json.dumps({k: summary[k] for k in summary if k != "losses"}, indent=1))
+        print(png)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
