@@ -6,9 +6,7 @@
 //   combine_reduce (source side): waits for every peer's "done", then for each token sums its
 //     partials over ranks in ascending order in fp32 (its own rank's partial is computed from
 //     y directly, with the same rounding) and rounds once; releases "consumed" to every peer.
-#include "common/buffer.cuh"
-#include "common/error.cuh"
-#include "common/warp.cuh"
+#include "common/protocol.cuh"
 
 using namespace mdeep;
 
@@ -65,21 +63,14 @@ __global__ void __launch_bounds__(kCombineThreads) combine_send(
     int* error_claim, ErrorRecord* error_record) {
     const ErrorState err{error_claim, error_record};
     const Regions rg = *regions_ptr;
-    Meta* mine = meta_of(peer_bases[rank]);
-    __shared__ bool ok;
     __shared__ int slot_start[kMaxRanks + 1];
     if (threadIdx.x == 0) {
-        ok = true;
         slot_start[0] = 0;
         for (int s = 0; s < num_ranks; ++s)
             slot_start[s + 1] = slot_start[s] + (s == rank ? 0 : num_recv_tokens_per_rank[s]);
     }
-    __syncthreads();
-    if (threadIdx.x < num_ranks && threadIdx.x != rank &&
-        !wait_epoch(&mine->combine_consumed[threadIdx.x], epoch - 1, timeout_ns, err, rank,
-                    threadIdx.x, kPhaseCombineSend))
-        ok = false;
-    __syncthreads();
+    const bool ok = block_wait_peers(meta_of(peer_bases[rank])->combine_consumed, epoch - 1,
+                                     num_ranks, rank, false, timeout_ns, err, kPhaseCombineSend);
     if (ok) {
         const int lane = threadIdx.x & 31;
         const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -116,11 +107,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_send(
             }
         }
     }
-    auto* ws = reinterpret_cast<Workspace*>(reinterpret_cast<char*>(peer_bases[rank]) +
-                                            rg.workspace);
-    if (last_block_done(&ws->block_counter[2]) && !has_error(err))
-        for (int s = 0; s < num_ranks; ++s)
-            if (s != rank) st_release_sys(&meta_of(peer_bases[s])->combine_done[rank], epoch);
+    release_peers_when_done<&Meta::combine_done>(peer_bases, rg, 2, rank, num_ranks, epoch, err);
 }
 
 template <int kTopk, bool kWeighted, bool kWithWeights>
@@ -132,15 +119,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
     int* error_claim, ErrorRecord* error_record) {
     const ErrorState err{error_claim, error_record};
     const Regions rg = *regions_ptr;
-    Meta* mine = meta_of(peer_bases[rank]);
-    __shared__ bool ok;
-    if (threadIdx.x == 0) ok = true;
-    __syncthreads();
-    if (threadIdx.x < num_ranks && threadIdx.x != rank &&
-        !wait_epoch(&mine->combine_done[threadIdx.x], epoch, timeout_ns, err, rank, threadIdx.x,
-                    kPhaseCombineReduce))
-        ok = false;
-    __syncthreads();
+    const bool ok = block_wait_peers(meta_of(peer_bases[rank])->combine_done, epoch, num_ranks,
+                                     rank, false, timeout_ns, err, kPhaseCombineReduce);
     if (ok) {
         const int lane = threadIdx.x & 31;
         const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -222,9 +202,6 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
             }
         }
     }
-    auto* ws = reinterpret_cast<Workspace*>(reinterpret_cast<char*>(peer_bases[rank]) +
-                                            rg.workspace);
-    if (last_block_done(&ws->block_counter[3]) && !has_error(err))
-        for (int r = 0; r < num_ranks; ++r)
-            if (r != rank) st_release_sys(&meta_of(peer_bases[r])->combine_consumed[rank], epoch);
+    release_peers_when_done<&Meta::combine_consumed>(peer_bases, rg, 3, rank, num_ranks, epoch,
+                                                     err);
 }

@@ -8,9 +8,7 @@
 // Reuse hazard: a sender waits until the receiver has consumed the previous call's rows from
 // its region before it writes the next call's rows there.
 // kCached replays a previous dispatch: rows come from its slot_rows, no metadata is sent.
-#include "common/buffer.cuh"
-#include "common/error.cuh"
-#include "common/warp.cuh"
+#include "common/protocol.cuh"
 
 using namespace mdeep;
 
@@ -49,15 +47,8 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
     u32 epoch, u64 timeout_ns, int* error_claim, ErrorRecord* error_record) {
     const ErrorState err{error_claim, error_record};
     const Regions rg = *regions_ptr;
-    Meta* mine = meta_of(peer_bases[rank]);
-    __shared__ bool ok;
-    if (threadIdx.x == 0) ok = true;
-    __syncthreads();
-    if (threadIdx.x < num_ranks && threadIdx.x != rank &&
-        !wait_epoch(&mine->dispatch_consumed[threadIdx.x], epoch - 1, timeout_ns, err, rank,
-                    threadIdx.x, kPhaseDispatchSend))
-        ok = false;
-    __syncthreads();
+    const bool ok = block_wait_peers(meta_of(peer_bases[rank])->dispatch_consumed, epoch - 1,
+                                     num_ranks, rank, false, timeout_ns, err, kPhaseDispatchSend);
     if (ok) {
         const int lane = threadIdx.x & 31;
         const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -93,11 +84,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
                                                 lane);
         }
     }
-    auto* ws = reinterpret_cast<Workspace*>(reinterpret_cast<char*>(peer_bases[rank]) +
-                                            rg.workspace);
-    if (last_block_done(&ws->block_counter[0]) && !has_error(err))
-        for (int r = 0; r < num_ranks; ++r)
-            if (r != rank) st_release_sys(&meta_of(peer_bases[r])->dispatch_done[rank], epoch);
+    release_peers_when_done<&Meta::dispatch_done>(peer_bases, rg, 0, rank, num_ranks, epoch, err);
 }
 
 template <int kTopk, bool kCached, typename IdxT>
@@ -126,21 +113,14 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
         }
     }
 
-    Meta* mine = meta_of(peer_bases[rank]);
-    __shared__ bool ok;
     __shared__ int slot_start[kMaxRanks + 1];
     if (threadIdx.x == 0) {
-        ok = true;
         slot_start[0] = 0;
         for (int s = 0; s < num_ranks; ++s)
             slot_start[s + 1] = slot_start[s] + num_recv_tokens_per_rank[s];
     }
-    __syncthreads();
-    if (threadIdx.x < num_ranks && threadIdx.x != rank &&
-        !wait_epoch(&mine->dispatch_done[threadIdx.x], epoch, timeout_ns, err, rank,
-                    threadIdx.x, kPhaseDispatchRecv))
-        ok = false;
-    __syncthreads();
+    const bool ok = block_wait_peers(meta_of(peer_bases[rank])->dispatch_done, epoch, num_ranks,
+                                     rank, false, timeout_ns, err, kPhaseDispatchRecv);
     if (ok) {
         const int total = slot_start[num_ranks];
         for (int i = warp; i < total; i += num_warps) {
@@ -213,9 +193,6 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
                 warp_copy_row<kTopk, true>(src, dst, num_dst, num_int4, lane);
         }
     }
-    auto* ws = reinterpret_cast<Workspace*>(reinterpret_cast<char*>(peer_bases[rank]) +
-                                            rg.workspace);
-    if (last_block_done(&ws->block_counter[1]) && !has_error(err))
-        for (int s = 0; s < num_ranks; ++s)
-            if (s != rank) st_release_sys(&meta_of(peer_bases[s])->dispatch_consumed[rank], epoch);
+    release_peers_when_done<&Meta::dispatch_consumed>(peer_bases, rg, 1, rank, num_ranks, epoch,
+                                                      err);
 }

@@ -2,8 +2,7 @@
 // region, releases a flag carrying the call's epoch, waits for all peers' flags, then derives its
 // receive layout (per-source offsets inside each local expert, padded segment sizes and the
 // total row count) and publishes it to the host through mapped pinned memory. One block.
-#include "common/buffer.cuh"
-#include "common/error.cuh"
+#include "common/protocol.cuh"
 
 using namespace mdeep;
 
@@ -42,15 +41,9 @@ __global__ void __launch_bounds__(256) notify_kernel(
         st_release_sys(&meta_of(peer_bases[threadIdx.x])->notify_flag[rank], epoch);
     // 2. Everyone's row into mine.
     Meta* mine = meta_of(peer_bases[rank]);
-    __shared__ bool ok;
-    if (threadIdx.x == 0) ok = true;
-    __syncthreads();
-    if (threadIdx.x < num_ranks &&
-        !wait_epoch(&mine->notify_flag[threadIdx.x], epoch, timeout_ns, err, rank, threadIdx.x,
-                    kPhaseNotify))
-        ok = false;
-    __syncthreads();
-    if (!ok) return;
+    if (!block_wait_peers(mine->notify_flag, epoch, num_ranks, rank, true, timeout_ns, err,
+                          kPhaseNotify))
+        return;
     volatile int(*counts)[kCountStride] = mine->counts;
     if (threadIdx.x < num_ranks) {
         const int s = threadIdx.x;
