@@ -48,7 +48,8 @@ def _run_experts(rows, tokens_per_expert, permuted_probs, weights, local_ids):
     counts = tokens_per_expert.tolist()
     assert sum(counts) == rows.shape[0], (counts, rows.shape)
     outs = []
-    for e, chunk, p in zip(local_ids, torch.split(rows, counts), torch.split(permuted_probs, counts)):
+    for e, chunk, p in zip(local_ids, torch.split(rows, counts),
+                           torch.split(permuted_probs, counts)):
         outs.append((chunk.float() @ weights[e]) * p.float().unsqueeze(1))
     return torch.cat(outs).to(rows.dtype) if outs else rows.new_zeros(0, H)
 
@@ -151,7 +152,8 @@ def _case(rank, world_size, pg, *, num_experts, topk, tokens, dtype=torch.float3
         assert (want <= seg).all()
     elif align is not None:
         assert (tokens_per_expert % align == 0).all()
-        assert ((tokens_per_expert - want) >= 0).all() and ((tokens_per_expert - want) < align).all()
+        excess = tokens_per_expert - want
+        assert (excess >= 0).all() and (excess < align).all()
     else:
         assert tokens_per_expert.tolist() == want.tolist()
 
@@ -208,7 +210,8 @@ def _shared_case(rank, world_size, pg):
     config = _config(world_size, 8, 2, moe_shared_expert_intermediate_size=64,
                      moe_shared_expert_overlap=True)
     num_local = 8 // world_size
-    dispatcher = DeepEPTokenDispatcher(num_local, list(range(rank * num_local, (rank + 1) * num_local)),
+    local_ids = list(range(rank * num_local, (rank + 1) * num_local))
+    dispatcher = DeepEPTokenDispatcher(num_local, local_ids,
                                        config=config, pg_collection=pg)
     shared = _FakeSharedExperts()
     dispatcher.set_shared_experts(shared)

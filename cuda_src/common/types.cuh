@@ -44,7 +44,8 @@ __device__ __forceinline__ void accumulate_bf16x8(float* acc, const int4& v, flo
 __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
     u32 w[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = f32_to_bf16_rn(acc[2 * i]) | (f32_to_bf16_rn(acc[2 * i + 1]) << 16);
+    for (int i = 0; i < 4; ++i)
+        w[i] = f32_to_bf16_rn(acc[2 * i]) | (f32_to_bf16_rn(acc[2 * i + 1]) << 16);
     return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
 }
 

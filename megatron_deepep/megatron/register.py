@@ -178,7 +178,8 @@ def should_free_input_for_deepep(name: str) -> bool:
 
 def _patch_should_free_input() -> None:
     modules = []
-    for path in ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"):
+    for path in ("megatron.core.models.common.utils",
+                 "megatron.core.models.gpt.fine_grained_callables"):
         try:
             __import__(path)
             modules.append(sys.modules[path])
