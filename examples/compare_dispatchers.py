@@ -77,7 +77,8 @@ def build_model(args, dispatcher):
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
                      max_sequence_length=args.seq_length, position_embedding_type="rope")
-    return model.cuda()
+    # As Megatron's Float16Module does: the local spec's norms are created in fp32.
+    return model.bfloat16().cuda()
 
 
 def batches(args, rank):

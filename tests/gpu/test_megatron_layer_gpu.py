@@ -124,8 +124,13 @@ def _has_field(name):
     return name in {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
-def test_moe_layer_deepep_recompute_and_empty_input(megatron_env):
-    """`moe` recompute (the layer's forward twice) and a micro-batch with zero tokens."""
+def test_moe_layer_deepep_recompute(megatron_env):
+    """`moe` recompute (the layer's forward twice) gives the plain layer's result.
+
+    A micro-batch with zero tokens is not tested through MoELayer: Megatron's own router cannot
+    take one (its gating GEMM ends in `view(..., -1)`, an error for 0 elements, seen on 0.19.2);
+    ranks that send or receive nothing are covered by the dispatcher and transport tests.
+    """
     from megatron_deepep.megatron.dispatcher import set_default_options
 
     set_default_options(transport="auto")
@@ -142,7 +147,3 @@ def test_moe_layer_deepep_recompute_and_empty_input(megatron_env):
     o2, g2, p2 = _run(plain, x, grad)
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
     torch.testing.assert_close(g1, g2, rtol=1e-2, atol=1e-2)
-    empty = torch.zeros(0, 2, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out, _ = plain(empty)
-    out.sum().backward()
-    assert out.shape == empty.shape and empty.grad.shape == empty.shape
