@@ -8,45 +8,58 @@
 // Reuse hazard: a sender waits until the receiver has consumed the previous call's rows from
 // its region before it writes the next call's rows there.
 // kCached replays a previous dispatch: rows come from its slot_rows, no metadata is sent.
+// kFmt (common/fp8_row.cuh) is the wire format: bf16, or e4m3 with block scales, quantized in
+// the send (bf16 input) or copied (pre-quantized input). kDequant: the receiver expands FP8 rows
+// into bf16 rows; otherwise recv_x holds e4m3 rows and recv_scales their scales.
+#include "common/fp8_row.cuh"
 #include "common/protocol.cuh"
 
 using namespace mdeep;
 
 constexpr int kDispatchThreads = 512;
-constexpr int kCopyUnroll = 8;  // 16 B x 8 in flight per lane: enough bytes to cover latency
 
-// Copies one row of `num_int4` 16-byte words from `src` to up to kMaxDst destinations; the
-// whole warp takes part, each lane holding kCopyUnroll words in flight.
-template <int kMaxDst, bool kStagedSrc>
-__device__ __forceinline__ void warp_copy_row(const int4* src, int4* const* dst, int num_dst,
-                                              int num_int4, int lane) {
-    for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
-        int4 v[kCopyUnroll];
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < num_int4) v[u] = kStagedSrc ? ld_cg_v4(src + i) : ld_nc_v4(src + i);
-        }
-#pragma unroll
-        for (int d = 0; d < kMaxDst; ++d) {
-            if (d >= num_dst) break;
-#pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < num_int4) st_v4(dst[d] + i, v[u]);
-            }
-        }
+// Bytes of one output row of recv_x: bf16 unless the rows stay in FP8.
+template <int kFmt, bool kDequant>
+__device__ __forceinline__ i64 out_row_bytes(int hidden) {
+    return kFmt == fp8::kWireBf16 || kDequant ? (i64)hidden * 2 : (i64)hidden;
+}
+
+// Writes one token row (bf16 `x` row, or a pre-quantized (data, scales) pair when `x_scales`
+// is given) to every destination, in the destination form kFmt/kDequant asks for. Destination
+// scales are dst_scales[d] (unused for bf16 and dequantized rows).
+template <int kFmt, bool kDequant, int kMaxDst, bool kStagedSrc>
+__device__ __forceinline__ void write_row(const u8* src, const u8* src_scales, int hidden,
+                                          u8* const* dst, u8* const* dst_scales, int num_dst,
+                                          float amax_epsilon, int lane) {
+    if (kFmt == fp8::kWireBf16) {
+        warp_copy_row<kMaxDst, kStagedSrc>(reinterpret_cast<const int4*>(src),
+                                           reinterpret_cast<int4* const*>(dst), num_dst,
+                                           hidden / 8, lane);
+    } else if (src_scales == nullptr) {
+        fp8::quantize_row<kFmt, kMaxDst, kDequant>(reinterpret_cast<const int4*>(src), hidden,
+                                                    dst, dst_scales, num_dst, amax_epsilon,
+                                                    lane);
+    } else if (kDequant) {
+        fp8::dequant_fp8_row<kFmt, kMaxDst, kStagedSrc>(
+            src, src_scales, hidden, reinterpret_cast<int4* const*>(dst), num_dst, lane);
+    } else {
+        fp8::copy_fp8_row<kFmt, kMaxDst, kStagedSrc>(src, src_scales, hidden, dst, dst_scales,
+                                                     num_dst, lane);
     }
 }
 
-template <int kTopk, bool kCached, typename IdxT>
+template <int kTopk, bool kCached, typename IdxT, int kFmt>
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
-    const int4* x, int num_tokens, int num_int4, const IdxT* topk_idx, const float* topk_weights,
-    const int* pos_in_expert, const u8* is_token_in_rank, const int* token_slot_in_rank,
-    const u64* peer_bases, const Regions* regions_ptr, int rank, int num_ranks, int num_local,
-    u32 epoch, u64 timeout_ns, int* error_claim, ErrorRecord* error_record) {
+    const u8* x, const u8* x_scales, int num_tokens, int hidden, float amax_epsilon,
+    const IdxT* topk_idx, const float* topk_weights, const int* pos_in_expert,
+    const u8* is_token_in_rank, const int* token_slot_in_rank, const u64* peer_bases,
+    const Regions* regions_ptr, int rank, int num_ranks, int num_local, u32 epoch,
+    u64 timeout_ns, int* error_claim, ErrorRecord* error_record) {
     const ErrorState err{error_claim, error_record};
     const Regions rg = *regions_ptr;
+    const i64 in_row_bytes = kFmt == fp8::kWireBf16 || x_scales == nullptr ? (i64)hidden * 2
+                                                                           : (i64)hidden;
+    const int in_scale_bytes = kFmt == fp8::kWireBf16 ? 0 : fp8::scale_row_bytes<kFmt>(hidden);
     const bool ok = block_wait_peers(meta_of(peer_bases[rank])->dispatch_consumed, epoch - 1,
                                      num_ranks, rank, false, timeout_ns, err, kPhaseDispatchSend);
     if (ok) {
@@ -54,15 +67,16 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
         const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
         const int num_warps = (gridDim.x * blockDim.x) >> 5;
         for (int n = warp; n < num_tokens; n += num_warps) {
-            int4* dst[kMaxRanks];
-            int dst_rank[kMaxRanks];
+            u8* dst[kMaxRanks];
+            u8* dst_scales[kMaxRanks];
             int num_dst = 0;
             for (int r = 0; r < num_ranks; ++r) {
                 if (r == rank || !is_token_in_rank[(i64)n * num_ranks + r]) continue;
                 const int slot = token_slot_in_rank[(i64)n * num_ranks + r];
-                dst[num_dst] = reinterpret_cast<int4*>(slot_ptr(
+                dst[num_dst] = reinterpret_cast<u8*>(slot_ptr(
                     peer_bases[r], rg.dispatch_rows, rg.row_stride, rg.max_tokens, rank, slot));
-                dst_rank[num_dst++] = r;
+                dst_scales[num_dst] = dst[num_dst] + hidden;  // wire row: data, then scales
+                ++num_dst;
                 if (!kCached && lane <= kTopk) {
                     SlotMeta<kTopk>* m = reinterpret_cast<SlotMeta<kTopk>*>(slot_ptr(
                         peer_bases[r], rg.dispatch_meta, rg.meta_stride, rg.max_tokens, rank,
@@ -78,37 +92,46 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
                     }
                 }
             }
-            (void)dst_rank;
             if (num_dst > 0)
-                warp_copy_row<kMaxRanks, false>(x + (i64)n * num_int4, dst, num_dst, num_int4,
-                                                lane);
+                write_row<kFmt, false, kMaxRanks, false>(
+                    x + n * in_row_bytes, x_scales ? x_scales + (i64)n * in_scale_bytes : nullptr,
+                    hidden, dst, dst_scales, num_dst, amax_epsilon, lane);
         }
     }
     release_peers_when_done<&Meta::dispatch_done>(peer_bases, rg, 0, rank, num_ranks, epoch, err);
 }
 
-template <int kTopk, bool kCached, typename IdxT>
+template <int kTopk, bool kCached, typename IdxT, int kFmt, bool kDequant>
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
-    int4* recv_x, float* recv_weights, int max_rows, int num_int4,
+    u8* recv_x, u8* recv_scales, float* recv_weights, int max_rows, int hidden,
     const int* num_recv_tokens_per_rank, const int* num_recv_tokens_per_expert,
     const int* expert_row_start, const int* src_expert_offset, int* slot_rows,
-    const int4* x, const IdxT* topk_idx, const float* topk_weights, const int* pos_in_expert,
-    const int* slot_token, int num_tokens, const u64* peer_bases, const Regions* regions_ptr,
-    int rank, int num_ranks, int num_local, u32 epoch, u64 timeout_ns, int* error_claim,
-    ErrorRecord* error_record) {
+    const u8* x, const u8* x_scales, float amax_epsilon, const IdxT* topk_idx,
+    const float* topk_weights, const int* pos_in_expert, const int* slot_token, int num_tokens,
+    const u64* peer_bases, const Regions* regions_ptr, int rank, int num_ranks, int num_local,
+    u32 epoch, u64 timeout_ns, int* error_claim, ErrorRecord* error_record) {
     const ErrorState err{error_claim, error_record};
     const Regions rg = *regions_ptr;
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
-    const int4 zero = make_int4(0, 0, 0, 0);
+    constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
+    const i64 row_bytes = out_row_bytes<kFmt, kDequant>(hidden);
+    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
+    const i64 in_row_bytes = kFmt == fp8::kWireBf16 || x_scales == nullptr ? (i64)hidden * 2
+                                                                           : (i64)hidden;
+    const int in_scale_bytes = kFmt == fp8::kWireBf16 ? 0 : fp8::scale_row_bytes<kFmt>(hidden);
 
     // Padding rows (no wait needed: the layout is known from notify); one expert per warp.
     for (int e = warp; e < num_local; e += num_warps) {
         const int first = expert_row_start[e] + num_recv_tokens_per_expert[e];
         const int last = min(expert_row_start[e + 1], max_rows);
         for (int row = first; row < last; ++row) {
-            for (int i = lane; i < num_int4; i += 32) recv_x[(i64)row * num_int4 + i] = zero;
+            warp_zero_row(reinterpret_cast<int4*>(recv_x + row * row_bytes),
+                          (int)(row_bytes / 16), lane);
+            if (kFp8Out)
+                for (int b = lane; b < scale_bytes; b += 32)
+                    recv_scales[(i64)row * scale_bytes + b] = 0;
             if (!kCached && lane == 0) recv_weights[row] = 0.f;
         }
     }
@@ -127,22 +150,20 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
             int s = 0;
             while (i >= slot_start[s + 1]) ++s;
             const int j = i - slot_start[s];
-            const int4* src;
+            const bool from_self = s == rank;
+            const u8* staged = reinterpret_cast<const u8*>(slot_ptr(
+                peer_bases[rank], rg.dispatch_rows, rg.row_stride, rg.max_tokens, s, j));
+            int n = -1;  // the source token, for this rank's own tokens
             int rows[kTopk];
-            float weight = 0.f;
             int* my_rows = slot_rows + ((i64)s * rg.max_tokens + j) * kTopk;
+            if (from_self) n = slot_token[(i64)rank * num_tokens + j];
             if (kCached) {
 #pragma unroll
                 for (int k = 0; k < kTopk; ++k) rows[k] = my_rows[k];
-                src = s == rank ? x + (i64)slot_token[(i64)rank * num_tokens + j] * num_int4
-                                : reinterpret_cast<const int4*>(slot_ptr(
-                                      peer_bases[rank], rg.dispatch_rows, rg.row_stride,
-                                      rg.max_tokens, s, j));
             } else {
                 int e[kTopk], pos[kTopk];
-                if (s == rank) {
-                    const int n = slot_token[(i64)rank * num_tokens + j];
-                    src = x + (i64)n * num_int4;
+                float weight = 0.f;
+                if (from_self) {
 #pragma unroll
                     for (int k = 0; k < kTopk; ++k) {
                         const i64 id = (i64)topk_idx[(i64)n * kTopk + k];
@@ -152,8 +173,6 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
                     }
                     if (lane < kTopk) weight = topk_weights[(i64)n * kTopk + lane];
                 } else {
-                    src = reinterpret_cast<const int4*>(slot_ptr(
-                        peer_bases[rank], rg.dispatch_rows, rg.row_stride, rg.max_tokens, s, j));
                     const volatile SlotMeta<kTopk>* m =
                         reinterpret_cast<const volatile SlotMeta<kTopk>*>(slot_ptr(
                             peer_bases[rank], rg.dispatch_meta, rg.meta_stride, rg.max_tokens, s,
@@ -181,16 +200,26 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
                     if (row_lane >= 0) recv_weights[row_lane] = weight;
                 }
             }
-            int4* dst[kTopk];
+            u8* dst[kTopk];
+            u8* dst_scales[kTopk];
             int num_dst = 0;
 #pragma unroll
-            for (int k = 0; k < kTopk; ++k)
-                if (rows[k] >= 0) dst[num_dst++] = recv_x + (i64)rows[k] * num_int4;
+            for (int k = 0; k < kTopk; ++k) {
+                if (rows[k] < 0) continue;
+                dst[num_dst] = recv_x + rows[k] * row_bytes;
+                dst_scales[num_dst++] = recv_scales + (i64)rows[k] * scale_bytes;
+            }
             if (num_dst == 0) continue;
-            if (s == rank)
-                warp_copy_row<kTopk, false>(src, dst, num_dst, num_int4, lane);
-            else
-                warp_copy_row<kTopk, true>(src, dst, num_dst, num_int4, lane);
+            if (from_self) {
+                write_row<kFmt, kDequant, kTopk, false>(
+                    x + n * in_row_bytes, x_scales ? x_scales + (i64)n * in_scale_bytes : nullptr,
+                    hidden, dst, dst_scales, num_dst, amax_epsilon, lane);
+            } else {
+                // Peers sent FP8 rows as (data, scales) on the wire: never quantize again.
+                write_row<kFmt, kDequant, kTopk, true>(
+                    staged, kFmt == fp8::kWireBf16 ? nullptr : staged + hidden, hidden, dst,
+                    dst_scales, num_dst, amax_epsilon, lane);
+            }
         }
     }
     release_peers_when_done<&Meta::dispatch_consumed>(peer_bases, rg, 1, rank, num_ranks, epoch,

@@ -18,10 +18,11 @@ from megatron_deepep import jit
 from megatron_deepep.layout import DispatchLayout
 
 LAYOUT_THREADS = 512
+LAYOUT_TARGETS_PER_BLOCK = 8  # layout.cu kTargetsPerBlock
 NOTIFY_THREADS = 256
 COMM_THREADS = 512
 
-i32, u32, u64 = np.int32, np.uint32, np.uint64
+i32, u32, u64, f32 = np.int32, np.uint32, np.uint64, np.float32
 ptr = jit.ptr
 
 
@@ -73,7 +74,8 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
         slot_token=slot_token.view(num_ranks, num_tokens),
         pos_in_expert=pos.view(num_tokens, num_topk))
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
-    kernel.launch(num_experts + num_ranks, LAYOUT_THREADS, [
+    num_blocks = -(-num_experts // LAYOUT_TARGETS_PER_BLOCK) + 1  # expert blocks + rank block
+    kernel.launch(num_blocks, LAYOUT_THREADS, [
         ptr(topk_idx), i32(num_tokens), i32(num_experts), i32(num_ranks),
         ptr(out.num_tokens_per_expert), ptr(out.pos_in_expert), ptr(out.num_tokens_per_rank),
         ptr(out.is_token_in_rank), ptr(out.token_slot_in_rank), ptr(out.slot_token),
@@ -96,36 +98,57 @@ def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch: int,
         u64(host_info_ptr), u64(timeout_ns), errors.claim, errors.record], _stream())
 
 
-def dispatch_send(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                  lay: DispatchLayout, cached: bool, peer_bases: torch.Tensor,
-                  regions: torch.Tensor, rank: int, num_ranks: int, num_local: int, epoch: int,
-                  num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
-    """Writes every token row into the staging region of each peer that needs it."""
+def _wire(fp8) -> tuple:
+    """(kFmt, kDequant, amax_epsilon) of an optional `Fp8Dispatch`."""
+    if fp8 is None:
+        return 0, False, 0.0
+    return fp8.wire_code, fp8.dequantize, float(fp8.fmt.amax_epsilon)
+
+
+def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                  topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
+                  fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
+                  num_ranks: int, num_local: int, epoch: int, num_sms: int, timeout_ns: int,
+                  errors: ErrorSink) -> None:
+    """Writes every token row (quantized when `fp8` is given) into each peer's staging region.
+
+    `x` is `[N, H]` bf16, or e4m3 data with its `x_scales` (pre-quantized); `fp8` an
+    `Fp8Dispatch` or None.
+    """
     num_tokens, hidden = x.shape
     num_topk = lay.pos_in_expert.shape[1]
+    fmt, _, amax_epsilon = _wire(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_send",
-                            [num_topk, cached, _index_type(topk_idx)])
+                            [num_topk, cached, _index_type(topk_idx), fmt])
     kernel.launch(num_sms, COMM_THREADS, [
-        ptr(x), i32(num_tokens), i32(hidden * 2 // 16), ptr(topk_idx), ptr(topk_weights),
-        ptr(lay.pos_in_expert), ptr(lay.is_token_in_rank), ptr(lay.token_slot_in_rank),
-        ptr(peer_bases), ptr(regions), i32(rank), i32(num_ranks), i32(num_local),
-        u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim, errors.record], _stream())
+        ptr(x), ptr(x_scales), i32(num_tokens), i32(hidden), f32(amax_epsilon), ptr(topk_idx),
+        ptr(topk_weights), ptr(lay.pos_in_expert), ptr(lay.is_token_in_rank),
+        ptr(lay.token_slot_in_rank), ptr(peer_bases), ptr(regions), i32(rank), i32(num_ranks),
+        i32(num_local), u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim, errors.record],
+        _stream())
 
 
-def dispatch_recv(recv_x: torch.Tensor, recv_weights: Optional[torch.Tensor], recv,
+def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                  recv_weights: Optional[torch.Tensor], recv,
                   num_recv_tokens_per_rank: torch.Tensor, slot_rows: torch.Tensor,
-                  x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                  lay: DispatchLayout, cached: bool, peer_bases: torch.Tensor,
-                  regions: torch.Tensor, rank: int, num_ranks: int, num_local: int, epoch: int,
-                  num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
-    """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`."""
+                  x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                  topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
+                  fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
+                  num_ranks: int, num_local: int, epoch: int, num_sms: int, timeout_ns: int,
+                  errors: ErrorSink) -> None:
+    """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`.
+
+    `recv_x` is `[M, H]` bf16, or e4m3 rows with `recv_scales` when `fp8` keeps FP8.
+    """
     num_topk = slot_rows.shape[2]
+    fmt, dequant, amax_epsilon = _wire(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_recv",
-                            [num_topk, cached, _index_type(topk_idx)])
+                            [num_topk, cached, _index_type(topk_idx), fmt, dequant])
     kernel.launch(num_sms, COMM_THREADS, [
-        ptr(recv_x), ptr(recv_weights), i32(recv_x.shape[0]), i32(recv_x.shape[1] * 2 // 16),
-        ptr(num_recv_tokens_per_rank), ptr(recv.num_recv_tokens_per_expert),
-        ptr(recv.expert_row_start), ptr(recv.src_expert_offset), ptr(slot_rows), ptr(x),
+        ptr(recv_x), ptr(recv_scales), ptr(recv_weights), i32(recv_x.shape[0]),
+        i32(recv_x.shape[1]), ptr(num_recv_tokens_per_rank),
+        ptr(recv.num_recv_tokens_per_expert), ptr(recv.expert_row_start),
+        ptr(recv.src_expert_offset), ptr(slot_rows), ptr(x), ptr(x_scales), f32(amax_epsilon),
         ptr(topk_idx), ptr(topk_weights), ptr(lay.pos_in_expert), ptr(lay.slot_token),
         i32(x.shape[0]), ptr(peer_bases), ptr(regions), i32(rank), i32(num_ranks),
         i32(num_local), u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim,
@@ -162,15 +185,28 @@ def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: to
         errors.record], _stream())
 
 
-def kernel_names(num_topk: int) -> dict:
-    """Every instantiation a top-k needs, per source file (for compile checks and warm-up)."""
+# (kFmt, kDequant) pairs of dispatch_recv beyond bf16: every FP8 wire format, kept or dequantized.
+FP8_RECV_VARIANTS = [(fmt, dequant) for fmt in (1, 2, 3) for dequant in (False, True)]
+
+
+def kernel_names(num_topk: int, fp8: bool = False) -> dict:
+    """Every instantiation a top-k needs, per source file (for compile checks and warm-up).
+
+    Args:
+        num_topk: K.
+        fp8: list the FP8 dispatch variants instead of the bf16 ones for dispatch.cu.
+    """
     names = {"layout.cu": [], "notify.cu": ["notify_kernel"], "dispatch.cu": [],
              "combine.cu": []}
+    send_fmts = (1, 2, 3) if fp8 else (0,)
+    recv_variants = FP8_RECV_VARIANTS if fp8 else [(0, False)]
     for index_type in ("long long", "int"):
         names["layout.cu"].append(f"layout_kernel<{index_type}, {num_topk}>")
         for cached in ("false", "true"):
-            for kind in ("dispatch_send", "dispatch_recv"):
-                names["dispatch.cu"].append(f"{kind}<{num_topk}, {cached}, {index_type}>")
+            prefix = f"{num_topk}, {cached}, {index_type}"
+            names["dispatch.cu"] += [f"dispatch_send<{prefix}, {fmt}>" for fmt in send_fmts]
+            names["dispatch.cu"] += [f"dispatch_recv<{prefix}, {fmt}, {str(dq).lower()}>"
+                                     for fmt, dq in recv_variants]
     for weighted in ("false", "true"):
         for with_weights in ("false", "true"):
             for kind in ("combine_send", "combine_reduce"):

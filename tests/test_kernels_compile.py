@@ -17,6 +17,14 @@ def test_every_topk_variant_compiles(source):
     assert set(lowered) == set(exprs)
 
 
+@pytest.mark.parametrize("num_topk", [1, 16])
+def test_fp8_dispatch_variants_compile(num_topk):
+    exprs = ops.kernel_names(num_topk, fp8=True)["dispatch.cu"]
+    cubin, lowered = jit.compile_cubin("dispatch.cu", exprs, arch="sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    assert set(lowered) == set(exprs)
+
+
 def test_compile_error_names_kernel_options_and_log(tmp_path, monkeypatch):
     (tmp_path / "common").mkdir()
     (tmp_path / "broken.cu").write_text("template <int N> __global__ void k() { undefined_x; }\n")

@@ -109,11 +109,23 @@ class NVLinkTransport:
         return dict(peer_bases=self.sym.peer_bases, regions=self.regions_dev, rank=self.rank,
                     num_ranks=self.num_ranks)
 
+    @staticmethod
+    def _empty_recv(num_rows: int, hidden: int, fp8, device):
+        """recv_x for `num_rows` rows: bf16, or the (e4m3 data, scales) pair of FP8 output."""
+        if fp8 is None or fp8.dequantize:
+            return torch.empty(num_rows, hidden, dtype=torch.bfloat16, device=device), None
+        return (torch.empty(num_rows, hidden, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(num_rows, fp8.fmt.num_blocks(hidden), dtype=fp8.fmt.scale_dtype,
+                            device=device))
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  num_experts: int, expert_alignment: int = 1,
                  num_max_recv_rows: Optional[int] = None,
-                 layout: Optional[DispatchLayout] = None
-                 ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+                 layout: Optional[DispatchLayout] = None, fp8=None,
+                 x_scales: Optional[torch.Tensor] = None):
+        """See `Buffer.dispatch`; `fp8` is an `Fp8Dispatch` or None, `x_scales` the scales of a
+        pre-quantized `x`. Returns (recv_x or (recv_x_fp8, recv_scales), recv_weights, handle).
+        """
         self.check_errors()
         dev, R = x.device, self.num_ranks
         num_local = num_experts // R
@@ -137,7 +149,8 @@ class NVLinkTransport:
                    num_recv_tokens_per_rank, self.host_info.device_ptr, self.timeout_ns,
                    self.errors)
         if R > 1:
-            ops.dispatch_send(x, topk_idx, topk_weights, layout, False, num_local=num_local,
+            ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, False, fp8,
+                              num_local=num_local,
                               epoch=self.dispatch_epoch, num_sms=self.num_sms,
                               timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
         tokens_per_expert_list = None
@@ -145,10 +158,11 @@ class NVLinkTransport:
             num_rows, tokens_per_expert_list = self._wait_host_info(self.notify_epoch)
         else:
             num_rows = num_max_recv_rows
-        recv_x = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=dev)
+        recv_x, recv_scales = self._empty_recv(num_rows, x.shape[1], fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        ops.dispatch_recv(recv_x, recv_weights, recv, num_recv_tokens_per_rank, slot_rows, x,
-                          topk_idx, topk_weights, layout, False, num_local=num_local,
+        ops.dispatch_recv(recv_x, recv_scales, recv_weights, recv, num_recv_tokens_per_rank,
+                          slot_rows, x, x_scales, topk_idx, topk_weights, layout, False, fp8,
+                          num_local=num_local,
                           epoch=self.dispatch_epoch, num_sms=self.num_sms,
                           timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
         handle = DispatchHandle(
@@ -157,23 +171,27 @@ class NVLinkTransport:
             num_topk=num_topk, hidden=x.shape[1], expert_alignment=expert_alignment,
             num_recv_rows=num_rows, tokens_per_expert_list=tokens_per_expert_list,
             transport_state=topk_idx)
-        return recv_x, recv_weights, handle
+        return (recv_x if recv_scales is None else (recv_x, recv_scales)), recv_weights, handle
 
-    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8=None,
+                        x_scales: Optional[torch.Tensor] = None):
+        """Replays `handle`'s routing for new rows; returns recv_x or its FP8 pair."""
         self.check_errors()
         num_local = handle.num_local_experts
         topk_idx = handle.transport_state
         self.dispatch_epoch += 1
         if self.num_ranks > 1:
-            ops.dispatch_send(x, topk_idx, None, handle.layout, True, num_local=num_local,
-                              epoch=self.dispatch_epoch, num_sms=self.num_sms,
-                              timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
-        recv_x = torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype, device=x.device)
-        ops.dispatch_recv(recv_x, None, handle.recv, handle.num_recv_tokens_per_rank,
-                          handle.slot_rows, x, topk_idx, None, handle.layout, True,
-                          num_local=num_local, epoch=self.dispatch_epoch, num_sms=self.num_sms,
+            ops.dispatch_send(x, x_scales, topk_idx, None, handle.layout, True, fp8,
+                              num_local=num_local, epoch=self.dispatch_epoch,
+                              num_sms=self.num_sms, timeout_ns=self.timeout_ns,
+                              errors=self.errors, **self._common())
+        recv_x, recv_scales = self._empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
+        ops.dispatch_recv(recv_x, recv_scales, None, handle.recv,
+                          handle.num_recv_tokens_per_rank, handle.slot_rows, x, x_scales,
+                          topk_idx, None, handle.layout, True, fp8, num_local=num_local,
+                          epoch=self.dispatch_epoch, num_sms=self.num_sms,
                           timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
-        return recv_x
+        return recv_x if recv_scales is None else (recv_x, recv_scales)
 
     # ------------------------------------------------------------------ combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool = False,

@@ -1,0 +1,185 @@
+// Warp-wide row codecs of FP8 dispatch, on top of the per-value rules of common/fp8.cuh:
+//   quantize_row:    bf16 row -> (e4m3 data, block scales), or -> its dequantized bf16 row;
+//   copy_fp8_row:    (data, scales) -> (data, scales);
+//   dequant_fp8_row: (data, scales) -> bf16 row.
+// Each lane owns 8 consecutive columns (one 16-byte bf16 vector, 8 e4m3 bytes), so a 1x128
+// block spans 16 lanes and a 1x32 block 4; hidden is a multiple of 16 (validated on the host).
+// A staged wire row is the e4m3 data (hidden bytes) followed by the row's scales.
+#pragma once
+#include "common/copy.cuh"
+#include "common/fp8.cuh"
+
+namespace mdeep {
+namespace fp8 {
+
+// kFmt: the wire format (megatron_deepep/fp8/dispatch.py, WIRE_*).
+constexpr int kWireBf16 = 0, kWireBlockwise = 1, kWireBlockwisePow2 = 2, kWireMxfp8 = 3;
+constexpr int kRowUnroll = 4;  // 16-byte bf16 vectors in flight per lane
+
+template <int kFmt>
+struct Wire {
+    static constexpr bool kMx = kFmt == kWireMxfp8;
+    static constexpr int kBlock = kMx ? kMxfp8Block : kBlockwiseBlock;
+    static constexpr int kScaleBytes = kMx ? 1 : 4;
+    static constexpr int kBlockLanes = kBlock / 8;
+};
+
+template <int kFmt>
+__device__ __forceinline__ int scale_row_bytes(int hidden) {
+    return (hidden + Wire<kFmt>::kBlock - 1) / Wire<kFmt>::kBlock * Wire<kFmt>::kScaleBytes;
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const int4& raw, float (&v)[8]) {
+    const u32 w[4] = {(u32)raw.x, (u32)raw.y, (u32)raw.z, (u32)raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// 8 e4m3 bytes (little-endian in `q`) times `factor`, rounded to bf16.
+__device__ __forceinline__ int4 dequant_e4m3x8(const uint2& q, float factor) {
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const u32 word = i < 4 ? q.x : q.y;
+        v[i] = __fmul_rn(e4m3_to_f32(static_cast<u8>(word >> (8 * (i & 3)))), factor);
+    }
+    return pack_bf16x8(v);
+}
+
+// Quantizes the bf16 row `x` (`hidden` columns). Without kDequant, writes e4m3 data to each
+// dst_data[d] and the block scales to dst_scales[d]; with kDequant, writes the dequantized bf16
+// row to dst_data[d] (so the result equals dequantize(quantize(x)) of formats.py).
+template <int kFmt, int kMaxDst, bool kDequant>
+__device__ __forceinline__ void quantize_row(const int4* x, int hidden, u8* const* dst_data,
+                                             u8* const* dst_scales, int num_dst,
+                                             float amax_epsilon, int lane) {
+    using W = Wire<kFmt>;
+    const int num_vec = hidden / 8;
+    for (int base = 0; base < num_vec; base += 32 * kRowUnroll) {
+        int4 raw[kRowUnroll];
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            raw[u] = i < num_vec ? ld_nc_v4(x + i) : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            float v[8];
+            unpack_bf16x8(raw[u], v);
+            float amax = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) amax = amax_update(amax, v[j]);
+            amax = group_max<W::kBlockLanes>(amax);  // columns past `hidden` count as 0
+            float mult, factor;
+            u8 e8m0 = 0;
+            if (W::kMx) {
+                e8m0 = mxfp8_scale_from_amax(amax);
+                mult = e8m0_quant_multiplier(e8m0);
+                factor = e8m0_dequant_multiplier(e8m0);
+            } else {
+                mult = blockwise_scale<kFmt == kWireBlockwisePow2>(amax, amax_epsilon);
+                factor = blockwise_scale_inv(mult);
+            }
+            uint2 q;
+            q.x = f32x4_to_e4m3x4(v[0] * mult, v[1] * mult, v[2] * mult, v[3] * mult);
+            q.y = f32x4_to_e4m3x4(v[4] * mult, v[5] * mult, v[6] * mult, v[7] * mult);
+            if (i >= num_vec) continue;
+            if (kDequant) {
+                const int4 out = dequant_e4m3x8(q, factor);
+#pragma unroll
+                for (int d = 0; d < kMaxDst; ++d) {
+                    if (d >= num_dst) break;
+                    st_v4(reinterpret_cast<int4*>(dst_data[d]) + i, out);
+                }
+                continue;
+            }
+            const bool owns_scale = lane % W::kBlockLanes == 0;
+            const int block = i * 8 / W::kBlock;
+#pragma unroll
+            for (int d = 0; d < kMaxDst; ++d) {
+                if (d >= num_dst) break;
+                reinterpret_cast<uint2*>(dst_data[d])[i] = q;
+                if (owns_scale) {
+                    if (W::kMx) dst_scales[d][block] = e8m0;
+                    else reinterpret_cast<float*>(dst_scales[d])[block] = factor;
+                }
+            }
+        }
+    }
+}
+
+// Copies a row's scales (`hidden` columns' worth) to each destination.
+template <int kFmt, int kMaxDst, bool kStagedSrc>
+__device__ __forceinline__ void copy_scales(const u8* src, int hidden, u8* const* dst,
+                                            int num_dst, int lane) {
+    const int num_blocks = (hidden + Wire<kFmt>::kBlock - 1) / Wire<kFmt>::kBlock;
+    for (int b = lane; b < num_blocks; b += 32) {
+        if (Wire<kFmt>::kMx) {
+            const u8 e = kStagedSrc ? __ldcg(src + b) : __ldg(src + b);
+#pragma unroll
+            for (int d = 0; d < kMaxDst; ++d)
+                if (d < num_dst) dst[d][b] = e;
+        } else {
+            const float* s = reinterpret_cast<const float*>(src);
+            const float f = kStagedSrc ? __ldcg(s + b) : __ldg(s + b);
+#pragma unroll
+            for (int d = 0; d < kMaxDst; ++d)
+                if (d < num_dst) reinterpret_cast<float*>(dst[d])[b] = f;
+        }
+    }
+}
+
+// Copies e4m3 data (`hidden` bytes, a multiple of 16) and its scales to each destination.
+template <int kFmt, int kMaxDst, bool kStagedSrc>
+__device__ __forceinline__ void copy_fp8_row(const u8* src_data, const u8* src_scales, int hidden,
+                                             u8* const* dst_data, u8* const* dst_scales,
+                                             int num_dst, int lane) {
+    warp_copy_row<kMaxDst, kStagedSrc>(reinterpret_cast<const int4*>(src_data),
+                                       reinterpret_cast<int4* const*>(dst_data), num_dst,
+                                       hidden / 16, lane);
+    copy_scales<kFmt, kMaxDst, kStagedSrc>(src_scales, hidden, dst_scales, num_dst, lane);
+}
+
+// Dequantizes (e4m3 data, scales) into the bf16 row of each destination.
+template <int kFmt, int kMaxDst, bool kStagedSrc>
+__device__ __forceinline__ void dequant_fp8_row(const u8* src_data, const u8* src_scales,
+                                                int hidden, int4* const* dst, int num_dst,
+                                                int lane) {
+    using W = Wire<kFmt>;
+    const int num_vec = hidden / 8;
+    const uint2* data = reinterpret_cast<const uint2*>(src_data);
+    for (int base = 0; base < num_vec; base += 32 * kRowUnroll) {
+        uint2 q[kRowUnroll];
+        float factor[kRowUnroll];
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i >= num_vec) continue;
+            const int block = i * 8 / W::kBlock;
+            q[u] = kStagedSrc ? __ldcg(data + i) : __ldg(data + i);
+            if (W::kMx) {
+                const u8 e = kStagedSrc ? __ldcg(src_scales + block) : __ldg(src_scales + block);
+                factor[u] = e8m0_dequant_multiplier(e);
+            } else {
+                const float* s = reinterpret_cast<const float*>(src_scales) + block;
+                factor[u] = kStagedSrc ? __ldcg(s) : __ldg(s);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i >= num_vec) continue;
+            const int4 out = dequant_e4m3x8(q[u], factor[u]);
+#pragma unroll
+            for (int d = 0; d < kMaxDst; ++d)
+                if (d < num_dst) st_v4(dst[d] + i, out);
+        }
+    }
+}
+
+}  // namespace fp8
+}  // namespace mdeep

@@ -1,0 +1,113 @@
+"""FP8 dispatch: which format travels and what the experts receive.
+
+A dispatch with an `Fp8Dispatch` moves each token as e4m3 data plus its block scales (about half
+the bytes of bf16), quantized inside the send (bf16 input) or taken as given (pre-quantized
+`(x_fp8, x_scales)` input). The receiver either keeps the FP8 form (`output="fp8"`: `recv_x` is a
+pair `(recv_x_fp8 [M, H] float8_e4m3fn, recv_scales [M, num_blocks])`, padding rows all zero) or
+dequantizes while it expands (`output="bf16"`: `recv_x [M, H]` bfloat16).
+
+Every token is quantized on its own, so an FP8 dispatch equals the bf16 dispatch applied to
+`formats.quantize(x)`: the same rows in the same order, padding rows with zero data bytes and zero
+scales (they dequantize to zero rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple, Union
+
+import torch
+
+from megatron_deepep.fp8.formats import FORMATS, Fp8Format, ScaleKind
+
+OUTPUTS = ("fp8", "bf16")
+# Kernel template codes of the wire format (cuda_src/common/fp8_row.cuh, kFmt).
+WIRE_BF16 = 0
+WIRE_BLOCKWISE = 1
+WIRE_BLOCKWISE_POW2 = 2
+WIRE_MXFP8 = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Dispatch:
+    """An FP8 dispatch request.
+
+    Attributes:
+        fmt: the wire format (`formats.BLOCKWISE_1x128`, `MXFP8_1x32`, ...).
+        output: "fp8" (data and scales to the experts) or "bf16" (dequantized in the expand).
+    """
+
+    fmt: Fp8Format
+    output: str = "fp8"
+
+    def __post_init__(self):
+        if self.output not in OUTPUTS:
+            raise ValueError(f"fp8 output must be one of {OUTPUTS}, got {self.output!r}")
+        if not isinstance(self.fmt, Fp8Format):
+            raise ValueError(f"fp8 format must be an Fp8Format, got {self.fmt!r}")
+
+    @property
+    def wire_code(self) -> int:
+        """The kernels' kFmt template argument."""
+        if self.fmt.scale_kind is ScaleKind.E8M0:
+            return WIRE_MXFP8
+        return WIRE_BLOCKWISE_POW2 if self.fmt.power_2_scale else WIRE_BLOCKWISE
+
+    @property
+    def dequantize(self) -> bool:
+        return self.output == "bf16"
+
+
+def as_fp8_dispatch(value: Union[None, str, Fp8Format, Fp8Dispatch],
+                    output: str = "fp8") -> "Fp8Dispatch | None":
+    """Normalizes a user's `fp8=` argument: None, a format name, an `Fp8Format` or a spec."""
+    if value is None or isinstance(value, Fp8Dispatch):
+        return value
+    if isinstance(value, str):
+        if value not in FORMATS:
+            raise ValueError(f"unknown FP8 format {value!r}; known: {sorted(FORMATS)}")
+        value = FORMATS[value]
+    return Fp8Dispatch(value, output)
+
+
+def check_output(output: str) -> str:
+    """Raises ValueError unless `output` is one of `OUTPUTS`; returns it."""
+    if output not in OUTPUTS:
+        raise ValueError(f"fp8_output must be one of {OUTPUTS}, got {output!r}")
+    return output
+
+
+def row_bytes(spec: "Fp8Dispatch | None", hidden: int, element_size: int = 2) -> int:
+    """Bytes one token occupies on the wire: `hidden * element_size` without FP8."""
+    if spec is None:
+        return hidden * element_size
+    return spec.fmt.bytes_per_token(hidden)
+
+
+def pack_rows(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Packs each token's e4m3 bytes and scale bytes into one int32 row (for `all_to_all`).
+
+    Args:
+        x_fp8: `[N, H]`, torch.float8_e4m3fn.
+        scales: `[N, num_blocks]`, torch.float32 or torch.uint8.
+
+    Returns:
+        `[N, W]` torch.int32, `W = ceil((H + scale bytes) / 4)`; the tail bytes are zero.
+    """
+    data = x_fp8.contiguous().view(torch.uint8)
+    scale_bytes = scales.contiguous().view(torch.uint8).reshape(scales.shape[0], -1)
+    parts = [data, scale_bytes]
+    pad = (-(data.shape[1] + scale_bytes.shape[1])) % 4
+    if pad:
+        parts.append(data.new_zeros(data.shape[0], pad))
+    return torch.cat(parts, dim=1).contiguous().view(torch.int32)
+
+
+def unpack_rows(packed: torch.Tensor, hidden: int, fmt: Fp8Format
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_rows`: `[M, W]` int32 -> (`[M, H]` float8_e4m3fn, `[M, nb]` scales)."""
+    raw = packed.contiguous().view(torch.uint8)
+    num_scale_bytes = fmt.scale_bytes_per_token(hidden)
+    data = raw[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+    scales = raw[:, hidden:hidden + num_scale_bytes].contiguous().view(fmt.scale_dtype)
+    return data, scales.reshape(raw.shape[0], fmt.num_blocks(hidden))
