@@ -4,34 +4,105 @@ Dispatch's backward is a combine of the row gradients (plus the per-(token, k) g
 routing weights); combine's backward is a cached dispatch that reuses the handle. Neither keeps
 one-shot state, so running the forward twice (Megatron's `moe` recompute) is safe: every forward
 makes its own handle.
+
+FP8 dispatch (`fp8=`): the forward sends e4m3 rows and block scales; the backward is the same
+bf16 combine of the row gradients as without FP8 (straight-through: the quantization counts as
+the identity), so `x.grad` is exactly the gradient of a bf16 dispatch. The returned `recv_x` is
+always something gradients can flow to:
+
+* output "bf16": bf16 rows `[M, H]`, dequantized on the receiver (works with any experts);
+* output "fp8": the rows as Transformer Engine's own quantized tensor (`Float8BlockwiseQTensor`
+  or `MXFP8Tensor`, made by `fp8.te_bridge.to_te_tensor`) when TE is importable and its active
+  recipe produces this wire format, so TE's GEMM uses the received bytes without quantizing
+  again. Otherwise (no TE, no or another recipe) the forward falls back to output "bf16" and
+  logs why once. The raw `(recv_x_fp8, recv_scales)` pair carries no gradient, so it is only
+  returned by `Buffer.dispatch`, never here.
+
+A pre-quantized pair `(x_fp8, x_scales)` may be passed as `x`; it gets no gradient (the routing
+weights still do).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Optional, Tuple
 
 import torch
 
 from megatron_deepep.handle import DispatchHandle
 
+logger = logging.getLogger(__name__)
+_LOGGED = set()
+
+
+def _log_once(message: str, *args) -> None:
+    key = message % args
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(message, *args)
+
+
+def resolve_fp8_output(spec):
+    """Picks what an autograd dispatch returns for `spec` (see the module docstring).
+
+    Args:
+        spec: an `fp8.dispatch.Fp8Dispatch` or None.
+
+    Returns:
+        `(spec to send with, wrap_for_te)`: output "fp8" stays only when TE's active recipe
+        matches the wire format (then `wrap_for_te` is True), else it becomes "bf16".
+    """
+    if spec is None or spec.output != "fp8":
+        return spec, False
+    from megatron_deepep.fp8 import te_bridge
+
+    ok, reason = te_bridge.recipe_matches(spec.fmt)
+    if ok:
+        return spec, True
+    _log_once("megatron_deepep: FP8 dispatch %s returns bf16 rows (dequantized on the receiver) "
+              "instead of TE tensors: %s", spec.fmt.name, reason)
+    return dataclasses.replace(spec, output="bf16"), False
+
+
+def _wrap_for_te(pair, fmt):
+    """The received pair as TE's quantized tensor, or dequantized bf16 rows if TE refuses."""
+    from megatron_deepep.fp8 import formats, te_bridge
+
+    x_fp8, scales = pair
+    try:
+        return te_bridge.to_te_tensor(x_fp8, scales, fmt)
+    except te_bridge.TEUnavailableError as exc:
+        _log_once("megatron_deepep: TE could not wrap %s rows (%s); dequantizing", fmt.name, exc)
+        return formats.dequantize(x_fp8, scales, fmt)
+
 
 class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, buffer, topk_idx, num_experts, expert_alignment,
-                num_max_recv_rows, handle_box):
+                num_max_recv_rows, handle_box, fp8=None, x_scales=None, wrap_for_te=False):
+        x_in = x if x_scales is None else (x, x_scales)
         recv_x, recv_weights, handle, _ = buffer.dispatch(
-            x, topk_idx, topk_weights, num_experts=num_experts,
-            expert_alignment=expert_alignment, num_max_recv_rows=num_max_recv_rows)
+            x_in, topk_idx, topk_weights, num_experts=num_experts,
+            expert_alignment=expert_alignment, num_max_recv_rows=num_max_recv_rows, fp8=fp8)
+        if wrap_for_te:
+            recv_x = _wrap_for_te(recv_x, fp8.fmt)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.weights_need_grad = topk_weights.requires_grad
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.x_shape = x.shape
+        # Gradients are bf16 rows whatever travelled forward (FP8 is straight-through).
+        ctx.x_dtype = x.dtype if fp8 is None else torch.bfloat16
+        ctx.x_is_fp8 = x_scales is not None
         handle_box.append(handle)
         return recv_x, recv_weights
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_weights):
         handle: DispatchHandle = ctx.handle
+        if grad_recv_x is not None and type(grad_recv_x) is not torch.Tensor \
+                and hasattr(grad_recv_x, "dequantize"):
+            grad_recv_x = grad_recv_x.dequantize()  # a TE quantized gradient: plain rows
         if grad_recv_x is None:
             grad_recv_x = torch.zeros(handle.num_recv_rows, handle.hidden, dtype=ctx.x_dtype,
                                       device=handle.recv_weights.device)
@@ -41,7 +112,9 @@ class _Dispatch(torch.autograd.Function):
                            else torch.zeros_like(handle.recv_weights))
         grad_x, grad_w, _ = ctx.buffer.combine(grad_recv_x.contiguous(), handle,
                                                grad_row_weights=grad_rows_w)
-        return grad_x, grad_w, None, None, None, None, None, None
+        if ctx.x_is_fp8:
+            grad_x = None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -61,27 +134,43 @@ class _Combine(torch.autograd.Function):
         return grad_y, None, None, None
 
 
-def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+def dispatch(buffer, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
              num_experts: int, expert_alignment: int = 1,
-             num_max_recv_rows: Optional[int] = None
+             num_max_recv_rows: Optional[int] = None, fp8=None, fp8_output: str = "fp8"
              ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Differentiable dispatch.
 
     Args:
         buffer: a `Buffer`.
-        x: `[N, H]` rows to send.
+        x: `[N, H]` rows to send; with `fp8`, bf16 rows or a pre-quantized pair
+            `(x_fp8, x_scales)` (which gets no gradient).
         topk_idx: `[N, K]`, int64 or int32, expert ids, -1 for none.
         topk_weights: `[N, K]`, float32, routing weights (may require grad).
         num_experts: E.
         expert_alignment: pad every local expert's segment to this many rows.
         num_max_recv_rows: an upper bound on the received rows: no host synchronization.
+        fp8: None, a format name, an `Fp8Format` or an `Fp8Dispatch` (as `Buffer.dispatch`).
+        fp8_output: "fp8" (TE quantized tensor when TE's recipe matches, else bf16) or "bf16";
+            see the module docstring.
 
     Returns:
-        `recv_x [M, H]`, `recv_weights [M]` float32 and the handle.
+        `recv_x [M, H]` (bf16 rows or a TE quantized tensor under FP8), `recv_weights [M]`
+        float32 and the handle.
     """
+    from megatron_deepep.fp8.dispatch import as_fp8_dispatch, check_output
+
+    spec, wrap = resolve_fp8_output(as_fp8_dispatch(fp8, check_output(fp8_output)))
+    x_scales = None
+    if isinstance(x, (tuple, list)):
+        if spec is None:
+            raise ValueError("x is a pre-quantized (x_fp8, x_scales) pair: pass fp8=<format>")
+        if len(x) != 2:
+            raise ValueError(f"a pre-quantized x must be a pair (x_fp8, x_scales), got {len(x)}")
+        x, x_scales = x
     box = []
     recv_x, recv_weights = _Dispatch.apply(x, topk_weights, buffer, topk_idx, num_experts,
-                                           expert_alignment, num_max_recv_rows, box)
+                                           expert_alignment, num_max_recv_rows, box, spec,
+                                           x_scales, wrap)
     return recv_x, recv_weights, box[0]
 
 

@@ -155,17 +155,21 @@ class Buffer:
         return self._run(lambda: self._transport.get_dispatch_layout(topk_idx, num_experts),
                          [topk_idx], previous_event, async_finish)
 
-    def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+    def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *,
                  num_experts: Optional[int] = None, handle: Optional[DispatchHandle] = None,
                  layout: Optional[DispatchLayout] = None, expert_alignment: int = 1,
                  num_max_recv_rows: Optional[int] = None,
-                 previous_event: Optional[EventHandle] = None, async_finish: bool = False
-                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], DispatchHandle, EventHandle]:
+                 previous_event: Optional[EventHandle] = None, async_finish: bool = False,
+                 fp8=None, fp8_output: str = "fp8"
+                 ) -> Tuple[object, Optional[torch.Tensor], DispatchHandle, EventHandle]:
         """Sends every token once per destination rank and expands it into expert-major rows.
 
         Args:
-            x: `[N, H]`, torch.bfloat16 (the reference also takes float32), contiguous.
+            x: `[N, H]`, torch.bfloat16 (the reference also takes float32), contiguous; with
+                `fp8`, either bf16 `[N, H]` (quantized inside the send) or a pre-quantized pair
+                `(x_fp8 [N, H] torch.float8_e4m3fn, x_scales [N, ceil(H / block)]
+                fmt.scale_dtype)`.
             topk_idx: `[N, K]`, int64 or int32, expert ids, -1 for none.
             topk_weights: `[N, K]`, float32.
             num_experts: E, a multiple of the EP size.
@@ -178,15 +182,33 @@ class Buffer:
                 unspecified, and a bound that is too small is reported as an error.
             previous_event: wait for this event instead of the current stream.
             async_finish: return an event instead of making the current stream wait.
+            fp8: None (bf16 rows on the wire), or FP8 dispatch: a format name
+                ("blockwise_1x128", "blockwise_1x128_fp32_scales", "mxfp8_1x32"), an
+                `fp8.Fp8Format`, or an `fp8.dispatch.Fp8Dispatch` (which carries its output).
+                Needs H % 16 == 0. Each token is quantized on its own (TE's recipe rules), so the
+                rows are those of the bf16 dispatch of `fp8.quantize(x)`.
+            fp8_output: with `fp8` given as a name or format: "fp8" (`recv_x` is the pair
+                `(recv_x_fp8 [M, H] float8_e4m3fn, recv_scales [M, num_blocks])`, padding rows
+                all zero bytes) or "bf16" (`recv_x [M, H]` bf16, dequantized on the receiver).
 
         Returns:
             `recv_x [M, H]` (rows grouped by local expert, each expert's rows ordered by source
-            rank, source token and k), `recv_weights [M]` float32 (None for cached dispatch),
-            the handle and an event.
+            rank, source token and k; the pair above for FP8 output), `recv_weights [M]` float32
+            (None for cached dispatch), the handle and an event.
         """
+        x, x_scales, spec = self._dispatch_input(x, fp8, fp8_output)
         device = self._device_of(x)
-        validate.check_tensor("x", x, ndim=2, dtypes=self._row_dtypes(), device=device)
-        validate.check_hidden("x", x.shape[1], x.element_size(), self.hidden)
+        if spec is None:
+            validate.check_tensor("x", x, ndim=2, dtypes=self._row_dtypes(), device=device)
+            validate.check_hidden("x", x.shape[1], x.element_size(), self.hidden)
+        elif x_scales is None:
+            validate.check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16,), device=device)
+            validate.check_fp8_hidden("x", x.shape[1], self.hidden)
+        else:
+            validate.check_fp8_hidden("x_fp8", x.shape[1], self.hidden)
+        # FP8 arguments reach the transport only when FP8 is asked for.
+        fp8_kwargs = {} if spec is None else dict(fp8=spec, x_scales=x_scales)
+        inputs = [x] if x_scales is None else [x, x_scales]
         if x.shape[0] > self.num_max_tokens_per_rank:
             raise ValueError(f"x has {x.shape[0]} tokens, more than the Buffer's "
                              f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}")
@@ -196,8 +218,9 @@ class Buffer:
             if tuple(x.shape) != (handle.num_tokens, handle.hidden):
                 raise ValueError(f"cached dispatch: x has shape {tuple(x.shape)}, the handle was"
                                  f" made for {(handle.num_tokens, handle.hidden)}")
-            recv_x, event = self._run(lambda: self._transport.cached_dispatch(x, handle), [x],
-                                      previous_event, async_finish)
+            recv_x, event = self._run(
+                lambda: self._transport.cached_dispatch(x, handle, **fp8_kwargs), inputs,
+                previous_event, async_finish)
             return recv_x, None, handle, event
         if topk_idx is None or topk_weights is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx, topk_weights and num_experts "
@@ -212,11 +235,30 @@ class Buffer:
 
         def run():
             return self._transport.dispatch(x, topk_idx, topk_weights, num_experts,
-                                            expert_alignment, num_max_recv_rows, layout)
+                                            expert_alignment, num_max_recv_rows, layout,
+                                            **fp8_kwargs)
 
         (recv_x, recv_weights, new_handle), event = self._run(
-            run, [x, topk_idx, topk_weights], previous_event, async_finish)
+            run, inputs + [topk_idx, topk_weights], previous_event, async_finish)
         return recv_x, recv_weights, new_handle, event
+
+    def _dispatch_input(self, x, fp8, fp8_output: str):
+        """Splits `x` into (rows, scales or None, `Fp8Dispatch` or None), checking the pair."""
+        from megatron_deepep.fp8.dispatch import as_fp8_dispatch, check_output
+
+        check_output(fp8_output)
+        spec = as_fp8_dispatch(fp8, fp8_output)
+        if isinstance(x, (tuple, list)):
+            if spec is None:
+                raise ValueError(
+                    "x is a pre-quantized (x_fp8, x_scales) pair: pass fp8=<format> (e.g. "
+                    "fp8='blockwise_1x128') so the scales can be read")
+            x_fp8, x_scales = validate.check_fp8_pair(x, spec.fmt, device=self.device)
+            return x_fp8, x_scales, spec
+        if isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn:
+            raise ValueError("x is float8_e4m3fn without its scales: pass the pair "
+                             "(x_fp8, x_scales) with fp8=<format>")
+        return x, None, spec
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = False,
                 grad_row_weights: Optional[torch.Tensor] = None,

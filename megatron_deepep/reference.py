@@ -15,14 +15,37 @@ synchronizes with the host to learn split sizes, so it is correct everywhere but
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron_deepep import validate
+from megatron_deepep.fp8 import formats
+from megatron_deepep.fp8.dispatch import Fp8Dispatch, pack_rows, unpack_rows
 from megatron_deepep.handle import DispatchHandle, compute_recv_layout
 from megatron_deepep.layout import DispatchLayout, compute_layout
+
+# A received `recv_x`: rows `[M, H]`, or the FP8 pair `(recv_x_fp8, recv_scales)`.
+RecvX = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _pack_fp8(x: torch.Tensor, x_scales: Optional[torch.Tensor],
+              fp8: Fp8Dispatch) -> torch.Tensor:
+    """Sender side: quantizes bf16 `x` (unless `x_scales` is given) and packs data + scales."""
+    if x_scales is None:
+        x_fp8, x_scales = formats.quantize(x, fp8.fmt)
+    else:
+        x_fp8 = x
+    return pack_rows(x_fp8, x_scales)
+
+
+def _unpack_fp8(recv: torch.Tensor, hidden: int, fp8: Fp8Dispatch) -> RecvX:
+    """Receiver side: the FP8 pair, or its dequantization for output "bf16"."""
+    recv_fp8, recv_scales = unpack_rows(recv, hidden, fp8.fmt)
+    if fp8.dequantize:
+        return formats.dequantize(recv_fp8, recv_scales, fp8.fmt)
+    return recv_fp8, recv_scales
 
 
 def _all_to_all(tensor: torch.Tensor, send_splits: List[int], recv_splits: List[int],
@@ -77,20 +100,50 @@ class ReferenceTransport:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  num_experts: int, expert_alignment: int = 1,
                  num_max_recv_rows: Optional[int] = None,
-                 layout: Optional[DispatchLayout] = None
-                 ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+                 layout: Optional[DispatchLayout] = None, fp8: Optional[Fp8Dispatch] = None,
+                 x_scales: Optional[torch.Tensor] = None
+                 ) -> Tuple[RecvX, torch.Tensor, DispatchHandle]:
         """Dispatches `x`; see the module docstring for the layout of the result.
 
+        Args:
+            x: `[N, H]` rows (bf16 or fp32); with `fp8` and `x_scales`, the e4m3 data.
+            fp8: None, or the FP8 dispatch: the sender quantizes `x` with `formats.quantize`
+                (unless `x_scales` is given), each token's e4m3 bytes and scale bytes travel as
+                one packed row, and the receiver returns them (`fp8.output == "fp8"`) or their
+                `formats.dequantize` (`"bf16"`).
+            x_scales: `[N, num_blocks]` scales of a pre-quantized `x` (fp32 or uint8, per the
+                format), else None.
+
         Returns:
-            `recv_x [M, H]` (x.dtype), `recv_weights [M]` float32 and the handle.
+            `recv_x [M, H]` (x.dtype; bf16 for FP8 output "bf16"; for FP8 output "fp8" the pair
+            `(recv_x_fp8 [M, H] float8_e4m3fn, recv_scales [M, num_blocks])`),
+            `recv_weights [M]` float32 and the handle.
         """
+        if fp8 is not None:
+            hidden = x.shape[1]
+            packed = _pack_fp8(x, x_scales, fp8)
+            recv, recv_weights, handle = self._dispatch_rows(
+                packed, topk_idx, topk_weights, num_experts, expert_alignment,
+                num_max_recv_rows, layout, hidden=hidden, wire=fp8.wire_code)
+            return _unpack_fp8(recv, hidden, fp8), recv_weights, handle
+        return self._dispatch_rows(x, topk_idx, topk_weights, num_experts, expert_alignment,
+                                   num_max_recv_rows, layout, hidden=x.shape[1], wire=0)
+
+    def _dispatch_rows(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weights: torch.Tensor, num_experts: int, expert_alignment: int,
+                       num_max_recv_rows: Optional[int], layout: Optional[DispatchLayout], *,
+                       hidden: int, wire: int
+                       ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Dispatches rows `x [N, W]` of any dtype; the handle records `hidden` (the token width,
+        W for bf16, the element count of the FP8 data otherwise)."""
         group, num_ranks, rank = self.group, self.num_ranks, self.rank
         num_local = num_experts // num_ranks
         num_tokens, num_topk = topk_idx.shape
-        hidden = x.shape[1]
+        width = x.shape[1]
         validate.check_expert_ids_on_host(topk_idx, num_experts)
-        _check_ranks_agree([hidden, num_topk, num_experts, expert_alignment],
-                           ["hidden", "top-k", "num_experts", "expert_alignment"], group)
+        _check_ranks_agree([hidden, num_topk, num_experts, expert_alignment, wire],
+                           ["hidden", "top-k", "num_experts", "expert_alignment",
+                            "fp8 wire format (0 = bf16)"], group)
         layout = layout if layout is not None else compute_layout(topk_idx, num_experts,
                                                                   num_ranks)
         ones = [1] * num_ranks
@@ -133,7 +186,7 @@ class ReferenceTransport:
                 + recv.src_expert_offset.long()[src.unsqueeze(1), e_safe] + p)
         rows = torch.where(valid, rows, -1)
 
-        recv_x = torch.zeros(num_rows, hidden, dtype=x.dtype, device=x.device)
+        recv_x = torch.zeros(num_rows, width, dtype=x.dtype, device=x.device)
         recv_weights = torch.zeros(num_rows, dtype=torch.float32, device=x.device)
         token_of = torch.arange(rows.shape[0], device=x.device).unsqueeze(1).expand_as(rows)
         recv_x[rows[valid]] = recv_rows[token_of[valid]]
@@ -152,8 +205,21 @@ class ReferenceTransport:
             transport_state=(send_splits, recv_splits))
         return recv_x, recv_weights, handle
 
-    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Replays a dispatch's routing for new rows `x [N, H]`; returns `[M, H]`."""
+    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle,
+                        fp8: Optional[Fp8Dispatch] = None,
+                        x_scales: Optional[torch.Tensor] = None) -> RecvX:
+        """Replays a dispatch's routing for new rows `x [N, H]`; returns `[M, H]`.
+
+        `fp8` and `x_scales` work as in `dispatch` (the result is then the FP8 pair or the
+        dequantized bf16 rows).
+        """
+        if fp8 is not None:
+            hidden = x.shape[1]
+            recv = self._cached_rows(_pack_fp8(x, x_scales, fp8), handle)
+            return _unpack_fp8(recv, hidden, fp8)
+        return self._cached_rows(x, handle)
+
+    def _cached_rows(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         send_splits, recv_splits = handle.transport_state
         layout = handle.layout
         order = torch.cat([layout.slot_token[r, :send_splits[r]]

@@ -91,3 +91,41 @@ def check_expert_ids_on_host(topk_idx: torch.Tensor, num_experts: int) -> None:
 def check_alignment(expert_alignment) -> None:
     if not isinstance(expert_alignment, int) or not 1 <= expert_alignment <= 1024:
         raise ValueError(f"expert_alignment must be an int in [1, 1024], got {expert_alignment!r}")
+
+
+def check_fp8_hidden(name: str, hidden: int, max_hidden: int) -> None:
+    """FP8 rows are `hidden` e4m3 bytes: they must be a multiple of 16 bytes."""
+    if hidden % ROW_ALIGN_BYTES != 0:
+        raise ValueError(
+            f"{name}: FP8 dispatch needs hidden % {ROW_ALIGN_BYTES} == 0 (e4m3 rows of hidden "
+            f"bytes must be a multiple of {ROW_ALIGN_BYTES} bytes), got hidden={hidden}")
+    if hidden > max_hidden:
+        raise ValueError(f"{name}: hidden={hidden} exceeds the Buffer's hidden={max_hidden}")
+
+
+def check_fp8_pair(x, fmt, *, device: Optional[torch.device] = None):
+    """Checks a pre-quantized `(x_fp8, x_scales)` pair against the wire format `fmt`.
+
+    Args:
+        x: a tuple or list `(x_fp8 [N, H] torch.float8_e4m3fn, x_scales [N, fmt.num_blocks(H)]
+            fmt.scale_dtype)`.
+        fmt: the `Fp8Format` that says how to read the scales.
+        device: the Buffer's device (None: the data's own device).
+
+    Returns:
+        `(x_fp8, x_scales)`.
+    """
+    if len(x) != 2:
+        raise ValueError(f"a pre-quantized x must be a pair (x_fp8, x_scales), got {len(x)} items")
+    x_fp8, x_scales = x
+    check_tensor("x_fp8", x_fp8, ndim=2, dtypes=(torch.float8_e4m3fn,), device=device)
+    num_tokens, hidden = x_fp8.shape
+    want = (num_tokens, fmt.num_blocks(hidden))
+    if not isinstance(x_scales, torch.Tensor) or tuple(x_scales.shape) != want:
+        got = tuple(x_scales.shape) if isinstance(x_scales, torch.Tensor) else type(x_scales)
+        raise ValueError(
+            f"x_scales must have shape [N, ceil(H / {fmt.block_size})] = {list(want)} for "
+            f"{fmt.name}, got {got}")
+    check_tensor("x_scales", x_scales, ndim=2, dtypes=(fmt.scale_dtype,),
+                 device=x_fp8.device if device is None else device)
+    return x_fp8, x_scales

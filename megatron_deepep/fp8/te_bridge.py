@@ -232,3 +232,27 @@ def maybe_to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format
         return to_te_tensor(x_fp8, scales, fmt, **kwargs), ""
     except TEUnavailableError as exc:
         return None, str(exc)
+
+
+def handoff_reason(fmt: Fp8Format, training: bool, recipe: Any = None) -> Tuple[bool, str]:
+    """Whether received rows of `fmt` may go to TE's GEMMs as TE quantized tensors.
+
+    Args:
+        fmt: the wire format.
+        training: whether the experts' weights will get gradients (grad mode on). TE's wgrad
+            GEMM then needs the input's columnwise copy, which the wire does not carry, so the
+            handoff also needs a recipe whose backward works from dequantized data
+            (`backward_override` set, e.g. "dequantized").
+        recipe: the TE recipe (default: the active one).
+
+    Returns:
+        (True, "") or (False, the reason).
+    """
+    recipe = recipe if recipe is not None else active_recipe()
+    ok, reason = recipe_matches(fmt, recipe)
+    if not ok:
+        return False, reason
+    if training and not getattr(recipe, "backward_override", None):
+        return False, (f"{type(recipe).__name__} without backward_override: TE's wgrad needs "
+                       f"columnwise data the wire does not carry")
+    return True, ""

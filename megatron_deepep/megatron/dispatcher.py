@@ -65,6 +65,13 @@ class DeepEPOptions:
         metrics: collect per-layer communication and load metrics (`megatron_deepep.metrics`).
         metrics_dir: where `metrics` also writes one JSON line per step (for
             `scripts/plot_metrics.py`); None writes no file.
+        fp8_dispatch: FP8 on the wire (`FP8_DISPATCH_CHOICES`): "off"; "blockwise" (TE
+            `Float8BlockScaling` activations: 1x128 blocks, fp32 power-of-two scales);
+            "mxfp8" (TE `MXFP8BlockScaling`: 1x32 blocks, E8M0 scales); "auto" (the format of
+            TE's active recipe at each dispatch, off when there is none or it has no matching
+            format); or a format name of `megatron_deepep.fp8.FORMATS`. Needs hidden % 16 == 0.
+            The experts get TE quantized tensors when TE's active recipe matches the format
+            (see `fp8_handoff`), else bf16 rows dequantized on the receiver (any experts).
     """
 
     transport: str = "auto"
@@ -72,6 +79,48 @@ class DeepEPOptions:
     num_max_tokens_per_rank: Optional[int] = None
     metrics: bool = False
     metrics_dir: Optional[str] = None
+    fp8_dispatch: str = "off"
+
+    def __post_init__(self):
+        check_fp8_dispatch_option(self.fp8_dispatch)
+
+
+#: Values of the `fp8_dispatch` option besides the names in `megatron_deepep.fp8.FORMATS`.
+FP8_DISPATCH_CHOICES = ("off", "blockwise", "mxfp8", "auto")
+_FP8_ALIASES = {"blockwise": "blockwise_1x128", "mxfp8": "mxfp8_1x32"}
+
+
+def check_fp8_dispatch_option(value) -> str:
+    """Raises ValueError naming the flag unless `value` is a valid `fp8_dispatch`."""
+    from megatron_deepep.fp8 import FORMATS
+
+    if value not in FP8_DISPATCH_CHOICES and value not in FORMATS:
+        raise ValueError(
+            f"--moe-mdeep-fp8-dispatch (moe_mdeep_fp8_dispatch / MDEEP_FP8_DISPATCH) must be one "
+            f"of {list(FP8_DISPATCH_CHOICES) + sorted(FORMATS)}, got {value!r}")
+    return value
+
+
+def fp8_format_for_option(value: str, recipe=None):
+    """The wire format the `fp8_dispatch` option asks for now (None: bf16 dispatch).
+
+    Args:
+        value: the option.
+        recipe: for "auto": the TE recipe (default: TE's active recipe, None outside
+            `fp8_autocast` or without TE).
+
+    Returns:
+        `(Fp8Format or None, reason when None)`.
+    """
+    from megatron_deepep.fp8 import FORMATS, te_bridge
+
+    check_fp8_dispatch_option(value)
+    if value == "off":
+        return None, "fp8_dispatch is off"
+    if value == "auto":
+        return te_bridge.format_for_recipe(
+            recipe if recipe is not None else te_bridge.active_recipe())
+    return FORMATS[_FP8_ALIASES.get(value, value)], ""
 
 
 _REGISTERED_OPTIONS: dict = {}
@@ -83,6 +132,8 @@ def set_default_options(**kwargs) -> None:
     for key in kwargs:
         if key not in names:
             raise ValueError(f"unknown megatron_deepep option {key!r}; known: {sorted(names)}")
+    if kwargs.get("fp8_dispatch") is not None:
+        check_fp8_dispatch_option(kwargs["fp8_dispatch"])
     _REGISTERED_OPTIONS.update({k: v for k, v in kwargs.items() if v is not None})
 
 
@@ -94,7 +145,7 @@ def _env_value(field: dataclasses.Field):
         return int(raw)
     if field.name == "metrics":
         return raw.strip().lower() in ("1", "true", "yes", "on")
-    return raw
+    return raw.strip()
 
 
 def resolve_options(config) -> DeepEPOptions:
@@ -155,9 +206,18 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         config: the TransformerConfig.
         pg_collection: the process groups; `ep` carries the communication.
 
+    FP8 dispatch (`--moe-mdeep-fp8-dispatch`, see `DeepEPOptions.fp8_dispatch`): tokens travel
+    as e4m3 plus block scales (about half the bytes). The experts receive TE's own quantized
+    tensor (no second quantization in TE's GEMM) when TE is installed, its active recipe
+    produces the same format (`Float8BlockScaling` with 1x128 activation blocks, or
+    `MXFP8BlockScaling`), the layer is not in pad-to-capacity mode and either grad mode is off or
+    the recipe's backward works from dequantized data; in every other case they receive bf16
+    rows dequantized on the receiver (cast to the input dtype), which works with any experts.
+    The backward is the bf16 combine of the gradients (straight-through).
+
     Raises:
-        ValueError: for settings it does not support (expert tensor parallelism, FP8 on the
-            wire, `moe_enable_deepep`), naming the flag.
+        ValueError: for settings it does not support (expert tensor parallelism,
+            `moe_enable_deepep`, FP8 dispatch with hidden % 16 != 0), naming the flag.
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
@@ -215,6 +275,10 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         if self.num_experts % max(self.ep_size, 1) != 0:
             raise ValueError(f"num_moe_experts={self.num_experts} must be a multiple of "
                              f"expert_model_parallel_size={self.ep_size}")
+        if self.options.fp8_dispatch != "off" and config.hidden_size % 16 != 0:
+            raise ValueError(
+                f"--moe-mdeep-fp8-dispatch {self.options.fp8_dispatch} needs hidden_size % 16 "
+                f"== 0 (e4m3 rows must be 16-byte multiples), got {config.hidden_size}")
 
     def bind_layer(self, layer) -> None:
         """Remembers the owning MoELayer (weakly): metrics read its `layer_number`."""
@@ -257,6 +321,22 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                                   num_sms=self.options.num_sms)
         return self._buffer
 
+    def _fp8_spec(self):
+        """This call's `Fp8Dispatch` (None: bf16 dispatch); see the class docstring."""
+        from megatron_deepep.fp8.dispatch import Fp8Dispatch
+
+        fmt, reason = fp8_format_for_option(self.options.fp8_dispatch)
+        if fmt is None:
+            if self.options.fp8_dispatch != "off":
+                _log_once("megatron_deepep: fp8_dispatch=%s dispatches bf16: %s",
+                          self.options.fp8_dispatch, reason)
+            return None
+        handoff, reason = fp8_handoff(fmt, torch.is_grad_enabled(), self.drop_and_pad)
+        if not handoff:
+            _log_once("megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
+                      "(dequantized on the receiver): %s", fmt.name, reason)
+        return Fp8Dispatch(fmt, "fp8" if handoff else "bf16")
+
     def _metrics(self):
         if not self.options.metrics:
             return None
@@ -282,11 +362,19 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         buffer = self._get_buffer(hidden_states)
         metrics = self._metrics()
         timer = metrics.start() if metrics is not None else None
+        spec = self._fp8_spec()
+        x = hidden_states.contiguous()
+        if spec is not None:
+            x = x.to(torch.bfloat16)  # FP8 rows are quantized from bf16 (TE's input rules)
         recv_x, recv_weights, handle = dispatch(
-            buffer, hidden_states.contiguous(), self._topk_idx, probs.float().contiguous(),
-            num_experts=self.num_experts, expert_alignment=self.expert_alignment)
+            buffer, x, self._topk_idx, probs.float().contiguous(),
+            num_experts=self.num_experts, expert_alignment=self.expert_alignment, fp8=spec)
+        if spec is not None and spec.dequantize and recv_x.dtype != hidden_states.dtype:
+            recv_x = recv_x.to(hidden_states.dtype)
         if metrics is not None:
-            self._metrics_pending = (timer.stop(), handle, hidden_states)
+            from megatron_deepep.fp8.dispatch import row_bytes
+            self._metrics_pending = (timer.stop(), handle,
+                                     row_bytes(spec, x.shape[1], x.element_size()))
         self._handle = handle
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
@@ -329,9 +417,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             combine_timer = timer.stop()
             pending, self._metrics_pending = self._metrics_pending, None
             if pending is not None:
-                dispatch_timer, handle, x = pending
-                metrics.record(self, handle, dispatch_timer, combine_timer,
-                               row_bytes=x.shape[1] * x.element_size())
+                dispatch_timer, handle, row_bytes = pending
+                metrics.record(self, handle, dispatch_timer, combine_timer, row_bytes=row_bytes)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()
@@ -381,6 +468,30 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         out_probs = probs.new_zeros(dump + 1).index_add(0, dest, probs)[:dump]
         tokens_per_expert = torch.full((e_local,), seg, dtype=torch.int64)
         return out, out_probs, tokens_per_expert
+
+
+_LOGGED = set()
+
+
+def _log_once(message: str, *args) -> None:
+    key = message % args
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(message, *args)
+
+
+def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):
+    """Whether the experts get TE quantized tensors for rows of `fmt`: `(ok, reason)`.
+
+    They do when TE's active recipe produces `fmt` and TE can use rowwise-only input (see
+    `fp8.te_bridge.handoff_reason`), and the layer does not reshuffle rows to capacity (that
+    reshuffle is bf16 torch code).
+    """
+    from megatron_deepep.fp8 import te_bridge
+
+    if drop_and_pad:
+        return False, "moe_pad_expert_input_to_capacity reshuffles the rows in bf16"
+    return te_bridge.handoff_reason(fmt, training)
 
 
 def _group_rank(group) -> int:

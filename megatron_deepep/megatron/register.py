@@ -32,8 +32,11 @@ import typing
 from typing import Dict, List, Tuple
 
 from megatron_deepep.megatron.dispatcher import (
+    CONFIG_PREFIX,
     DISPATCHER_TYPE,
+    FP8_DISPATCH_CHOICES,
     DeepEPTokenDispatcher,
+    check_fp8_dispatch_option,
     set_default_options,
 )
 
@@ -127,6 +130,13 @@ def check_config(config) -> None:
             f"(--expert-tensor-parallel-size {etp}); use --expert-tensor-parallel-size 1")
     if getattr(config, "num_moe_experts", None) is None:
         raise ValueError("--moe-token-dispatcher-type deepep needs --num-experts")
+    fp8_dispatch = getattr(config, CONFIG_PREFIX + "fp8_dispatch", None)
+    if fp8_dispatch is not None:
+        check_fp8_dispatch_option(fp8_dispatch)
+        hidden = getattr(config, "hidden_size", None)
+        if fp8_dispatch != "off" and hidden is not None and hidden % 16 != 0:
+            raise ValueError(f"--moe-mdeep-fp8-dispatch {fp8_dispatch} needs --hidden-size "
+                             f"% 16 == 0, got {hidden}")
 
 
 def _patch_moe_layer() -> None:
@@ -232,7 +242,7 @@ def register_deepep_dispatcher(**options) -> None:
 
     Args:
         **options: defaults for `DeepEPOptions` (`transport`, `num_sms`,
-            `num_max_tokens_per_rank`, `metrics`, `metrics_dir`); config fields
+            `num_max_tokens_per_rank`, `metrics`, `metrics_dir`, `fp8_dispatch`); config fields
             `moe_mdeep_<name>` (patched Megatron) override them, and they override `MDEEP_<NAME>`
             environment variables.
     """
@@ -266,3 +276,47 @@ def unregister_deepep_dispatcher() -> None:
         else:
             setattr(owner, name, old)
     _STATE["registered"] = False
+
+
+# ----------------------------------------------------------------------------------------------
+#: Our command-line flags (`megatron.training`'s `extra_args_provider`), one per DeepEPOptions
+#: field: `--moe-mdeep-<name>`, named apart from Megatron's own flags (`--moe-deepep-num-sms`,
+#: `--moe-enable-deepep`, `--fp8-format`, `--fp8-recipe` ...).
+ARGUMENTS = [
+    ("--moe-mdeep-transport", dict(type=str, default=None,
+                                   choices=["auto", "nvlink", "reference"],
+                                   help="megatron_deepep transport")),
+    ("--moe-mdeep-num-sms", dict(type=int, default=None, help="SMs of the comm kernels")),
+    ("--moe-mdeep-num-max-tokens-per-rank", dict(
+        type=int, default=None, help="most tokens one rank dispatches (same on every rank)")),
+    ("--moe-mdeep-metrics", dict(action="store_true", default=None,
+                                 help="megatron_deepep per-layer comm/load metrics")),
+    ("--moe-mdeep-metrics-dir", dict(type=str, default=None,
+                                     help="also write metrics as JSON lines here")),
+    ("--moe-mdeep-fp8-dispatch", dict(
+        type=str, default=None, choices=list(FP8_DISPATCH_CHOICES),
+        help="FP8 token dispatch: blockwise (TE Float8BlockScaling, 1x128), mxfp8 (TE "
+             "MXFP8BlockScaling, 1x32), auto (the active TE recipe's format) or off")),
+]
+
+
+def add_arguments(parser):
+    """Adds the `--moe-mdeep-*` flags that `parser` lacks (a patched Megatron defines them as
+    config fields); usable as `pretrain(..., extra_args_provider=add_arguments)`."""
+    group = parser.add_argument_group(title="megatron_deepep")
+    for flag, kwargs in ARGUMENTS:
+        if flag not in parser._option_string_actions:
+            group.add_argument(flag, **kwargs)
+    return parser
+
+
+def apply_arguments(args) -> None:
+    """Makes parsed `--moe-mdeep-*` values the option defaults (`register_deepep_dispatcher`)."""
+    options = {}
+    for flag, _ in ARGUMENTS:
+        name = flag[len("--moe-mdeep-"):].replace("-", "_")
+        value = getattr(args, CONFIG_PREFIX + name, None)
+        if value is False:  # store_true left unset
+            value = None
+        options[name] = value
+    register_deepep_dispatcher(**options)
