@@ -7,6 +7,10 @@ move over the copy bandwidth measured in the same run) and the ratio to it, and 
 
 Definitions: dispatch bytes = N H 2 (read x) + M H 2 (write recv_x); combine bytes = M H 2 + N H 2;
 GB/s = bytes / time; floor = bytes / (measured device copy bandwidth); ratio = floor / time.
+FP8 dispatch bytes = N H 2 (read bf16 x) + M (H + scale bytes) (write e4m3 rows and scales).
+Variants: "sync" (exact output size, one host wait), "nosync" (a caller-given row bound, no host
+synchronization), "cached" (a handle replayed, as combine's backward does). Calls are timed
+back to back with CUDA events; host µs/call is measured apart.
 """
 
 from __future__ import annotations
@@ -29,19 +33,37 @@ DEFAULT_SHAPES = [(4096, 7168, 256, 8), (8192, 4096, 64, 6), (4096, 2880, 128, 4
 
 
 def time_cuda(fn: Callable, setup: Callable = None, iters: int = 30, warmup: int = 5) -> float:
-    """Median µs of `fn()` by CUDA events; `setup(i)` runs untimed before each call."""
-    times = []
-    for i in range(warmup + iters):
+    """Median µs of `fn()` by CUDA events, calls issued back to back (as DeepEP's bench does):
+    the GPU time of one call, host gaps included whenever the host cannot keep ahead (a call's
+    host wait drains the queue, so that wait's bubble counts). `setup(i)` runs before each."""
+    for i in range(warmup):
+        if setup is not None:
+            setup(i)
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    for i in range(iters):
         if setup is not None:
             setup(i)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+
+
+def host_us(fn: Callable, setup: Callable, calls: int = 20) -> float:
+    """Host µs per call of `fn` (launches and checks; the GPU may still be running)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        setup(i)
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
@@ -59,31 +81,59 @@ def make_routing(num_tokens: int, num_experts: int, num_topk: int, seed: int):
     return idx, (probs / probs.sum(1, keepdim=True)).float()
 
 
-def bench_ours(buf, xs, idxs, ws, num_experts: int, no_sync: bool) -> Dict[str, float]:
-    state = {}
-    bound = xs[0].shape[0] * idxs[0].shape[1] if no_sync else None
+def _rows_of(recv_x) -> torch.Tensor:
+    return recv_x[0] if isinstance(recv_x, tuple) else recv_x
+
+
+def bench_ours(buf, xs, idxs, ws, num_experts: int, fp8=None) -> Dict[str, dict]:
+    """Our variants on one Buffer: dispatch with the host wait (exact size), without it (an
+    upper bound), cached (the handle replayed), and combine; FP8 dispatch when `fp8` is given.
+    """
+    state = {"i": 0}
+    bound = xs[0].shape[0] * idxs[0].shape[1]
 
     def setup(i):
         state["i"] = i % len(xs)
 
-    def run_dispatch():
+    def run_dispatch(num_max_recv_rows=None):
         i = state["i"]
         state["res"] = buf.dispatch(xs[i], idxs[i], ws[i], num_experts=num_experts,
-                                    num_max_recv_rows=bound)
+                                    num_max_recv_rows=num_max_recv_rows, fp8=fp8)
 
-    dispatch_us = time_cuda(run_dispatch, setup)
+    out = {"sync": {"dispatch_us": time_cuda(run_dispatch, setup)}}
     recv_x, _, handle, _ = state["res"]
+    out["sync"]["num_recv_rows"] = _rows_of(recv_x).shape[0]
+    out["nosync"] = {"dispatch_us": time_cuda(lambda: run_dispatch(bound), setup),
+                     "dispatch_host_us": host_us(lambda: run_dispatch(bound), setup)}
+    x_same = xs[0]
+    out["cached"] = {"dispatch_us": time_cuda(
+        lambda: buf.dispatch(x_same, handle=handle, fp8=fp8), setup)}
+    if fp8 is None:
+        ys = [_rows_of(recv_x).clone() for _ in range(2)]
+        out["sync"]["combine_us"] = time_cuda(lambda: buf.combine(ys[state["i"] % 2], handle),
+                                              setup)
+        out["sync"]["combine_host_us"] = host_us(
+            lambda: buf.combine(ys[state["i"] % 2], handle), setup)
+    return out
+
+
+def profile_host(buf, x, idx, w, num_experts: int, calls: int = 200) -> str:
+    """cProfile of no-sync dispatch + combine calls: where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+    bound = x.shape[0] * idx.shape[1]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        recv_x, _, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts,
+                                            num_max_recv_rows=bound)
+        buf.combine(recv_x, handle)
+    prof.disable()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(10):  # host cost of one call (launches, checks, the host wait)
-        setup(i)
-        run_dispatch()
-    host_us = (time.perf_counter() - t0) / 10 * 1e6
-    torch.cuda.synchronize()
-    ys = [recv_x.clone() for _ in range(2)]
-    combine_us = time_cuda(lambda: buf.combine(ys[state["i"] % 2], handle), setup)
-    return {"dispatch_us": dispatch_us, "combine_us": combine_us, "dispatch_host_us": host_us,
-            "num_recv_rows": int(handle.tokens_per_expert.sum())}
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    return text.getvalue()
 
 
 def bench_megatron(xs, idxs, ws, num_experts: int) -> Dict[str, float]:
@@ -138,11 +188,11 @@ def bench_megatron(xs, idxs, ws, num_experts: int) -> Dict[str, float]:
     return {"dispatch_us": dispatch_us, "combine_us": combine_us}
 
 
-def profile_kernels(buf, x, idx, w, num_experts: int, no_sync: bool) -> str:
-    """Per-kernel GPU time of a few dispatch+combine calls (torch.profiler), to split kernel time
-    from host gaps."""
+def profile_kernels(buf, x, idx, w, num_experts: int) -> str:
+    """Per-kernel GPU time of a few no-sync dispatch+combine calls (torch.profiler), to split
+    kernel time from host gaps."""
     from torch.profiler import ProfilerActivity, profile
-    bound = x.shape[0] * idx.shape[1] if no_sync else None
+    bound = x.shape[0] * idx.shape[1]
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             recv_x, _, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts,
@@ -153,12 +203,20 @@ def profile_kernels(buf, x, idx, w, num_experts: int, no_sync: bool) -> str:
                                      max_name_column_width=50)
 
 
+def _fp8_formats(names: str):
+    from megatron_deepep.fp8 import FORMATS
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    return [Fp8Dispatch(FORMATS[n], "fp8") for n in names.split(",") if n]
+
+
 def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
-        profile_first: bool = False) -> List[dict]:
+        profile_first: bool = False, fp8_names: str = "", profile_host_first: bool = False
+        ) -> List[dict]:
     from megatron_deepep.buffer import Buffer
 
     rank, ep = dist.get_rank(), dist.get_world_size()
     bw = copy_bandwidth()
+    fp8_specs = _fp8_formats(fp8_names)
     rows = []
     for num_tokens, hidden, num_experts, num_topk in shapes:
         xs = [torch.randn(num_tokens, hidden, device="cuda").to(torch.bfloat16) for _ in range(3)]
@@ -166,26 +224,38 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
                    for i in range(3)]
         idxs, ws = [r[0] for r in routing], [r[1] for r in routing]
         entry = {"shape": [num_tokens, hidden, num_experts, num_topk], "ep": ep,
-                 "copy_GBps": bw / 1e9}
+                 "copy_GBps": bw / 1e9, "variants": {}}
         for num_sms in num_sms_list:
             buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, transport="nvlink",
                          num_sms=num_sms)
-            for no_sync in (False, True):
-                res = bench_ours(buf, xs, idxs, ws, num_experts, no_sync)
-                entry[f"ours_sms{num_sms}_{'nosync' if no_sync else 'sync'}"] = res
-            if profile_first and rank == 0 and not rows:
-                table = profile_kernels(buf, xs[0], idxs[0], ws[0], num_experts, True)
+            for mode, res in bench_ours(buf, xs, idxs, ws, num_experts).items():
+                entry["variants"][f"ours {num_sms} SMs {mode}"] = res
+            for spec in fp8_specs:
+                for mode, res in bench_ours(buf, xs, idxs, ws, num_experts, spec).items():
+                    res["fp8"] = spec.fmt.name
+                    entry["variants"][f"ours {num_sms} SMs fp8 {spec.fmt.name} {mode}"] = res
+            if rank == 0 and not rows and profile_first:
+                table = profile_kernels(buf, xs[0], idxs[0], ws[0], num_experts)
                 sys.stdout.write(f"profile, {num_sms} SMs:\n{table}\n")
+            if rank == 0 and not rows and profile_host_first:
+                sys.stdout.write(f"host profile, {num_sms} SMs:\n"
+                                 f"{profile_host(buf, xs[0], idxs[0], ws[0], num_experts)}\n")
             buf.destroy()
-        rows_recv = entry[f"ours_sms{num_sms_list[0]}_sync"]["num_recv_rows"]
-        entry["dispatch_bytes"] = (num_tokens + rows_recv) * hidden * 2
-        entry["combine_bytes"] = entry["dispatch_bytes"]
+        num_rows = next(iter(entry["variants"].values()))["num_recv_rows"]
+        entry["num_recv_rows"] = num_rows
+        entry["dispatch_bytes"] = (num_tokens + num_rows) * hidden * 2
         entry["floor_us"] = entry["dispatch_bytes"] / bw * 1e6
+        for spec in fp8_specs:  # read bf16 x once, write e4m3 rows and their scales
+            fp8_bytes = num_tokens * hidden * 2 + num_rows * spec.fmt.bytes_per_token(hidden)
+            entry[f"fp8_{spec.fmt.name}"] = {
+                "dispatch_bytes": fp8_bytes, "floor_us": fp8_bytes / bw * 1e6,
+                "wire_byte_ratio": spec.fmt.byte_ratio(hidden)}
         if with_megatron:
             try:
-                entry["megatron_alltoall"] = bench_megatron(xs, idxs, ws, num_experts)
+                entry["variants"]["megatron alltoall"] = bench_megatron(xs, idxs, ws,
+                                                                        num_experts)
             except Exception as exc:  # reported, not hidden: the table says why it is missing
-                entry["megatron_alltoall"] = {"error": repr(exc)}
+                entry["variants"]["megatron alltoall"] = {"error": repr(exc)}
         rows.append(entry)
         torch.cuda.empty_cache()
     if rank == 0:
@@ -197,26 +267,42 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
     return rows
 
 
+def _cell(num_bytes: float, floor_us: float, us) -> str:
+    if us is None:
+        return "- | - | -"
+    return f"{us:.1f} | {num_bytes / us / 1e3:.0f} | {floor_us / us:.2f}"
+
+
 def print_table(rows: List[dict]) -> None:
     lines = ["shape (N,H,E,K) | EP | variant | dispatch µs | GB/s | floor ratio | combine µs | "
-             "GB/s | floor ratio"]
+             "GB/s | floor ratio | host µs/call (dispatch, combine)"]
     for e in rows:
-        floor = e["floor_us"]
-        for key, res in e.items():
-            if not isinstance(res, dict):
-                continue
+        shape = tuple(e["shape"])
+        bf16_sync = {}
+        for key, res in e["variants"].items():
             if "error" in res:
-                lines.append(f"{tuple(e['shape'])} | {e['ep']} | {key} | {res['error']}")
+                lines.append(f"{shape} | {e['ep']} | {key} | {res['error']}")
                 continue
-            d, c = res["dispatch_us"], res["combine_us"]
-            host = (f" (host {res['dispatch_host_us']:.0f} µs/call)"
-                    if "dispatch_host_us" in res else "")
+            fp8 = e.get(f"fp8_{res['fp8']}") if "fp8" in res else None
+            num_bytes = fp8["dispatch_bytes"] if fp8 else e["dispatch_bytes"]
+            floor = fp8["floor_us"] if fp8 else e["floor_us"]
+            host = "/".join(f"{res[k]:.0f}" for k in ("dispatch_host_us", "combine_host_us")
+                            if k in res)
+            mode = key.rsplit(" ", 1)[-1]
+            extra = ""
+            if fp8 is None and key.startswith("ours"):
+                bf16_sync[key.split(" SMs")[0] + mode] = res["dispatch_us"]
+            elif fp8 is not None:
+                base = bf16_sync.get(key.split(" SMs")[0] + mode)
+                if base:
+                    extra = (f" [wire bytes x{fp8['wire_byte_ratio']:.3f}, time "
+                             f"x{res['dispatch_us'] / base:.2f} of bf16]")
             lines.append(
-                f"{tuple(e['shape'])} | {e['ep']} | {key}{host} | {d:.1f} | "
-                f"{e['dispatch_bytes'] / d / 1e3:.0f} | {floor / d:.2f} | {c:.1f} | "
-                f"{e['combine_bytes'] / c / 1e3:.0f} | {floor / c:.2f}")
-        lines.append(f"{tuple(e['shape'])} | floor {floor:.1f} µs at copy "
-                     f"{e['copy_GBps']:.0f} GB/s")
+                f"{shape} | {e['ep']} | {key}{extra} | "
+                f"{_cell(num_bytes, floor, res['dispatch_us'])} | "
+                f"{_cell(e['dispatch_bytes'], e['floor_us'], res.get('combine_us'))} | {host}")
+        lines.append(f"{shape} | floor {e['floor_us']:.1f} µs ({e['dispatch_bytes'] / 1e6:.0f} MB"
+                     f" at copy {e['copy_GBps']:.0f} GB/s; M = {e['num_recv_rows']} rows)")
     sys.stdout.write("\n".join(lines) + "\n")
 
 
@@ -228,20 +314,20 @@ def plot(rows: List[dict], path: str) -> None:
     except ImportError:
         logger.warning("matplotlib missing: no plot written")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, op in zip(axes, ("dispatch_us", "combine_us")):
         labels = [str(tuple(e["shape"])) for e in rows]
-        keys = [k for k, v in rows[0].items() if isinstance(v, dict) and op in v]
+        keys = [k for k, v in rows[0]["variants"].items() if op in v]
         width = 0.8 / (len(keys) + 1)
         for j, key in enumerate(keys):
             ax.bar([i + j * width for i in range(len(rows))],
-                   [e[key].get(op, 0) for e in rows], width, label=key)
+                   [e["variants"].get(key, {}).get(op, 0) for e in rows], width, label=key)
         ax.bar([i + len(keys) * width for i in range(len(rows))], [e["floor_us"] for e in rows],
-               width, label="HBM floor", color="black")
+               width, label="HBM floor (bf16)", color="black")
         ax.set_xticks([i + 0.4 for i in range(len(rows))], labels, fontsize=7)
         ax.set_ylabel("µs (median)")
         ax.set_title(op.replace("_us", ""))
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -255,6 +341,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no-megatron", action="store_true", help="skip Megatron's dispatcher")
     parser.add_argument("--profile", action="store_true",
                         help="print per-kernel GPU times for the first shape")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="print a cProfile of the host side for the first shape")
+    parser.add_argument("--fp8", default="blockwise_1x128,mxfp8_1x32",
+                        help="FP8 wire formats to bench against bf16 ('' for none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
@@ -272,7 +362,8 @@ def main(argv=None) -> None:
         tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     sms = [min(int(s), torch.cuda.get_device_properties(0).multi_processor_count)
            for s in args.num_sms.split(",")]
-    run(shapes, sms, args.out, not args.no_megatron, args.profile)
+    run(shapes, sms, args.out, not args.no_megatron, args.profile, args.fp8,
+        args.profile_host)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,149 @@
+"""GPU tier: FP8 dispatch on the NVLink kernels against the reference, N processes on one GPU.
+
+Per format (blockwise 1x128 with power-of-two and with fp32 scales, MXFP8 1x32) and routing
+case: the quantization fused into the send (bf16 input) and the pre-quantized input give the
+reference's e4m3 rows and scales bit for bit; the dequantizing expand equals the reference's
+bf16 dispatch of the dequantized input; cached dispatch replays the same rows. Inputs carry
+zero rows, huge and tiny values, and a few NaN/inf, whose handling is defined in formats.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_deepep.buffer import Buffer
+from megatron_deepep.fp8 import FORMATS
+from megatron_deepep.fp8.dispatch import Fp8Dispatch
+from tests.cases import make_inputs
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.gpu
+
+NUM_PROCS = [int(n) for n in os.environ.get("MDEEP_TEST_PROCS", "1,2,3,4,8").split(",")]
+
+# kind, tokens per rank, hidden, experts per rank, top-k, alignment
+CASES = [
+    ("random", 48, 7168, 4, 8, 1),
+    ("random", 29, 2880, 3, 4, 16),
+    ("skewed", 20, 2048, 2, 2, 32),
+    ("dropped", 33, 4096, 2, 6, 1),
+    ("random", 0, 2048, 1, 2, 1),
+]
+
+
+def _with_specials(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """Adds a zero row, a huge and a tiny row, and scattered NaN/inf to bf16 rows."""
+    x = x.clone()
+    if x.shape[0] < 4:
+        return x
+    g = torch.Generator().manual_seed(seed)
+    x[0] = 0
+    x[1] *= 1e30
+    x[2] *= 1e-30
+    flat = x.view(-1)
+    picks = torch.randint(0, flat.numel(), (6,), generator=g)
+    flat[picks[:2]] = float("nan")
+    flat[picks[2:4]] = float("inf")
+    flat[picks[4:]] = float("-inf")
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An exact, NaN-safe integer view for comparisons."""
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(
+        {2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _assert_same(got, exp, what: str) -> None:
+    got = got if isinstance(got, tuple) else (got,)
+    exp = exp if isinstance(exp, tuple) else (exp,)
+    assert len(got) == len(exp), what
+    for g, e in zip(got, exp):
+        assert g.dtype == e.dtype and g.shape == e.shape, f"{what}: {g.dtype}{tuple(g.shape)}"
+        assert torch.equal(_bits(g), _bits(e)), f"{what}: bytes differ"
+
+
+def _padding_rows(handle) -> torch.Tensor:
+    """`[M]` bool: the alignment-padding rows of a (reference) dispatch."""
+    counts = handle.num_recv_tokens_per_expert.cpu().tolist()
+    padded = handle.tokens_per_expert.cpu().tolist()
+    mask = torch.zeros(sum(padded), dtype=torch.bool)
+    start = 0
+    for used, size in zip(counts, padded):
+        mask[start + used:start + size] = True
+        start += size
+    return mask
+
+
+def _expected_fp8(fmt, recv_x: torch.Tensor, handle):
+    """Oracle: quantization is per token, so dispatch(quantize(x)) == quantize(dispatch(x))
+    rows, except that padding rows carry all-zero data and scales."""
+    data, scales = fmt.quantize(recv_x)
+    pad = _padding_rows(handle)
+    data.view(torch.uint8)[pad] = 0
+    scales[pad] = 0
+    return data, scales
+
+
+def _dispatch(buf, x, idx, w, experts, align, fp8, x_scales=None):
+    """The NVLink transport's FP8 dispatch (the Buffer passes `fp8=` straight to it)."""
+    return buf._transport.dispatch(x, idx, w, experts, align, None, None, fp8=fp8,
+                                   x_scales=x_scales)
+
+
+def _case(rank, world, nvl, ref, seed, kind, num_tokens, hidden, per_rank, topk, align):
+    experts = per_rank * world
+    xs, idxs, ws = make_inputs(seed, world, num_tokens, hidden, experts, topk, kind)
+    x = _with_specials(xs[rank], seed + rank)
+    idx, w = idxs[rank], ws[rank]
+    dev = torch.device("cuda")
+    xd, idxd, wd = x.to(dev), idx.to(dev), w.to(dev)
+    # The bf16 reference of every rank's rows (with the specials each rank planted).
+    all_x = [_with_specials(xs[r], seed + r) for r in range(world)]
+    exp_x, exp_w, exp_handle = ref.dispatch(all_x[rank], idx, w, num_experts=experts,
+                                            expert_alignment=align)[:3]
+    for name, fmt in FORMATS.items():
+        keep, deq = Fp8Dispatch(fmt, "fp8"), Fp8Dispatch(fmt, "bf16")
+        where = f"{name} {kind} H={hidden} K={topk} R={world}"
+        expected = _expected_fp8(fmt, exp_x, exp_handle)
+        got, got_w, handle = _dispatch(nvl, xd, idxd, wd, experts, align, keep)
+        _assert_same(got, expected, f"fused quantize ({where})")
+        assert torch.equal(got_w.cpu(), exp_w), f"weights ({where})"
+
+        # Pre-quantized input: the same bytes, nothing quantized again.
+        x_fp8, x_scales = fmt.quantize(x)
+        pre = _dispatch(nvl, x_fp8.to(dev), idxd, wd, experts, align, keep, x_scales.to(dev))
+        _assert_same(pre[0], expected, f"pre-quantized ({where})")
+
+        # The dequantizing expand == the dequantized expected rows (padding rows zero).
+        exp_bf = fmt.dequantize(*expected)
+        bf = _dispatch(nvl, xd, idxd, wd, experts, align, deq)
+        _assert_same(bf[0], exp_bf, f"dequantized expand ({where})")
+        pre_bf = _dispatch(nvl, x_fp8.to(dev), idxd, wd, experts, align, deq, x_scales.to(dev))
+        _assert_same(pre_bf[0], exp_bf, f"pre-quantized, dequantized ({where})")
+
+        # Cached FP8 dispatch replays the same rows.
+        cached = nvl._transport.cached_dispatch(xd, handle, fp8=keep)
+        _assert_same(cached, expected, f"cached ({where})")
+    nvl.check_errors()
+
+
+def _worker(rank, world):
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    group = dist.group.WORLD
+    nvl = Buffer(group, 64, 7168, 8, transport="nvlink", num_sms=8, timeout_s=30)
+    ref = Buffer(group, 64, 7168, 8, transport="reference")
+    for i, case in enumerate(CASES):
+        _case(rank, world, nvl, ref, 500 * world + i, *case)
+    dist.barrier()
+    nvl.destroy()
+
+
+@pytest.mark.parametrize("num_procs", NUM_PROCS)
+def test_fp8_dispatch_matches_reference(num_procs):
+    run_distributed(num_procs, _worker, backend="gloo", timeout_s=1500)
