@@ -3,12 +3,18 @@
 
     python examples/compare_dispatchers.py --steps 50 --out compare_out          # 1 GPU, EP=1
     torchrun --nproc-per-node 8 examples/compare_dispatchers.py --steps 50       # EP = 8
+    python examples/compare_dispatchers.py --fp8-dispatch blockwise_1x128 --steps 200
+    python examples/compare_dispatchers.py --plot-only compare_out/step_times.json  # no GPU
+
+`--fp8-dispatch FORMAT` compares `deepep` with FP8 dispatch (FORMAT on the wire; the local spec's
+experts get bf16 rows dequantized on the receiver) against `deepep` with bf16 dispatch instead of
+`deepep` against `alltoall`, and adds the max / mean relative loss difference per step.
 
 Needs only megatron-core (no megatron.training, which the pip wheel lacks): GPTModel with the
 local (non-TE) layer spec, 4 layers, hidden 512, 8 experts, top-2, aux loss, bf16, random
 tokens from a fixed seed, AdamW. Both runs start from identical weights and see identical
 batches. Writes (rank 0) `loss_curves.png` (both curves) and `step_times.json` (median step time
-per dispatcher, the losses, and the max loss difference).
+per run, the per-step losses, and the max absolute / max and mean relative loss difference).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup-steps", type=int, default=5, help="left out of the median time")
@@ -41,8 +47,25 @@ def parse_args():
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--dispatchers", default="deepep,alltoall")
-    return p.parse_args()
+    p.add_argument("--dispatchers", default="deepep,alltoall",
+                   help="runs to compare (ignored with --fp8-dispatch)")
+    p.add_argument("--fp8-dispatch", default=None, choices=FP8_CHOICES,
+                   help="compare deepep with this FP8 dispatch format against bf16 deepep")
+    p.add_argument("--plot-only", default=None, metavar="JSON",
+                   help="redraw loss_curves.png from a step_times.json (no GPU needed)")
+    return p.parse_args(argv)
+
+
+FP8_CHOICES = ["blockwise", "mxfp8", "blockwise_1x128", "blockwise_1x128_fp32_scales",
+               "mxfp8_1x32"]
+FP8_SUFFIX = "+fp8:"
+
+
+def run_names(args):
+    """The runs to compare: `deepep` and `deepep+fp8:<format>` with --fp8-dispatch."""
+    if args.fp8_dispatch:
+        return ["deepep", "deepep" + FP8_SUFFIX + args.fp8_dispatch]
+    return args.dispatchers.split(",")
 
 
 def init_distributed():
@@ -93,9 +116,13 @@ def batches(args, rank):
         yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), pos, mask
 
 
-def train(args, dispatcher):
+def train(args, name):
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    import megatron_deepep.megatron as mdm
 
+    dispatcher, _, fp8 = name.partition(FP8_SUFFIX)
+    # Dispatchers read their options when built: set the FP8 switch for this model only.
+    mdm.register_deepep_dispatcher(fp8_dispatch=fp8 or "off")
     model = build_model(args, dispatcher)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
@@ -125,25 +152,51 @@ def train(args, dispatcher):
         except Exception:
             pass
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"[{dispatcher}] step {step:3d} loss {losses[-1]:.4f} "
+            print(f"[{name}] step {step:3d} loss {losses[-1]:.4f} "
                   f"time {times[-1] * 1e3:.1f} ms", flush=True)
     del model, opt
     torch.cuda.empty_cache()
     return losses, times
 
 
-def plot(out_dir, curves, steps):
+def loss_differences(a, b):
+    """Max absolute, max relative and mean relative difference of two loss curves (vs `b`)."""
+    pairs = list(zip(a, b))
+    rel = [abs(x - y) / max(abs(y), 1e-12) for x, y in pairs]
+    return {"max_abs_loss_diff": max((abs(x - y) for x, y in pairs), default=0.0),
+            "max_rel_loss_diff": max(rel, default=0.0),
+            "mean_rel_loss_diff": statistics.fmean(rel) if rel else 0.0}
+
+
+def summarize(results, steps, warmup_steps, world_size, device_name):
+    """The JSON summary: per-step losses, median step times and the curve differences."""
+    summary = {
+        "world_size": world_size,
+        "steps": steps,
+        "warmup_steps_excluded": warmup_steps,
+        "median_step_time_ms": {k: 1e3 * statistics.median(v[1][warmup_steps:] or v[1])
+                                for k, v in results.items()},
+        "losses": {k: v[0] for k, v in results.items()},
+        "gpu": device_name,
+    }
+    names = list(results)
+    if len(names) == 2:
+        summary.update(loss_differences(results[names[1]][0], results[names[0]][0]))
+    return summary
+
+
+def plot(out_dir, curves, steps, world_size):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, losses in curves.items():
-        ax.plot(range(len(losses)), losses, label=name, linestyle="-" if name == "deepep" else "--")
+    for i, (name, losses) in enumerate(curves.items()):
+        ax.plot(range(len(losses)), losses, label=name, linestyle="-" if i == 0 else "--")
     ax.set_xlabel("step")
     ax.set_ylabel("LM loss (mean over ranks)")
-    ax.set_title(f"GPT-MoE, EP={dist.get_world_size()}, {steps} steps, one seed")
+    ax.set_title(f"GPT-MoE, EP={world_size}, {steps} steps, one seed")
     ax.legend()
     fig.tight_layout()
     path = os.path.join(out_dir, "loss_curves.png")
@@ -151,9 +204,21 @@ def plot(out_dir, curves, steps):
     return path
 
 
-def main():
+def plot_only(args):
+    with open(args.plot_only) as f:
+        summary = json.load(f)
+    out_dir = args.out if args.out != "compare_out" else os.path.dirname(args.plot_only) or "."
+    os.makedirs(out_dir, exist_ok=True)
+    path = plot(out_dir, summary["losses"], summary.get("steps"), summary.get("world_size", "?"))
+    print(path)
+    return 0
+
+
+def main(argv=None):
     warnings.filterwarnings("ignore")
-    args = parse_args()
+    args = parse_args(argv)
+    if args.plot_only:
+        return plot_only(args)
     if not torch.cuda.is_available():
         print("compare_dispatchers.py needs CUDA GPUs (it compares the deepep kernels with "
               "Megatron's alltoall). On a CPU machine run: python -m pytest "
@@ -164,24 +229,16 @@ def main():
 
     mdm.register_deepep_dispatcher()
     results = {}
-    for name in args.dispatchers.split(","):
+    for name in run_names(args):
         results[name] = train(args, name)
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
-        png = plot(args.out, {k: v[0] for k, v in results.items()}, args.steps)
-        summary = {
-            "world_size": dist.get_world_size(),
-            "steps": args.steps,
-            "warmup_steps_excluded": args.warmup_steps,
-            "median_step_time_ms": {k: 1e3 * statistics.median(v[1][args.warmup_steps:] or v[1])
-                                    for k, v in results.items()},
-            "losses": {k: v[0] for k, v in results.items()},
-            "gpu": torch.cuda.get_device_name(),
-        }
-        names = list(results)
-        if len(names) == 2:
-            a, b = (results[n][0] for n in names)
-            summary["max_abs_loss_diff"] = max(abs(x - y) for x, y in zip(a, b))
+        png = plot(args.out, {k: v[0] for k, v in results.items()}, args.steps,
+                   dist.get_world_size())
+        summary = summarize(results, args.steps, args.warmup_steps, dist.get_world_size(),
+                            torch.cuda.get_device_name())
+        if args.fp8_dispatch:
+            summary["fp8_dispatch"] = args.fp8_dispatch
         with open(os.path.join(args.out, "step_times.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print(json.dumps({k: summary[k] for k in summary if k != "losses"}, indent=1))

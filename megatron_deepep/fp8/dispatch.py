@@ -94,8 +94,11 @@ def pack_rows(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     Returns:
         `[N, W]` torch.int32, `W = ceil((H + scale bytes) / 4)`; the tail bytes are zero.
     """
+    num_tokens = x_fp8.shape[0]
     data = x_fp8.contiguous().view(torch.uint8)
-    scale_bytes = scales.contiguous().view(torch.uint8).reshape(scales.shape[0], -1)
+    # Through 1-D: an empty [0, nb] tensor may carry strides that `view(dtype)` refuses.
+    scale_bytes = scales.contiguous().reshape(-1).view(torch.uint8).reshape(
+        num_tokens, scales.shape[1] * scales.element_size())
     parts = [data, scale_bytes]
     pad = (-(data.shape[1] + scale_bytes.shape[1])) % 4
     if pad:
@@ -106,8 +109,10 @@ def pack_rows(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def unpack_rows(packed: torch.Tensor, hidden: int, fmt: Fp8Format
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `pack_rows`: `[M, W]` int32 -> (`[M, H]` float8_e4m3fn, `[M, nb]` scales)."""
-    raw = packed.contiguous().view(torch.uint8)
+    num_rows = packed.shape[0]
+    raw = packed.contiguous().reshape(-1).view(torch.uint8).reshape(
+        num_rows, packed.shape[1] * packed.element_size())
     num_scale_bytes = fmt.scale_bytes_per_token(hidden)
     data = raw[:, :hidden].contiguous().view(torch.float8_e4m3fn)
-    scales = raw[:, hidden:hidden + num_scale_bytes].contiguous().view(fmt.scale_dtype)
-    return data, scales.reshape(raw.shape[0], fmt.num_blocks(hidden))
+    scales = raw[:, hidden:hidden + num_scale_bytes].contiguous().reshape(-1)
+    return data, scales.view(fmt.scale_dtype).reshape(num_rows, fmt.num_blocks(hidden))
