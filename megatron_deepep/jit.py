@@ -14,6 +14,7 @@ Environment knobs (all read at first use):
 | `MEGATRON_DEEPEP_JIT_LINEINFO`   | 1: compile with `-lineinfo` (for profilers)          |
 | `MEGATRON_DEEPEP_JIT_NO_CACHE`   | 1: always recompile                                  |
 | `MEGATRON_DEEPEP_ARCH`           | target, e.g. `sm_90` (default: the current device)  |
+| `MEGATRON_DEEPEP_JIT_DEFINES`    | extra `-D` macros, comma-separated (tuning knobs such as `MDEEP_COPY_UNROLL=16`); part of the cache key |
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def _options(arch: str) -> List[str]:
             "-default-device", "-DNDEBUG"]
     if _env_flag("JIT_LINEINFO"):
         opts.append("-lineinfo")
+    defines = os.environ.get(ENV_PREFIX + "JIT_DEFINES", "")
+    opts += [f"-D{d.strip()}" for d in defines.split(",") if d.strip()]
     return opts
 
 

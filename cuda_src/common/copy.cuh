@@ -4,7 +4,11 @@
 
 namespace mdeep {
 
-constexpr int kCopyUnroll = 8;  // 16 B x 8 in flight per lane: enough bytes to cover latency
+#ifndef MDEEP_COPY_UNROLL
+#define MDEEP_COPY_UNROLL 8
+#endif
+// 16 B x 8 in flight per lane: enough bytes to cover latency (a tuning knob, see jit.py).
+constexpr int kCopyUnroll = MDEEP_COPY_UNROLL;
 
 // Copies one row of `num_int4` 16-byte words from `src` to up to kMaxDst destinations; the
 // whole warp takes part. kStagedSrc: the source was written by a peer during this kernel (read
