@@ -3,7 +3,9 @@
 #   bash scripts/gpu_tier.sh            # tests (N = 1,2,3,4,8 processes) then the benchmark
 # Knobs: MDEEP_TEST_PROCS (default 1,2,3,4,8), MDEEP_TEST_CALLS (default 1000), SKIP_TESTS=1,
 # SKIP_BENCH=1, OUT (log folder; default .bench_out). Wheels in .whl/ (megatron-core) are installed
-# into /tmp/site first when present.
+# into /tmp/site first when present. Extras, off by default: PROBE=1 (scripts/probe_copy.py),
+# NCU=1 (Nsight Compute speed-of-light of the expand and reduce kernels), COMPARE_STEPS=N (the
+# example trains N steps with deepep and alltoall), FP8_STEPS=N (FP8 vs bf16 dispatch, N steps).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MEGATRON_DEEPEP_CACHE_DIR=${MEGATRON_DEEPEP_CACHE_DIR:-/tmp/mdeep_cache}
@@ -22,5 +24,22 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout ${BENCH_TIMEOUT:-240} python3 -m megatron_deepep.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "${PROBE:-0}" = 1 ]; then
+  timeout 120 python3 scripts/probe_copy.py 2>&1 | tee "$OUT/probe.log"
+fi
+if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+  timeout 180 ncu --section SpeedOfLight --kernel-name regex:"dispatch_recv|combine_reduce" \
+    --launch-skip 6 --launch-count 2 python3 -m megatron_deepep.bench --no-megatron --fp8 '' \
+    --shapes 4096,7168,256,8 --num-sms 132 2>&1 | grep -E "dispatch_recv|combine_reduce|Throughput|Duration" \
+    | tee "$OUT/ncu.log"
+fi
+if [ "${COMPARE_STEPS:-0}" != 0 ]; then
+  timeout 300 python3 examples/compare_dispatchers.py --steps "$COMPARE_STEPS" --out "$OUT/compare" \
+    2>&1 | tail -20
+fi
+if [ "${FP8_STEPS:-0}" != 0 ]; then
+  timeout 400 python3 examples/compare_dispatchers.py --steps "$FP8_STEPS" --fp8-dispatch blockwise \
+    --out "$OUT/compare_fp8" 2>&1 | tail -20
 fi
 exit $rc

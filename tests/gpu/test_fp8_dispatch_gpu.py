@@ -91,9 +91,9 @@ def _expected_fp8(fmt, recv_x: torch.Tensor, handle):
 
 
 def _dispatch(buf, x, idx, w, experts, align, fp8, x_scales=None):
-    """The NVLink transport's FP8 dispatch (the Buffer passes `fp8=` straight to it)."""
-    return buf._transport.dispatch(x, idx, w, experts, align, None, None, fp8=fp8,
-                                   x_scales=x_scales)
+    """Buffer.dispatch in FP8: bf16 `x`, or the pre-quantized pair when `x_scales` is given."""
+    rows = x if x_scales is None else (x, x_scales)
+    return buf.dispatch(rows, idx, w, num_experts=experts, expert_alignment=align, fp8=fp8)[:3]
 
 
 def _case(rank, world, nvl, ref, seed, kind, num_tokens, hidden, per_rank, topk, align):
@@ -128,7 +128,7 @@ def _case(rank, world, nvl, ref, seed, kind, num_tokens, hidden, per_rank, topk,
         _assert_same(pre_bf[0], exp_bf, f"pre-quantized, dequantized ({where})")
 
         # Cached FP8 dispatch replays the same rows.
-        cached = nvl._transport.cached_dispatch(xd, handle, fp8=keep)
+        cached = nvl.dispatch(xd, handle=handle, fp8=keep)[0]
         _assert_same(cached, expected, f"cached ({where})")
     nvl.check_errors()
 
