@@ -15,7 +15,11 @@ constexpr int kCombineThreads = 512;
 // before any is summed, so a warp keeps kTopk * kUnroll loads in flight.
 template <int kTopk>
 struct CombineUnroll {
+#ifdef MDEEP_COMBINE_UNROLL  // a tuning knob (jit.py, MEGATRON_DEEPEP_JIT_DEFINES)
+    static constexpr int value = MDEEP_COMBINE_UNROLL;
+#else
     static constexpr int value = kTopk <= 2 ? 2 : 1;
+#endif
 };
 
 // Sums one slot's rows of y for the int4 words [base, base + 32 * kU) of a lane.

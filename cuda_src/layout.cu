@@ -5,9 +5,9 @@
 //   rank block:     every rank r at once: is_token_in_rank[n][r], token_slot_in_rank[n][r],
 //                   slot_token[r][slot] and num_tokens_per_rank[r]; it also marks -1 entries
 //                   (pos -1) and checks the range of every id.
-// Each thread owns kTokensPerThread consecutive tokens of a pass, and one block scan serves all
-// 8 targets of the block, so a pass costs one barrier round whatever E is; grouping targets
-// cuts the re-reads of topk_idx by 8 against one block per expert.
+// Each thread loads the ids of kTokensPerThread consecutive tokens once into registers (as int32
+// target numbers), and one block scan serves all 8 targets of a block, so a pass costs one
+// barrier round whatever E is and topk_idx is re-read E / 8 times instead of E.
 #include "common/error.cuh"
 #include "common/warp.cuh"
 
@@ -15,27 +15,12 @@ using namespace mdeep;
 
 constexpr int kLayoutThreads = 512;
 constexpr int kTargetsPerBlock = 8;
-constexpr int kTokensPerThread = 4;
 
-// hit[j]: how many of token row `ids`'s entries name target j (expert first + j, or rank j).
-template <typename IdxT, int kTopk>
-__device__ __forceinline__ void token_hits(const IdxT* ids, bool is_expert_block, int first,
-                                           int num_targets, int num_local, int num_experts,
-                                           int (&hit)[kTargetsPerBlock]) {
-#pragma unroll
-    for (int j = 0; j < kTargetsPerBlock; ++j) hit[j] = 0;
-#pragma unroll
-    for (int k = 0; k < kTopk; ++k) {
-        const i64 id = (i64)ids[k];
-        const bool valid = id >= 0 && id < num_experts;
-        const i64 g = !valid ? -1 : is_expert_block ? id - first : id / num_local;
-#pragma unroll
-        for (int j = 0; j < kTargetsPerBlock; ++j) {
-            if (is_expert_block) hit[j] += g == j && j < num_targets;
-            else hit[j] |= g == j;
-        }
-    }
-}
+template <int kTopk>
+struct LayoutShape {
+    // Enough tokens per thread to amortize the scan, few enough ids to stay in registers.
+    static constexpr int kTokensPerThread = kTopk >= 16 ? 2 : kTopk >= 8 ? 4 : 8;
+};
 
 template <typename IdxT, int kTopk>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
@@ -43,7 +28,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     int* num_tokens_per_expert, int* pos_in_expert, int* num_tokens_per_rank,
     u8* is_token_in_rank, int* token_slot_in_rank, int* slot_token, int* error_claim,
     ErrorRecord* error_record, int rank) {
-    constexpr int G = kTargetsPerBlock, T = kTokensPerThread;
+    constexpr int G = kTargetsPerBlock, T = LayoutShape<kTopk>::kTokensPerThread;
     __shared__ int scan_smem[G][33];
     const ErrorState err{error_claim, error_record};
     const int num_local = num_experts / num_ranks;
@@ -56,16 +41,35 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     for (int j = 0; j < G; ++j) base[j] = 0;
     for (int chunk = 0; chunk < num_tokens; chunk += blockDim.x * T) {
         const int n0 = chunk + threadIdx.x * T;
-        int count[G], hit[G];
+        // target[t][k]: the entry's target number in [0, G) for this block, or -1.
+        int target[T][kTopk];
+        bool bad = false;
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k) {
+                const i64 id = n0 + t < num_tokens ? (i64)topk_idx[(i64)(n0 + t) * kTopk + k]
+                                                   : -1;
+                const bool valid = id >= 0 && id < num_experts;
+                bad |= id < -1 || id >= num_experts;
+                const int e = valid ? (int)id : -1;
+                const int g = e < 0 ? -1 : is_expert_block ? e - first : e / num_local;
+                target[t][k] = g >= 0 && g < num_targets ? g : -1;
+            }
+        }
+        // Per-token hits: expert blocks count entries, the rank block counts tokens.
+        int count[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) count[j] = 0;
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-            if (n0 + t >= num_tokens) break;
-            token_hits<IdxT, kTopk>(topk_idx + (i64)(n0 + t) * kTopk, is_expert_block, first,
-                                    num_targets, num_local, num_experts, hit);
 #pragma unroll
-            for (int j = 0; j < G; ++j) count[j] += hit[j];
+            for (int j = 0; j < G; ++j) {
+                int hit = 0;
+#pragma unroll
+                for (int k = 0; k < kTopk; ++k) hit += target[t][k] == j;
+                count[j] += is_expert_block ? hit : hit > 0;
+            }
         }
         int offset[G], total[G];
         block_exclusive_scan_n<G>(count, scan_smem, offset, total);
@@ -73,38 +77,42 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         for (int t = 0; t < T; ++t) {
             const int n = n0 + t;
             if (n >= num_tokens) break;
-            const IdxT* ids = topk_idx + (i64)n * kTopk;
             if (is_expert_block) {
 #pragma unroll
                 for (int k = 0; k < kTopk; ++k) {
-                    const i64 id = (i64)ids[k];
-                    const i64 g = id - first;
-                    if (id < 0 || id >= num_experts || g < 0 || g >= num_targets) continue;
+                    const int g = target[t][k];
+                    if (g < 0) continue;
                     int pos = 0;
 #pragma unroll
                     for (int j = 0; j < G; ++j)
                         if (g == j) pos = base[j] + offset[j]++;
                     pos_in_expert[(i64)n * kTopk + k] = pos;
                 }
-            } else {
+                continue;
+            }
+            if (bad) {  // rare: report the exact id
 #pragma unroll
                 for (int k = 0; k < kTopk; ++k) {
-                    const i64 id = (i64)ids[k];
+                    const i64 id = (i64)topk_idx[(i64)n * kTopk + k];
                     if (id < -1 || id >= num_experts)
                         record_error(err, kErrBadExpertId, rank, -1, kPhaseLayout, n,
                                      (i64)num_experts, id);
-                    if (id < 0 || id >= num_experts) pos_in_expert[(i64)n * kTopk + k] = -1;
                 }
-                token_hits<IdxT, kTopk>(ids, false, 0, num_targets, num_local, num_experts, hit);
+            }
 #pragma unroll
-                for (int j = 0; j < G; ++j) {
-                    if (j >= num_ranks) break;
-                    const int slot = base[j] + offset[j];
-                    is_token_in_rank[(i64)n * num_ranks + j] = hit[j] ? 1 : 0;
-                    token_slot_in_rank[(i64)n * num_ranks + j] = hit[j] ? slot : -1;
-                    if (hit[j]) slot_token[(i64)j * num_tokens + slot] = n;
-                    offset[j] += hit[j];
-                }
+            for (int k = 0; k < kTopk; ++k)
+                if (target[t][k] < 0) pos_in_expert[(i64)n * kTopk + k] = -1;
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                if (j >= num_ranks) break;
+                bool hit = false;
+#pragma unroll
+                for (int k = 0; k < kTopk; ++k) hit |= target[t][k] == j;
+                const int slot = base[j] + offset[j];
+                is_token_in_rank[(i64)n * num_ranks + j] = hit ? 1 : 0;
+                token_slot_in_rank[(i64)n * num_ranks + j] = hit ? slot : -1;
+                if (hit) slot_token[(i64)j * num_tokens + slot] = n;
+                offset[j] += hit;
             }
         }
 #pragma unroll

@@ -74,6 +74,14 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     return 2 * src.numel() / (us * 1e-6)
 
 
+def fill_bandwidth(num_bytes: int = 1 << 30) -> float:
+    """Device write-only bandwidth in bytes/s (`fill_`): the ceiling of write-heavy kernels such
+    as the expand, which writes K rows for each row it reads."""
+    dst = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    us = time_cuda(lambda: dst.fill_(1.0), iters=20)
+    return num_bytes / (us * 1e-6)
+
+
 def make_routing(num_tokens: int, num_experts: int, num_topk: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     scores = torch.rand(num_tokens, num_experts, device="cuda", generator=g)
@@ -216,6 +224,7 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
 
     rank, ep = dist.get_rank(), dist.get_world_size()
     bw = copy_bandwidth()
+    write_bw = fill_bandwidth()
     fp8_specs = _fp8_formats(fp8_names)
     rows = []
     for num_tokens, hidden, num_experts, num_topk in shapes:
@@ -224,7 +233,7 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
                    for i in range(3)]
         idxs, ws = [r[0] for r in routing], [r[1] for r in routing]
         entry = {"shape": [num_tokens, hidden, num_experts, num_topk], "ep": ep,
-                 "copy_GBps": bw / 1e9, "variants": {}}
+                 "copy_GBps": bw / 1e9, "fill_GBps": write_bw / 1e9, "variants": {}}
         for num_sms in num_sms_list:
             buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, transport="nvlink",
                          num_sms=num_sms)
@@ -245,6 +254,8 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
         entry["num_recv_rows"] = num_rows
         entry["dispatch_bytes"] = (num_tokens + num_rows) * hidden * 2
         entry["floor_us"] = entry["dispatch_bytes"] / bw * 1e6
+        # What the write rate alone allows: writing the M expanded rows at the fill bandwidth.
+        entry["dispatch_write_floor_us"] = num_rows * hidden * 2 / write_bw * 1e6
         for spec in fp8_specs:  # read bf16 x once, write e4m3 rows and their scales
             fp8_bytes = num_tokens * hidden * 2 + num_rows * spec.fmt.bytes_per_token(hidden)
             entry[f"fp8_{spec.fmt.name}"] = {
@@ -302,7 +313,9 @@ def print_table(rows: List[dict]) -> None:
                 f"{_cell(num_bytes, floor, res['dispatch_us'])} | "
                 f"{_cell(e['dispatch_bytes'], e['floor_us'], res.get('combine_us'))} | {host}")
         lines.append(f"{shape} | floor {e['floor_us']:.1f} µs ({e['dispatch_bytes'] / 1e6:.0f} MB"
-                     f" at copy {e['copy_GBps']:.0f} GB/s; M = {e['num_recv_rows']} rows)")
+                     f" at copy {e['copy_GBps']:.0f} GB/s; M = {e['num_recv_rows']} rows); "
+                     f"writing the M rows alone at fill {e['fill_GBps']:.0f} GB/s: "
+                     f"{e['dispatch_write_floor_us']:.1f} µs")
     sys.stdout.write("\n".join(lines) + "\n")
 
 

@@ -58,18 +58,23 @@ class ErrorSink:
 
 
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
-           errors: ErrorSink) -> DispatchLayout:
-    """`DispatchLayout` of `topk_idx [N, K]` (see layout.py), computed by layout.cu."""
+           errors: ErrorSink, extra_ints: int = 0):
+    """`DispatchLayout` of `topk_idx [N, K]` (see layout.py), computed by layout.cu.
+
+    Returns the layout and a `[extra_ints]` int32 scratch tensor carved from the same allocation
+    (the caller's receive-side arrays): allocations dominate the host time of a dispatch.
+    """
     num_tokens, num_topk = topk_idx.shape
     dev = topk_idx.device
-    # One int32 allocation carved into the five int tensors: allocations dominate host time.
+    bool_words = -(-num_tokens * num_ranks // 4)  # is_token_in_rank as bytes of int32 words
     sizes = [num_ranks, num_experts, num_tokens * num_ranks, num_ranks * num_tokens,
-             num_tokens * num_topk]
-    per_rank, per_expert, slot_in_rank, slot_token, pos = torch.empty(
+             num_tokens * num_topk, bool_words, extra_ints]
+    per_rank, per_expert, slot_in_rank, slot_token, pos, in_rank, extra = torch.empty(
         sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     out = DispatchLayout(
         num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
-        is_token_in_rank=torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev),
+        is_token_in_rank=in_rank.view(torch.uint8)[:num_tokens * num_ranks].view(
+            torch.bool).view(num_tokens, num_ranks),
         token_slot_in_rank=slot_in_rank.view(num_tokens, num_ranks),
         slot_token=slot_token.view(num_ranks, num_tokens),
         pos_in_expert=pos.view(num_tokens, num_topk))
@@ -80,7 +85,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
         ptr(out.num_tokens_per_expert), ptr(out.pos_in_expert), ptr(out.num_tokens_per_rank),
         ptr(out.is_token_in_rank), ptr(out.token_slot_in_rank), ptr(out.slot_token),
         errors.claim, errors.record, i32(rank)], _stream())
-    return out
+    return out, extra
 
 
 def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch: int,

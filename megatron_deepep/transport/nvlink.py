@@ -103,7 +103,7 @@ class NVLinkTransport:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         self.check_errors()
         return ops.layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
-                          self.errors)
+                          self.errors)[0]
 
     def _common(self):
         return dict(peer_bases=self.sym.peer_bases, regions=self.regions_dev, rank=self.rank,
@@ -131,12 +131,15 @@ class NVLinkTransport:
         num_local = num_experts // R
         self._num_local = num_local
         num_topk = topk_idx.shape[1]
-        if layout is None:
-            layout = ops.layout(topk_idx, num_experts, R, self.rank, self.errors)
         slots = R * self.regions.max_tokens * num_topk
         sizes = [num_local, num_local, num_local + 1, R * num_local, R, slots]
+        if layout is None:  # the layout's allocation also holds the receive-side arrays
+            layout, scratch = ops.layout(topk_idx, num_experts, R, self.rank, self.errors,
+                                         extra_ints=sum(sizes))
+        else:
+            scratch = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
         per_expert, padded, row_start, src_offset, num_recv_tokens_per_rank, slot_rows = \
-            torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)  # one allocation
+            scratch.split(sizes)
         slot_rows = slot_rows.view(R, self.regions.max_tokens, num_topk)
         recv = RecvLayout(num_recv_tokens_per_expert=per_expert, tokens_per_expert=padded,
                           expert_row_start=row_start,
