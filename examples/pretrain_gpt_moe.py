@@ -9,9 +9,12 @@ PYTHONPATH (`MEGATRON_LM=/path/to/Megatron-LM`). With an unpatched checkout this
 the runtime plugin before arguments are parsed; with a patched one the plugin is a no-op on top.
 
 Extra flags (ours, named apart from Megatron's `--moe-deepep-num-sms` / `--moe-enable-deepep`,
-which belong to the flex dispatcher): `--moe-mdeep-metrics`, `--moe-mdeep-metrics-dir DIR`,
-`--moe-mdeep-num-sms N`, `--moe-mdeep-transport {auto,nvlink,reference}`. A patched Megatron
-defines them as config fields itself; here they are added only when missing.
+which belong to the flex dispatcher): every `--moe-mdeep-*` flag of
+`megatron_deepep.megatron.add_arguments`, e.g. `--moe-mdeep-metrics`, `--moe-mdeep-metrics-dir
+DIR`, `--moe-mdeep-num-sms N`, `--moe-mdeep-transport {auto,nvlink,reference}`,
+`--moe-mdeep-fp8-dispatch {off,blockwise,mxfp8,auto}` (README, "FP8 dispatch"). A patched
+Megatron defines them as config fields itself; here they are added only when missing, and
+`apply_arguments` makes the parsed values the dispatcher's defaults.
 """
 
 from __future__ import annotations
@@ -47,36 +50,9 @@ from megatron.training.utils import (  # noqa: E402
     get_batch_on_this_tp_rank,
 )
 
-_OUR_FLAGS = [
-    ("--moe-mdeep-metrics", dict(action="store_true",
-                                 help="megatron_deepep per-layer comm/load metrics")),
-    ("--moe-mdeep-metrics-dir", dict(type=str, default=None,
-                                     help="also write metrics as JSON lines here")),
-    ("--moe-mdeep-num-sms", dict(type=int, default=None, help="SMs of the comm kernels")),
-    ("--moe-mdeep-transport", dict(type=str, default=None,
-                                   choices=["auto", "nvlink", "reference"])),
-]
-
-
-def extra_args(parser):
-    group = parser.add_argument_group(title="megatron_deepep")
-    for flag, kwargs in _OUR_FLAGS:
-        if flag not in parser._option_string_actions:
-            group.add_argument(flag, **kwargs)
-    return parser
-
-
-def _apply_our_flags(args):
-    mdm.register_deepep_dispatcher(
-        metrics=bool(getattr(args, "moe_mdeep_metrics", False)) or None,
-        metrics_dir=getattr(args, "moe_mdeep_metrics_dir", None),
-        num_sms=getattr(args, "moe_mdeep_num_sms", None),
-        transport=getattr(args, "moe_mdeep_transport", None))
-
-
 def model_provider(pre_process=True, post_process=True, *unused_args, **unused_kwargs):
     args = get_args()
-    _apply_our_flags(args)
+    mdm.apply_arguments(args)  # the parsed --moe-mdeep-* values become the option defaults
     config = core_transformer_config_from_args(args)
     if args.transformer_impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts,
@@ -131,5 +107,5 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-             forward_step, extra_args_provider=extra_args,
+             forward_step, extra_args_provider=mdm.add_arguments,
              args_defaults={"tokenizer_type": "NullTokenizer"})

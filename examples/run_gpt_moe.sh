@@ -4,6 +4,10 @@
 # Env: DISPATCHER (default deepep; alltoall to compare), TRAIN_ITERS (50), METRICS=1 (per-layer
 # comm/load metrics, JSON lines in $OUT/metrics -> python scripts/plot_metrics.py $OUT/metrics),
 # OUT (run folder, default runs/gpt_moe_<dispatcher>).
+# FP8 dispatch (README, "FP8 dispatch"; hidden size % 16 == 0): pass our flag through, e.g.
+#   bash examples/run_gpt_moe.sh --moe-mdeep-fp8-dispatch blockwise   # or mxfp8, auto, off
+# (auto follows the active TE FP8 recipe and dispatches bf16 without one; with no TE recipe
+# matching the wire format, the receiver dequantizes to bf16 rows for the experts).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"

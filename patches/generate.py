@@ -49,7 +49,19 @@ FIELDS = '''
 
     moe_mdeep_metrics_dir: Optional[str] = None
     """megatron_deepep: also write the metrics as JSON lines here (scripts/plot_metrics.py)."""
+
+    moe_mdeep_fp8_dispatch: Optional[str] = None
+    """megatron_deepep: FP8 token dispatch: "off", "blockwise" (TE Float8BlockScaling, 1x128
+    blocks), "mxfp8" (TE MXFP8BlockScaling, 1x32) or "auto" (the active TE recipe's format;
+    bf16 without one). Needs hidden_size % 16 == 0. None: MDEEP_FP8_DISPATCH or "off"."""
 '''
+
+#: FIELDS, one `moe_mdeep_*` field (with its docstring) per entry, in order.
+FIELD_BLOCKS = FIELDS.strip("\n").split("\n\n")
+
+
+def _field_name(block):
+    return block.split(":", 1)[0].strip()
 
 
 class EditError(RuntimeError):
@@ -104,9 +116,12 @@ def edit_config(root):
     if old_doc in text:  # the docstring is cosmetic: edited where it reads as expected
         text = text.replace(old_doc, "Options are 'allgather', 'alltoall', 'flex' and 'deepep' "
                             "(megatron_deepep).", 1)
-    if "moe_mdeep_transport" not in text:
+    # Only the fields the tree lacks: a tree patched by an older release gets the new ones.
+    missing = [b for b in FIELD_BLOCKS if f"{_field_name(b)}:" not in text]
+    if missing:
+        fields = "\n" + "\n\n".join(missing) + "\n"
         text = _sub_once(text, r"\n(    moe_enable_deepep: bool = False\n)",
-                         lambda m: FIELDS + "\n" + m.group(1), rel, "the moe_enable_deepep field")
+                         lambda m: fields + "\n" + m.group(1), rel, "the moe_enable_deepep field")
     text = _sub_once(
         text,
         r"if self\.moe_shared_expert_overlap and self\.moe_token_dispatcher_type not in "

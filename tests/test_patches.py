@@ -74,7 +74,8 @@ _ACCEPT_SCRIPT = textwrap.dedent("""
                             moe_token_dispatcher_type="deepep", use_cpu_initialization=True,
                             add_bias_linear=False, gradient_accumulation_fusion=False,
                             moe_shared_expert_intermediate_size=64,
-                            moe_shared_expert_overlap=True, moe_mdeep_num_sms=5)
+                            moe_shared_expert_overlap=True, moe_mdeep_num_sms=5,
+                            moe_mdeep_fp8_dispatch="mxfp8")
     TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
                       moe_token_dispatcher_type="deepep", overlap_moe_expert_parallel_comm=True,
                       expert_model_parallel_size=2, bf16=True)
@@ -86,6 +87,7 @@ _ACCEPT_SCRIPT = textwrap.dedent("""
     assert isinstance(layer.token_dispatcher, DeepEPTokenDispatcher)
     assert layer.token_dispatcher.layer_number == 2
     assert layer.token_dispatcher.options.num_sms == 5
+    assert layer.token_dispatcher.options.fp8_dispatch == "mxfp8"
     assert not reg.is_registered(), "the patched tree must not need the runtime plugin"
     try:
         from megatron.core.models.common.utils import should_free_input
@@ -158,6 +160,19 @@ def test_generator_reproduces_the_shipped_patch(tmp_path):
     assert snapshots[0] == snapshots[1]
     text = snapshots[0]
     assert text.count("moe_mdeep_transport:") == 1 and text.count("'deepep'") >= 2
+    # A tree patched before a field existed gets just the missing field, after the others.
+    sys.path.insert(0, PATCHES)
+    try:
+        import generate
+    finally:
+        sys.path.remove(PATCHES)
+    names = [generate._field_name(b) for b in generate.FIELD_BLOCKS]
+    assert "moe_mdeep_fp8_dispatch" in names
+    cfg.write_text(text.replace("\n\n" + generate.FIELD_BLOCKS[-1], "", 1))
+    assert f"{names[-1]}:" not in cfg.read_text()
+    assert subprocess.run([sys.executable, GENERATE, str(root)], capture_output=True,
+                          timeout=120).returncode == 0
+    assert cfg.read_text() == text
 
 
 def test_019_patch_applies_to_the_wheel(tmp_path):
