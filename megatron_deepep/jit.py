@@ -260,6 +260,12 @@ class Kernel:
     name: str
     function: object
 
+    @functools.cached_property
+    def function_ptr(self) -> int:
+        """The CUfunction handle (CuPy's RawKernel wraps a Function that holds it)."""
+        inner = getattr(self.function, "kernel", self.function)
+        return int(getattr(inner, "ptr"))
+
     def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0) -> None:
         """Launches on a torch stream; `args` are numpy scalars (pointers as np.uint64).
 
@@ -271,7 +277,7 @@ class Kernel:
             return
         packer = _packer(args)
         packer.struct.pack_into(packer.buffer, 0, *args)
-        code = _driver()[0](self.function.ptr, max(int(grid), 1), 1, 1, int(block), 1, 1,
+        code = _driver()[0](self.function_ptr, max(int(grid), 1), 1, 1, int(block), 1, 1,
                             shared_mem, stream.cuda_stream, packer.params, None)
         if code != 0:
             raise RuntimeError(f"launching {self.name} (grid {grid}, block {block}) failed: "
