@@ -18,7 +18,6 @@ from megatron_deepep import jit
 from megatron_deepep.layout import DispatchLayout
 
 LAYOUT_THREADS = 512
-LAYOUT_TARGETS_PER_BLOCK = 8  # layout.cu kTargetsPerBlock
 NOTIFY_THREADS = 256
 COMM_THREADS = 512
 
@@ -79,8 +78,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
         slot_token=slot_token.view(num_ranks, num_tokens),
         pos_in_expert=pos.view(num_tokens, num_topk))
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
-    num_blocks = -(-num_experts // LAYOUT_TARGETS_PER_BLOCK) + 1  # expert blocks + rank block
-    kernel.launch(num_blocks, LAYOUT_THREADS, [
+    kernel.launch(num_experts + num_ranks, LAYOUT_THREADS, [  # a block per expert and rank
         ptr(topk_idx), i32(num_tokens), i32(num_experts), i32(num_ranks),
         ptr(out.num_tokens_per_expert), ptr(out.pos_in_expert), ptr(out.num_tokens_per_rank),
         ptr(out.is_token_in_rank), ptr(out.token_slot_in_rank), ptr(out.slot_token),

@@ -34,38 +34,6 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* smem, int* total
     return result;
 }
 
-// Exclusive scan of kN independent values at once (one pass of barriers for all of them);
-// `total[j]` receives the block sum of value j. `smem` holds kN rows of >= 33 ints.
-template <int kN>
-__device__ __forceinline__ void block_exclusive_scan_n(const int (&v)[kN], int (*smem)[33],
-                                                       int (&result)[kN], int (&total)[kN]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int num_warps = (blockDim.x + 31) >> 5;
-    int inc[kN];
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-        inc[j] = warp_inclusive_scan(v[j]);
-        if (lane == 31) smem[j][warp] = inc[j];
-    }
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-        for (int j = 0; j < kN; ++j) {
-            const int w = lane < num_warps ? smem[j][lane] : 0;
-            const int winc = warp_inclusive_scan(w);
-            if (lane < num_warps) smem[j][lane] = winc - w;
-            if (lane == 31) smem[j][32] = winc;
-        }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-        result[j] = smem[j][warp] + inc[j] - v[j];
-        total[j] = smem[j][32];
-    }
-    __syncthreads();
-}
-
 // Call from every thread at the end of a kernel: returns true in thread 0 of the last block to
 // finish. Every thread's earlier writes (peers' memory included) are fenced before the count.
 __device__ __forceinline__ bool last_block_done(u32* counter) {
