@@ -63,7 +63,8 @@ def model_provider(pre_process=True, post_process=True, *unused_args, **unused_k
                     vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    share_embeddings_and_output_weights=(
+                        not args.untie_embeddings_and_output_weights),
                     position_embedding_type=args.position_embedding_type,
                     rotary_percent=args.rotary_percent)
 

@@ -17,7 +17,8 @@ if [ "${NGPU}" -lt 1 ]; then
   cat >&2 <<MSG
 run_gpt_moe.sh: no CUDA GPU found. This example trains on GPUs (EP = number of GPUs).
 On a machine without a GPU, run the CPU tier instead:
-    python -m pytest tests/test_megatron_dispatcher.py tests/test_register.py tests/test_metrics.py -q
+    python -m pytest -q tests/test_megatron_dispatcher.py tests/test_register.py \
+        tests/test_metrics.py
 MSG
   exit 1
 fi
@@ -25,8 +26,9 @@ if ! python3 -c "import megatron.training" 2>/dev/null; then
   if [ -n "${MEGATRON_LM:-}" ]; then
     export PYTHONPATH="${MEGATRON_LM}:${PYTHONPATH:-}"
   else
-    echo "run_gpt_moe.sh: megatron.training not importable (the pip megatron-core wheel lacks it)." >&2
-    echo "Set MEGATRON_LM=/path/to/Megatron-LM (0.16+), or run python examples/compare_dispatchers.py (megatron-core only)." >&2
+    echo "run_gpt_moe.sh: megatron.training not importable (the pip wheel lacks it)." >&2
+    echo "Set MEGATRON_LM=/path/to/Megatron-LM (0.16+), or run" \
+      "python examples/compare_dispatchers.py (megatron-core only)." >&2
     exit 1
   fi
 fi

@@ -7,15 +7,14 @@ sm_90), caches the cubin on disk under that hash, and loads it as a `cupy.RawMod
 
 Environment knobs (all read at first use):
 
-| variable                         | meaning                                             |
-|----------------------------------|-----------------------------------------------------|
-| `MEGATRON_DEEPEP_CACHE_DIR`      | cubin cache (default `~/.cache/megatron_deepep`)    |
-| `MEGATRON_DEEPEP_JIT_DEBUG`      | 1: `-G`-free debug: log every compile and its options |
-| `MEGATRON_DEEPEP_JIT_LINEINFO`   | 1: compile with `-lineinfo` (for profilers)          |
-| `MEGATRON_DEEPEP_JIT_NO_CACHE`   | 1: always recompile                                  |
-| `MEGATRON_DEEPEP_ARCH`           | target, e.g. `sm_90` (default: the current device)  |
-| `MEGATRON_DEEPEP_LAUNCH_VIA_CUPY` | 1: launch through CuPy instead of `cuLaunchKernel` (debugging) |
-| `MEGATRON_DEEPEP_JIT_DEFINES`    | extra `-D` macros, comma-separated (tuning knobs such as `MDEEP_COPY_UNROLL=16`); part of the cache key |
+- `MEGATRON_DEEPEP_CACHE_DIR`: cubin cache (default `~/.cache/megatron_deepep`).
+- `MEGATRON_DEEPEP_JIT_DEBUG`: 1: log every compile with its options and NVRTC log.
+- `MEGATRON_DEEPEP_JIT_LINEINFO`: 1: compile with `-lineinfo` (for profilers).
+- `MEGATRON_DEEPEP_JIT_NO_CACHE`: 1: always recompile.
+- `MEGATRON_DEEPEP_ARCH`: target, e.g. `sm_90` (default: the current device).
+- `MEGATRON_DEEPEP_LAUNCH_VIA_CUPY`: 1: launch through CuPy instead of `cuLaunchKernel`.
+- `MEGATRON_DEEPEP_JIT_DEFINES`: extra `-D` macros, comma-separated (tuning knobs such as
+  `MDEEP_COPY_UNROLL=16`); part of the cache key.
 """
 
 from __future__ import annotations
@@ -253,6 +252,25 @@ def _launch_via_cupy() -> bool:
     return _env_flag("LAUNCH_VIA_CUPY")
 
 
+def current_raw_stream() -> "RawStream":
+    """The current torch stream of the current device as a `RawStream`."""
+    import torch
+    get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_raw is None:  # not in this torch build: the public (slower) path
+        stream = torch.cuda.current_stream()
+        return RawStream(stream.cuda_stream, stream.device.index)
+    device = torch._C._cuda_getDevice()
+    return RawStream(get_raw(device), device)
+
+
+@dataclasses.dataclass(frozen=True)
+class RawStream:
+    """A CUDA stream handle and its device, as `Kernel.launch` needs them."""
+
+    cuda_stream: int
+    device_index: int
+
+
 @dataclasses.dataclass
 class Kernel:
     """A loaded kernel: call it with `launch(grid, block, args, stream, shared_mem)`."""
@@ -267,7 +285,8 @@ class Kernel:
         return int(getattr(inner, "ptr"))
 
     def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0) -> None:
-        """Launches on a torch stream; `args` are numpy scalars (pointers as np.uint64).
+        """Launches on a torch stream (or a `RawStream`); `args` are numpy scalars (pointers
+        as np.uint64).
 
         Raises:
             RuntimeError: the launch failed (the CUDA error name and the kernel).
@@ -284,7 +303,8 @@ class Kernel:
                                f"{_cuda_error_name(code)}")
 
     def _launch_cupy(self, grid, block, args, stream, shared_mem) -> None:
-        with _cupy_stream(stream.cuda_stream, stream.device.index):
+        index = stream.device_index if isinstance(stream, RawStream) else stream.device.index
+        with _cupy_stream(stream.cuda_stream, index):
             self.function((max(int(grid), 1),), (int(block),), tuple(args),
                           shared_mem=shared_mem)
 

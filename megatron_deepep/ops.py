@@ -45,8 +45,10 @@ def launch_on(stream):
 
 
 def _stream():
+    """The stream kernels go to now: `launch_on`'s, else the current one as a raw handle
+    (building a torch Stream object per launch costs tens of µs)."""
     stream = getattr(_launch, "stream", None)
-    return stream if stream is not None else torch.cuda.current_stream()
+    return stream if stream is not None else jit.current_raw_stream()
 
 
 class ErrorSink:

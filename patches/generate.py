@@ -153,7 +153,8 @@ def edit_moe_layer(root, group_kw):
         f"            self.token_dispatcher.bind_layer(self)\n")
     text = _sub_once(
         text,
-        r"(\n)(        else:\n            raise ValueError\(\n\s*f\"Unsupported token dispatcher type)",
+        r"(\n)(        else:\n            raise ValueError\(\n"
+        r"\s*f\"Unsupported token dispatcher type)",
         lambda m: m.group(1) + branch + m.group(2), rel, "the dispatcher if/elif chain")
     _write(root, rel, text)
 
@@ -161,7 +162,8 @@ def edit_moe_layer(root, group_kw):
 SHOULD_FREE = (
     "    if is_moe and config.moe_token_dispatcher_type == \"{t}\":\n"
     "        # megatron_deepep: the experts save the dispatched rows (identity postprocess).\n"
-    "        return {{\"mlp\": False, \"moe_dispatch\": False, \"moe_combine\": True}}.get(name, False)\n"
+    "        return {{\"mlp\": False, \"moe_dispatch\": False, \"moe_combine\": True}}"
+    ".get(name, False)\n"
 ).format(t=TYPE)
 
 

@@ -19,11 +19,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu tests/gpu -x -q -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu tests/gpu -x -q -rs ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  timeout ${BENCH_TIMEOUT:-240} python3 -m megatron_deepep.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-240} python3 -m megatron_deepep.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench.log"
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   timeout 120 python3 scripts/probe_copy.py 2>&1 | tee "$OUT/probe.log"
@@ -31,15 +33,15 @@ fi
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   timeout 180 ncu --section SpeedOfLight --kernel-name regex:"dispatch_recv|combine_reduce" \
     --launch-skip 6 --launch-count 2 python3 -m megatron_deepep.bench --no-megatron --fp8 '' \
-    --shapes 4096,7168,256,8 --num-sms 132 2>&1 | grep -E "dispatch_recv|combine_reduce|Throughput|Duration" \
-    | tee "$OUT/ncu.log"
+    --shapes 4096,7168,256,8 --num-sms 132 2>&1 \
+    | grep -E "dispatch_recv|combine_reduce|Throughput|Duration" | tee "$OUT/ncu.log"
 fi
 if [ "${COMPARE_STEPS:-0}" != 0 ]; then
-  timeout 300 python3 examples/compare_dispatchers.py --steps "$COMPARE_STEPS" --out "$OUT/compare" \
-    2>&1 | tail -20
+  timeout 300 python3 examples/compare_dispatchers.py --steps "$COMPARE_STEPS" \
+    --out "$OUT/compare" 2>&1 | tail -20
 fi
 if [ "${FP8_STEPS:-0}" != 0 ]; then
-  timeout 400 python3 examples/compare_dispatchers.py --steps "$FP8_STEPS" --fp8-dispatch blockwise \
-    --out "$OUT/compare_fp8" 2>&1 | tail -20
+  timeout 400 python3 examples/compare_dispatchers.py --steps "$FP8_STEPS" \
+    --fp8-dispatch blockwise --out "$OUT/compare_fp8" 2>&1 | tail -20
 fi
 exit $rc

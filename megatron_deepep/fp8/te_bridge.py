@@ -25,6 +25,8 @@ installed TE version; a layout this module does not recognise raises instead of 
 
 from __future__ import annotations
 
+import functools
+
 import copy
 import dataclasses
 import logging
@@ -48,6 +50,7 @@ class TEUnavailableError(RuntimeError):
     """Transformer Engine is missing, or its active recipe does not match the wire format."""
 
 
+@functools.lru_cache(maxsize=None)
 def te_available() -> Tuple[bool, str]:
     """Whether `transformer_engine.pytorch` imports; returns (ok, reason when not)."""
     try:
