@@ -31,18 +31,9 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_deepep.handle import DispatchHandle
+from megatron_deepep.logs import log_once
 
 logger = logging.getLogger(__name__)
-_LOGGED = set()
-
-
-def _log_once(message: str, *args) -> None:
-    key = message % args
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info(message, *args)
-
-
 def resolve_fp8_output(spec):
     """Picks what an autograd dispatch returns for `spec` (see the module docstring).
 
@@ -60,8 +51,8 @@ def resolve_fp8_output(spec):
     ok, reason = te_bridge.recipe_matches(spec.fmt)
     if ok:
         return spec, True
-    _log_once("megatron_deepep: FP8 dispatch %s returns bf16 rows (dequantized on the receiver) "
-              "instead of TE tensors: %s", spec.fmt.name, reason)
+    log_once(logger, "megatron_deepep: FP8 dispatch %s returns bf16 rows (dequantized on the "
+             "receiver) instead of TE tensors: %s", spec.fmt.name, reason)
     return dataclasses.replace(spec, output="bf16"), False
 
 
@@ -73,7 +64,8 @@ def _wrap_for_te(pair, fmt):
     try:
         return te_bridge.to_te_tensor(x_fp8, scales, fmt)
     except te_bridge.TEUnavailableError as exc:
-        _log_once("megatron_deepep: TE could not wrap %s rows (%s); dequantizing", fmt.name, exc)
+        log_once(logger, "megatron_deepep: TE could not wrap %s rows (%s); dequantizing",
+                 fmt.name, exc)
         return formats.dequantize(x_fp8, scales, fmt)
 
 

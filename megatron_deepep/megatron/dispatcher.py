@@ -32,8 +32,9 @@ import weakref
 from typing import List, Optional
 
 import torch
-
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from megatron_deepep.logs import log_once
 
 logger = logging.getLogger(__name__)
 
@@ -328,13 +329,13 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         fmt, reason = fp8_format_for_option(self.options.fp8_dispatch)
         if fmt is None:
             if self.options.fp8_dispatch != "off":
-                _log_once("megatron_deepep: fp8_dispatch=%s dispatches bf16: %s",
-                          self.options.fp8_dispatch, reason)
+                log_once(logger, "megatron_deepep: fp8_dispatch=%s dispatches bf16: %s",
+                         self.options.fp8_dispatch, reason)
             return None
         handoff, reason = fp8_handoff(fmt, torch.is_grad_enabled(), self.drop_and_pad)
         if not handoff:
-            _log_once("megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
-                      "(dequantized on the receiver): %s", fmt.name, reason)
+            log_once(logger, "megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
+                     "(dequantized on the receiver): %s", fmt.name, reason)
         return Fp8Dispatch(fmt, "fp8" if handoff else "bf16")
 
     def _metrics(self):
@@ -468,16 +469,6 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         out_probs = probs.new_zeros(dump + 1).index_add(0, dest, probs)[:dump]
         tokens_per_expert = torch.full((e_local,), seg, dtype=torch.int64)
         return out, out_probs, tokens_per_expert
-
-
-_LOGGED = set()
-
-
-def _log_once(message: str, *args) -> None:
-    key = message % args
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info(message, *args)
 
 
 def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):
