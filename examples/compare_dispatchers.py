@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 8 examples/compare_dispatchers.py --steps 50       # EP = 8
     python examples/compare_dispatchers.py --fp8-dispatch blockwise_1x128 --steps 200
     python examples/compare_dispatchers.py --plot-only compare_out/step_times.json  # no GPU
+    python examples/compare_dispatchers.py --steps 20 --profile-steps 3   # + torch.profiler tables
 
 `--fp8-dispatch FORMAT` compares `deepep` with FP8 dispatch (FORMAT on the wire; the local spec's
 experts get bf16 rows dequantized on the receiver) against `deepep` with bf16 dispatch instead of
@@ -51,6 +52,9 @@ def parse_args(argv=None):
                    help="runs to compare (ignored with --fp8-dispatch)")
     p.add_argument("--fp8-dispatch", default=None, choices=FP8_CHOICES,
                    help="compare deepep with this FP8 dispatch format against bf16 deepep")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed steps, profile this many more per run (torch.profiler; "
+                        "writes profile_<run>.txt: top ops by host and by GPU time)")
     p.add_argument("--plot-only", default=None, metavar="JSON",
                    help="redraw loss_curves.png from a step_times.json (no GPU needed)")
     return p.parse_args(argv)
@@ -109,7 +113,7 @@ def batches(args, rank):
     s, b = args.seq_length, args.micro_batch_size
     mask = torch.tril(torch.ones(s, s, device="cuda")).view(1, 1, s, s) < 0.5
     pos = torch.arange(s, device="cuda").unsqueeze(0).expand(b, -1)
-    for _ in range(args.steps):
+    for _ in range(args.steps + args.profile_steps):
         # A learnable signal: each sequence repeats a short random motif.
         motif = torch.randint(0, args.vocab_size, (b, 16), device="cuda", generator=gen)
         tokens = motif.repeat(1, s // 16 + 2)[:, : s + 1]
@@ -128,7 +132,12 @@ def train(args, name):
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
     losses, times = [], []
     rank = dist.get_rank()
+    profiler = None
     for step, (tokens, labels, pos, mask) in enumerate(batches(args, rank)):
+        if step == args.steps:  # the extra steps: profiled, neither timed nor compared
+            profiler = torch.profiler.profile(activities=[
+                torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -143,20 +152,44 @@ def train(args, name):
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         opt.step()
         torch.cuda.synchronize()
+        if profiler is not None:
+            clear_tracker(clear_aux_losses_tracker)
+            continue
         times.append(time.perf_counter() - t0)
         loss_avg = loss.detach().clone()
         dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG)
         losses.append(loss_avg.item())
-        try:
-            clear_aux_losses_tracker()
-        except Exception:
-            pass
+        clear_tracker(clear_aux_losses_tracker)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"[{name}] step {step:3d} loss {losses[-1]:.4f} "
                   f"time {times[-1] * 1e3:.1f} ms", flush=True)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        if rank == 0:
+            write_profile(args, name, profiler)
     del model, opt
     torch.cuda.empty_cache()
     return losses, times
+
+
+def clear_tracker(clear) -> None:
+    """Resets Megatron's aux-loss tracker between steps (older versions may lack it)."""
+    try:
+        clear()
+    except Exception:
+        pass
+
+
+def write_profile(args, name, profiler) -> None:
+    """Top ops of the profiled steps by host time and by GPU time, to `profile_<run>.txt`."""
+    table = profiler.key_averages()
+    text = "\n\n".join(table.table(sort_by=key, row_limit=25, max_name_column_width=60)
+                       for key in ("self_cpu_time_total", "self_cuda_time_total"))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"profile_{name.replace(':', '_').replace('+', '_')}.txt")
+    with open(path, "w") as f:
+        f.write(f"{name}: {args.profile_steps} profiled steps\n{text}\n")
+    print(f"[{name}] profile written to {path}", flush=True)
 
 
 def loss_differences(a, b):

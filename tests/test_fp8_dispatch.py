@@ -266,3 +266,21 @@ def test_example_fp8_arguments_and_plot(tmp_path):
     assert example.main(["--plot-only", str(fake)]) == 0
     png = tmp_path / "loss_curves.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_example_profile_tables_written(tmp_path):
+    example = _example()
+    args = example.parse_args(["--profile-steps", "2", "--out", str(tmp_path)])
+
+    class _Averages:
+        def table(self, sort_by, **kwargs):
+            return f"table by {sort_by}"
+
+    class _Profiler:
+        def key_averages(self):
+            return _Averages()
+
+    example.write_profile(args, "deepep+fp8:mxfp8", _Profiler())
+    text = (tmp_path / "profile_deepep_fp8_mxfp8.txt").read_text()
+    assert "2 profiled steps" in text
+    assert "table by self_cpu_time_total" in text and "table by self_cuda_time_total" in text
