@@ -5,7 +5,8 @@
 # SKIP_BENCH=1, OUT (log folder; default .bench_out). Wheels in .whl/ (megatron-core) are installed
 # into /tmp/site first when present. Extras, off by default: PROBE=1 (scripts/probe_copy.py),
 # NCU=1 (Nsight Compute speed-of-light of the expand and reduce kernels), COMPARE_STEPS=N (the
-# example trains N steps with deepep and alltoall), FP8_STEPS=N (FP8 vs bf16 dispatch, N steps).
+# example trains N steps with deepep and alltoall; PROFILE_STEPS=M profiles M more per run),
+# FP8_STEPS=N (FP8 vs bf16 dispatch, N steps).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MEGATRON_DEEPEP_CACHE_DIR=${MEGATRON_DEEPEP_CACHE_DIR:-/tmp/mdeep_cache}
@@ -38,7 +39,7 @@ if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
 fi
 if [ "${COMPARE_STEPS:-0}" != 0 ]; then
   timeout 300 python3 examples/compare_dispatchers.py --steps "$COMPARE_STEPS" \
-    --out "$OUT/compare" 2>&1 | tail -20
+    --profile-steps "${PROFILE_STEPS:-0}" --out "$OUT/compare" 2>&1 | tail -20
 fi
 if [ "${FP8_STEPS:-0}" != 0 ]; then
   timeout 400 python3 examples/compare_dispatchers.py --steps "$FP8_STEPS" \
