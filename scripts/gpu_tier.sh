@@ -6,7 +6,9 @@
 # into /tmp/site first when present. Extras, off by default: PROBE=1 (scripts/probe_copy.py),
 # NCU=1 (Nsight Compute speed-of-light of the expand and reduce kernels), COMPARE_STEPS=N (the
 # example trains N steps with deepep and alltoall; PROFILE_STEPS=M profiles M more per run),
-# FP8_STEPS=N (FP8 vs bf16 dispatch, N steps).
+# FP8_STEPS=N (FP8 vs bf16 dispatch, N steps). On one H200 the 1000-call tier takes about 10
+# minutes (N = 8 alone ~170 s), more than one 600 s device call: split it, e.g.
+# MDEEP_TEST_PROCS=1,2,3 in one call and MDEEP_TEST_PROCS=4,8 in the next.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MEGATRON_DEEPEP_CACHE_DIR=${MEGATRON_DEEPEP_CACHE_DIR:-/tmp/mdeep_cache}
