@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import traceback
@@ -9,6 +10,8 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -26,6 +29,7 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
         # Every rank's last collective must be done before any rank tears its group down
         # (gloo aborts a process whose peer vanishes mid-transfer).
         dist.barrier()
+        errors.put((rank, None))  # this rank's work is done and checked
     except BaseException:  # reported to the parent, which fails the test
         errors.put((rank, traceback.format_exc()))
         raise
@@ -52,9 +56,19 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
         if p.is_alive():
             p.kill()
             raise TimeoutError(f"rank process {p.pid} did not finish within {timeout_s}s")
-    if not errors.empty():
+    done = set()
+    while not errors.empty():
         rank, tb = errors.get()
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
+        if tb is not None:
+            raise AssertionError(f"rank {rank} failed:\n{tb}")
+        done.add(rank)
+    # A rank that finished its work and the final barrier can still be aborted by gloo's
+    # background threads while the group is torn down ("terminate called without an active
+    # exception"): that is not a test failure. Any other non-zero exit is.
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0 and r not in done]
     if bad:
-        raise AssertionError(f"rank processes exited with codes {bad}")
+        raise AssertionError(f"rank processes exited with codes {bad} before finishing")
+    for r, p in enumerate(procs):
+        if p.exitcode != 0:
+            logger.warning("rank %d exited with code %d during teardown, after its checks passed",
+                           r, p.exitcode)
