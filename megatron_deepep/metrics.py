@@ -348,6 +348,15 @@ def _rebind(old, new) -> None:
                     pass
 
 
+def _flush_collector(params, args, kwargs) -> bool:
+    """Flushes the active collector into Megatron's tracker before a report; False if none."""
+    if _COLLECTOR is None:
+        return False
+    bound = dict(zip(params, args), **kwargs)
+    _COLLECTOR.flush_to_tracker(bound.get("loss_scale", 1.0), bound.get("iteration"))
+    return True
+
+
 def install_megatron_hooks() -> None:
     """Makes Megatron's step-end MoE report flush our metrics first (idempotent)."""
     from megatron.core.transformer.moe import moe_utils
@@ -358,11 +367,9 @@ def install_megatron_hooks() -> None:
 
         @functools.wraps(original)
         def track_moe_metrics(*args, **kwargs):
-            bound = dict(zip(params, args), **kwargs)
-            if _COLLECTOR is not None:
-                # 0.16 reports every tracker entry; `track_names` only selects what it reduces
-                # over PP/DP, so ours (already reduced over EP) stay out of it.
-                _COLLECTOR.flush_to_tracker(bound.get("loss_scale", 1.0), bound.get("iteration"))
+            # 0.16 reports every tracker entry; `track_names` only selects what it reduces
+            # over PP/DP, so ours (already reduced over EP) stay out of it.
+            _flush_collector(params, args, kwargs)
             return original(*args, **kwargs)
 
         setattr(track_moe_metrics, _HOOK_MARK, True)
@@ -381,9 +388,7 @@ def install_megatron_hooks() -> None:
 
     @functools.wraps(report)
     def wrapped_report(*args, **kwargs):
-        bound = dict(zip(rparams, args), **kwargs)
-        if _COLLECTOR is not None:
-            _COLLECTOR.flush_to_tracker(bound.get("loss_scale", 1.0), bound.get("iteration"))
+        if _flush_collector(rparams, args, kwargs):
             args, kwargs = _extend_track_names(rparams, args, kwargs)
         return report(*args, **kwargs)
 
