@@ -14,15 +14,20 @@ experts get bf16 rows dequantized on the receiver) against `deepep` with bf16 di
 Needs only megatron-core (no megatron.training, which the pip wheel lacks): GPTModel with the
 local (non-TE) layer spec, 4 layers, hidden 512, 8 experts, top-2, aux loss, bf16, random
 tokens from a fixed seed, AdamW. Both runs start from identical weights and see identical
-batches. Writes (rank 0) `loss_curves.png` (both curves) and `step_times.json` (median step time
+batches, each in a fresh process (`--same-process` to share one): with one seed the expert GEMM
+shapes repeat, and a second run in the same process would find cuBLAS's per-shape heuristics
+already warm (that made whichever run came second ~25 ms per step faster). Writes (rank 0) `loss_curves.png` (both curves) and `step_times.json` (median step time
 per run, the per-step losses, and the max absolute / max and mean relative loss difference).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -55,6 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after the timed steps, profile this many more per run (torch.profiler; "
                         "writes profile_<run>.txt: top ops by host and by GPU time)")
+    p.add_argument("--same-process", action="store_true",
+                   help="train every run in this process (default: each in a fresh process, "
+                        "so none inherits the kernel and GEMM-heuristic caches warmed by the "
+                        "one before: with the same seed the expert GEMM shapes repeat)")
+    p.add_argument("--only-run", default=None, help=argparse.SUPPRESS)  # a child's one run
     p.add_argument("--plot-only", default=None, metavar="JSON",
                    help="redraw loss_curves.png from a step_times.json (no GPU needed)")
     return p.parse_args(argv)
@@ -113,7 +123,7 @@ def batches(args, rank):
     s, b = args.seq_length, args.micro_batch_size
     mask = torch.tril(torch.ones(s, s, device="cuda")).view(1, 1, s, s) < 0.5
     pos = torch.arange(s, device="cuda").unsqueeze(0).expand(b, -1)
-    for _ in range(args.steps + args.profile_steps):
+    for _ in range(args.steps + 2 * args.profile_steps):
         # A learnable signal: each sequence repeats a short random motif.
         motif = torch.randint(0, args.vocab_size, (b, 16), device="cuda", generator=gen)
         tokens = motif.repeat(1, s // 16 + 2)[:, : s + 1]
@@ -132,12 +142,16 @@ def train(args, name):
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
     losses, times = [], []
     rank = dist.get_rank()
-    profiler = None
+    profiler = host_profiler = None
     for step, (tokens, labels, pos, mask) in enumerate(batches(args, rank)):
         if step == args.steps:  # the extra steps: profiled, neither timed nor compared
             profiler = torch.profiler.profile(activities=[
                 torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
             profiler.__enter__()
+        if step == args.steps + args.profile_steps:  # then as many under cProfile (host only)
+            profiler.__exit__(None, None, None)
+            host_profiler = cProfile.Profile()
+            host_profiler.enable()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -163,10 +177,10 @@ def train(args, name):
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"[{name}] step {step:3d} loss {losses[-1]:.4f} "
                   f"time {times[-1] * 1e3:.1f} ms", flush=True)
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
+    if host_profiler is not None:
+        host_profiler.disable()
         if rank == 0:
-            write_profile(args, name, profiler)
+            write_profile(args, name, profiler, host_profiler)
     del model, opt
     torch.cuda.empty_cache()
     return losses, times
@@ -180,11 +194,16 @@ def clear_tracker(clear) -> None:
         pass
 
 
-def write_profile(args, name, profiler) -> None:
-    """Top ops of the profiled steps by host time and by GPU time, to `profile_<run>.txt`."""
+def write_profile(args, name, profiler, host_profiler) -> None:
+    """Top ops by host and by GPU time (torch.profiler), then the Python functions by own and
+    cumulative time (cProfile, as many more steps), to `profile_<run>.txt`."""
     table = profiler.key_averages()
     text = "\n\n".join(table.table(sort_by=key, row_limit=25, max_name_column_width=60)
                        for key in ("self_cpu_time_total", "self_cuda_time_total"))
+    for key in ("tottime", "cumulative"):
+        stream = io.StringIO()
+        pstats.Stats(host_profiler, stream=stream).sort_stats(key).print_stats(30)
+        text += "\n\n" + stream.getvalue()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"profile_{name.replace(':', '_').replace('+', '_')}.txt")
     with open(path, "w") as f:
@@ -257,27 +276,76 @@ def main(argv=None):
               "Megatron's alltoall). On a CPU machine run: python -m pytest "
               "tests/test_megatron_dispatcher.py tests/test_register.py", file=sys.stderr)
         return 2
-    init_distributed()
-    import megatron_deepep.megatron as mdm
-
-    mdm.register_deepep_dispatcher()
-    results = {}
-    for name in run_names(args):
-        results[name] = train(args, name)
-    if dist.get_rank() == 0:
+    if args.only_run is not None:
+        return train_one_run(args)
+    if args.same_process:
+        init_distributed()
+        results = {name: train_with_plugin(args, name) for name in run_names(args)}
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        dist.destroy_process_group()
+    else:
+        results = train_in_fresh_processes(args, argv)
+        rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        png = plot(args.out, {k: v[0] for k, v in results.items()}, args.steps,
-                   dist.get_world_size())
-        summary = summarize(results, args.steps, args.warmup_steps, dist.get_world_size(),
+        png = plot(args.out, {k: v[0] for k, v in results.items()}, args.steps, world_size)
+        summary = summarize(results, args.steps, args.warmup_steps, world_size,
                             torch.cuda.get_device_name())
+        summary["fresh_process_per_run"] = not args.same_process
         if args.fp8_dispatch:
             summary["fp8_dispatch"] = args.fp8_dispatch
         with open(os.path.join(args.out, "step_times.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print(json.dumps({k: summary[k] for k in summary if k != "losses"}, indent=1))
         print(png)
+    return 0
+
+
+def train_with_plugin(args, name):
+    import megatron_deepep.megatron as mdm
+
+    mdm.register_deepep_dispatcher()
+    return train(args, name)
+
+
+def _run_file(args, name) -> str:
+    return os.path.join(args.out, f"run_{name.replace(':', '_').replace('+', '_')}.json")
+
+
+def train_one_run(args) -> int:
+    """A child process: trains `--only-run` and (rank 0) writes its losses and step times."""
+    init_distributed()
+    losses, times = train_with_plugin(args, args.only_run)
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(_run_file(args, args.only_run), "w") as f:
+            json.dump({"losses": losses, "times": times}, f)
     dist.destroy_process_group()
     return 0
+
+
+def train_in_fresh_processes(args, argv):
+    """Runs each dispatcher in a child process of every rank; returns {run: (losses, times)}.
+
+    Under torchrun every rank starts its child for run i at once; the children meet on
+    MASTER_PORT + 1 + i, so no two runs share a rendezvous.
+    """
+    import subprocess
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    base_port = int(os.environ.get("MASTER_PORT", "29533"))
+    results = {}
+    for i, name in enumerate(run_names(args)):
+        env = dict(os.environ, MASTER_PORT=str(base_port + 1 + i))
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--only-run", name]
+        done = subprocess.run(cmd, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"run {name!r} failed (exit {done.returncode}): {' '.join(cmd)}")
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(_run_file(args, name)) as f:
+                run = json.load(f)
+            results[name] = (run["losses"], run["times"])
+    return results
 
 
 if __name__ == "__main__":

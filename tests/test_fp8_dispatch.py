@@ -280,7 +280,47 @@ def test_example_profile_tables_written(tmp_path):
         def key_averages(self):
             return _Averages()
 
-    example.write_profile(args, "deepep+fp8:mxfp8", _Profiler())
+    import cProfile
+
+    host = cProfile.Profile()
+    host.enable()
+    sorted(range(1000), key=lambda v: -v)
+    host.disable()
+    example.write_profile(args, "deepep+fp8:mxfp8", _Profiler(), host)
     text = (tmp_path / "profile_deepep_fp8_mxfp8.txt").read_text()
     assert "2 profiled steps" in text
     assert "table by self_cpu_time_total" in text and "table by self_cuda_time_total" in text
+    assert "<lambda>" in text and "cumulative" in text
+
+
+def test_example_runs_each_dispatcher_in_a_fresh_process(tmp_path, monkeypatch):
+    """Each run gets its own child process and rendezvous port; the parent reads their files."""
+    import subprocess
+
+    example = _example()
+    argv = ["--steps", "3", "--out", str(tmp_path), "--dispatchers", "deepep,alltoall"]
+    args = example.parse_args(argv)
+    monkeypatch.setenv("MASTER_PORT", "30000")
+    monkeypatch.delenv("RANK", raising=False)
+    seen = []
+
+    def fake_run(cmd, env):
+        name = cmd[cmd.index("--only-run") + 1]
+        seen.append((name, env["MASTER_PORT"], cmd[2:cmd.index("--only-run")]))
+        with open(example._run_file(args, name), "w") as f:
+            json.dump({"losses": [float(len(seen))] * 3, "times": [0.01] * 3}, f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    results = example.train_in_fresh_processes(args, argv)
+    assert [(name, port) for name, port, _ in seen] == [("deepep", "30001"),
+                                                        ("alltoall", "30002")]
+    assert all(rest == argv for _, _, rest in seen)
+    assert results == {"deepep": ([1.0] * 3, [0.01] * 3), "alltoall": ([2.0] * 3, [0.01] * 3)}
+
+    def failing_run(cmd, env):
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.setattr(subprocess, "run", failing_run)
+    with pytest.raises(SystemExit, match="run 'deepep' failed"):
+        example.train_in_fresh_processes(args, argv)
