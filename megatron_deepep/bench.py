@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Callable, Dict, List
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -75,11 +76,53 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
 
 
 def fill_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Device write-only bandwidth in bytes/s (`fill_`): the ceiling of write-heavy kernels such
-    as the expand, which writes K rows for each row it reads."""
-    dst = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
-    us = time_cuda(lambda: dst.fill_(1.0), iters=20)
+    """Device write-only bandwidth in bytes/s, from `fill_kernel` (ceiling.cu; torch's `fill_`
+    reaches ~20% less on H200): the ceiling of write-heavy kernels such as the expand."""
+    from megatron_deepep import jit
+
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    kernel = jit.get_kernel("ceiling.cu", "fill_kernel")
+    grid = 4 * torch.cuda.get_device_properties(dst.device).multi_processor_count
+    args = [jit.ptr(dst), np.int64(num_bytes // 16)]
+    us = time_cuda(lambda: kernel.launch(grid, 256, args, jit.current_raw_stream()), iters=20)
     return num_bytes / (us * 1e-6)
+
+
+def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor) -> float:
+    """µs of `fan_out_copy` (ceiling.cu): each row of `x [N, H]` read once and written to its K
+    expert-major rows of an `[N * K, H]` output, the EP=1 expand's traffic and nothing else."""
+    from megatron_deepep import jit
+
+    num_tokens, num_topk = topk_idx.shape
+    num_rows = num_tokens * num_topk
+    token = torch.arange(num_tokens, device=x.device).repeat_interleave(num_topk)
+    order = torch.argsort(topk_idx.flatten().long() * num_tokens + token)
+    dst_rows = torch.empty(num_rows, dtype=torch.int32, device=x.device)
+    dst_rows[order] = torch.arange(num_rows, dtype=torch.int32, device=x.device)
+    out = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
+    kernel = jit.get_kernel("ceiling.cu", "fan_out_copy")
+    grid = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
+    args = [jit.ptr(x), jit.ptr(dst_rows), jit.ptr(out), np.int32(num_tokens),
+            np.int32(x.shape[1] * x.element_size() // 16), np.int32(num_topk)]
+    us = time_cuda(lambda: kernel.launch(grid, 512, args, jit.current_raw_stream()), iters=20)
+    expected = x.index_select(0, token[order])  # out's rows, in order
+    if not torch.equal(out, expected):
+        raise RuntimeError("fan_out_copy wrote wrong rows: its ceiling is not valid")
+    return us, out, dst_rows
+
+
+def fan_in_us(rows: torch.Tensor, src_rows: torch.Tensor) -> float:
+    """µs of `fan_in_sum` (ceiling.cu): for each token, its 8 rows of `rows [N * 8, H]` (given
+    by `src_rows [N, 8]`) summed in fp32, written once: the EP=1 combine's traffic."""
+    from megatron_deepep import jit
+
+    num_tokens = src_rows.shape[0]
+    out = torch.empty(num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    kernel = jit.get_kernel("ceiling.cu", "fan_in_sum")
+    grid = 2 * torch.cuda.get_device_properties(rows.device).multi_processor_count
+    args = [jit.ptr(rows), jit.ptr(src_rows), jit.ptr(out), np.int32(num_tokens),
+            np.int32(rows.shape[1] * rows.element_size() // 16)]
+    return time_cuda(lambda: kernel.launch(grid, 512, args, jit.current_raw_stream()), iters=20)
 
 
 def make_routing(num_tokens: int, num_experts: int, num_topk: int, seed: int):
@@ -254,8 +297,14 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
         entry["num_recv_rows"] = num_rows
         entry["dispatch_bytes"] = (num_tokens + num_rows) * hidden * 2
         entry["floor_us"] = entry["dispatch_bytes"] / bw * 1e6
-        # What the write rate alone allows: writing the M expanded rows at the fill bandwidth.
+        # What the write rate alone allows: writing the M expanded rows at the fill bandwidth;
+        # and, at EP=1, the expand's own traffic (read once, write K times) on a bare kernel.
         entry["dispatch_write_floor_us"] = num_rows * hidden * 2 / write_bw * 1e6
+        if ep == 1:
+            entry["fan_out_copy_us"], expanded, dst_rows = fan_out_us(xs[0], idxs[0])
+            if num_topk == 8:  # fan_in_sum is built for K = 8
+                entry["fan_in_sum_us"] = fan_in_us(expanded, dst_rows.view(num_tokens, 8))
+            del expanded
         for spec in fp8_specs:  # read bf16 x once, write e4m3 rows and their scales
             fp8_bytes = num_tokens * hidden * 2 + num_rows * spec.fmt.bytes_per_token(hidden)
             entry[f"fp8_{spec.fmt.name}"] = {
@@ -315,7 +364,11 @@ def print_table(rows: List[dict]) -> None:
         lines.append(f"{shape} | floor {e['floor_us']:.1f} µs ({e['dispatch_bytes'] / 1e6:.0f} MB"
                      f" at copy {e['copy_GBps']:.0f} GB/s; M = {e['num_recv_rows']} rows); "
                      f"writing the M rows alone at fill {e['fill_GBps']:.0f} GB/s: "
-                     f"{e['dispatch_write_floor_us']:.1f} µs")
+                     f"{e['dispatch_write_floor_us']:.1f} µs"
+                     + (f"; read once, write K times on a bare kernel (fan_out_copy): "
+                        f"{e['fan_out_copy_us']:.1f} µs" if "fan_out_copy_us" in e else "")
+                     + (f"; combine's traffic (read K, write 1; fan_in_sum): "
+                        f"{e['fan_in_sum_us']:.1f} µs" if "fan_in_sum_us" in e else ""))
     sys.stdout.write("\n".join(lines) + "\n")
 
 

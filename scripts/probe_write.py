@@ -95,6 +95,84 @@ __device__ __forceinline__ void expand_impl(const int4* x, const int* rows, int4
         }
     }
 }
+__device__ __forceinline__ void st_evict_first(int4* p, int4 v, u64 policy) {
+    asm volatile("st.global.L2::cache_hint.v4.s32 [%0], {%1, %2, %3, %4}, %5;"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy) : "memory");
+}
+
+// The expand with the next chunk's loads in flight while this chunk's stores issue
+// (register double buffer); kPolicy: stores carry an L2 evict-first policy.
+template <bool kPolicy>
+__device__ __forceinline__ void expand_pipelined_impl(const int4* x, const int* rows, int4* out,
+                                                      int num_tokens, int num_int4, int topk) {
+    constexpr int kU = 8;
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    u64 policy = 0;
+    if (kPolicy) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const int chunks_per_row = (num_int4 + 32 * kU - 1) / (32 * kU);
+    // Work items: (token, chunk) in token-major order, this warp's share.
+    const long long total = (long long)num_tokens * chunks_per_row;
+    long long item = warp;
+    int4 cur[kU], nxt[kU];
+    auto load = [&](long long it, int4* v) {
+        const int n = (int)(it / chunks_per_row), c = (int)(it % chunks_per_row);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int i = c * 32 * kU + u * 32 + lane;
+            if (i < num_int4) v[u] = ld_nc(x + (long long)n * num_int4 + i);
+        }
+    };
+    if (item < total) load(item, cur);
+    for (; item < total; item += num_warps) {
+        const long long next = item + num_warps;
+        if (next < total) load(next, nxt);
+        const int n = (int)(item / chunks_per_row), c = (int)(item % chunks_per_row);
+        int my_row = lane < topk ? rows[(long long)n * topk + lane] : -1;
+        for (int k = 0; k < topk; ++k) {
+            const int r = __shfl_sync(0xffffffff, my_row, k);
+            if (r < 0) continue;
+            int4* d = out + (long long)r * num_int4;
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                const int i = c * 32 * kU + u * 32 + lane;
+                if (i < num_int4) {
+                    if (kPolicy) st_evict_first(d + i, cur[u], policy); else st_plain(d + i, cur[u]);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
+    }
+}
+extern "C" __global__ void expand_pipelined(const int4* x, const int* rows, int4* out, int n,
+                                            int num_int4, int topk) {
+    expand_pipelined_impl<false>(x, rows, out, n, num_int4, topk);
+}
+extern "C" __global__ void expand_pipelined_ef(const int4* x, const int* rows, int4* out, int n,
+                                               int num_int4, int topk) {
+    expand_pipelined_impl<true>(x, rows, out, n, num_int4, topk);
+}
+
+// The expand's stores without its loads: K scattered copies of a constant row.
+extern "C" __global__ void scatter_only(const int* rows, int4* out, int num_tokens, int num_int4,
+                                        int topk) {
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    const int4 v = make_int4(lane, 1, 2, 3);
+    for (int n = warp; n < num_tokens; n += num_warps) {
+        int my_row = lane < topk ? rows[(long long)n * topk + lane] : -1;
+        for (int k = 0; k < topk; ++k) {
+            const int r = __shfl_sync(0xffffffff, my_row, k);
+            if (r < 0) continue;
+            int4* d = out + (long long)r * num_int4;
+            for (int i = lane; i < num_int4; i += 32) st_plain(d + i, v);
+        }
+    }
+}
+
 extern "C" __global__ void expand_plain(const int4* x, const int* rows, int4* out, int n,
                                         int num_int4, int topk) {
     expand_impl<false, 8>(x, rows, out, n, num_int4, topk);
@@ -216,8 +294,27 @@ def main():
                    time_us(lambda: fill_tma((grid,), (32,), (out_c, cp.int64(write_bytes),
                                                              cp.int32(chunk)),
                                             shared_mem=chunk)))
+    scatter = mod.get_function("scatter_only")
+    seq_rows = torch.arange(m, device="cuda", dtype=torch.int32)
+    # Expert-major rows as the kernel writes them: K distinct experts of E per token, each
+    # expert's rows in token order.
+    num_experts = 256
+    ids = torch.rand(n, num_experts, device="cuda").topk(k, dim=1).indices
+    order = torch.argsort(ids.flatten() * n + torch.arange(n, device="cuda").repeat_interleave(k))
+    expert_rows = torch.empty(m, dtype=torch.int32, device="cuda")
+    expert_rows[order] = torch.arange(m, device="cuda", dtype=torch.int32)
+    for label, rr in (("random", rows), ("sequential", seq_rows), ("expert-major", expert_rows)):
+        rr_c = cp.asarray(rr)
+        record(f"scatter_only {label} 2x{sms}x512",
+               time_us(lambda: scatter((sms * 2,), (512,), (rr_c, out_c, cp.int32(n),
+                                                             cp.int32(h // 8), cp.int32(k)))))
+        fn = mod.get_function("expand_plain")
+        record(f"expand_plain {label} 2x{sms}x512",
+               time_us(lambda: fn((sms * 2,), (512,), (x_c, rr_c, out_c, cp.int32(n),
+                                                        cp.int32(h // 8), cp.int32(k)))),
+               read_bytes)
     ref = None
-    for name in ("expand_plain", "expand_cs"):
+    for name in ("expand_plain", "expand_cs", "expand_pipelined", "expand_pipelined_ef"):
         fn = mod.get_function(name)
         for blocks_per_sm, threads in ((1, 512), (2, 512), (4, 256)):
             grid = sms * blocks_per_sm

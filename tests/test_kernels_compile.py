@@ -17,6 +17,12 @@ def test_every_topk_variant_compiles(source):
     assert set(lowered) == set(exprs)
 
 
+def test_ceiling_kernels_compile():
+    exprs = ["fill_kernel", "fan_out_copy", "fan_in_sum"]
+    cubin, lowered = jit.compile_cubin("ceiling.cu", exprs, arch="sm_90")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(exprs)
+
+
 @pytest.mark.parametrize("num_topk", [1, 16])
 def test_fp8_dispatch_variants_compile(num_topk):
     exprs = ops.kernel_names(num_topk, fp8=True)["dispatch.cu"]
