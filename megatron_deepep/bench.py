@@ -11,6 +11,9 @@ FP8 dispatch bytes = N H 2 (read bf16 x) + M (H + scale bytes) (write e4m3 rows 
 Variants: "sync" (exact output size, one host wait), "nosync" (a caller-given row bound, no host
 synchronization), "cached" (a handle replayed, as combine's backward does). Calls are timed
 back to back with CUDA events; host µs/call is measured apart.
+Ceilings (bare kernels of `cuda_src/ceiling.cu`, same run): the write-only rate, and at EP=1 the
+expand's traffic (each row read once, written K times) and the combine's (K rows summed into
+one), with none of our bookkeeping.
 """
 
 from __future__ import annotations
