@@ -91,6 +91,19 @@ def fill_bandwidth(num_bytes: int = 1 << 30) -> float:
     return num_bytes / (us * 1e-6)
 
 
+def expert_major_rows(topk_idx: torch.Tensor) -> torch.Tensor:
+    """`[N * K]` int32: the output row of entry (n, k) in the EP=1 expert-major layout (experts
+    ascending, tokens in order within an expert, no padding). Needs every id valid and a token's
+    ids distinct, as `make_routing` gives."""
+    num_tokens, num_topk = topk_idx.shape
+    num_rows = num_tokens * num_topk
+    token = torch.arange(num_tokens, device=topk_idx.device).repeat_interleave(num_topk)
+    order = torch.argsort(topk_idx.flatten().long() * num_tokens + token)
+    rows = torch.empty(num_rows, dtype=torch.int32, device=topk_idx.device)
+    rows[order] = torch.arange(num_rows, dtype=torch.int32, device=topk_idx.device)
+    return rows
+
+
 def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor) -> float:
     """µs of `fan_out_copy` (ceiling.cu): each row of `x [N, H]` read once and written to its K
     expert-major rows of an `[N * K, H]` output, the EP=1 expand's traffic and nothing else."""
@@ -98,17 +111,17 @@ def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor) -> float:
 
     num_tokens, num_topk = topk_idx.shape
     num_rows = num_tokens * num_topk
-    token = torch.arange(num_tokens, device=x.device).repeat_interleave(num_topk)
-    order = torch.argsort(topk_idx.flatten().long() * num_tokens + token)
-    dst_rows = torch.empty(num_rows, dtype=torch.int32, device=x.device)
-    dst_rows[order] = torch.arange(num_rows, dtype=torch.int32, device=x.device)
+    dst_rows = expert_major_rows(topk_idx)
     out = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
     kernel = jit.get_kernel("ceiling.cu", "fan_out_copy")
     grid = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
     args = [jit.ptr(x), jit.ptr(dst_rows), jit.ptr(out), np.int32(num_tokens),
             np.int32(x.shape[1] * x.element_size() // 16), np.int32(num_topk)]
     us = time_cuda(lambda: kernel.launch(grid, 512, args, jit.current_raw_stream()), iters=20)
-    expected = x.index_select(0, token[order])  # out's rows, in order
+    token_of_row = torch.empty_like(dst_rows).scatter_(
+        0, dst_rows.long(), torch.arange(num_tokens, dtype=torch.int32, device=x.device)
+        .repeat_interleave(num_topk))
+    expected = x.index_select(0, token_of_row)  # out's rows, in order
     if not torch.equal(out, expected):
         raise RuntimeError("fan_out_copy wrote wrong rows: its ceiling is not valid")
     return us, out, dst_rows
