@@ -16,8 +16,9 @@ local (non-TE) layer spec, 4 layers, hidden 512, 8 experts, top-2, aux loss, bf1
 tokens from a fixed seed, AdamW. Both runs start from identical weights and see identical
 batches, each in a fresh process (`--same-process` to share one): with one seed the expert GEMM
 shapes repeat, and a second run in the same process would find cuBLAS's per-shape heuristics
-already warm (that made whichever run came second ~25 ms per step faster). Writes (rank 0) `loss_curves.png` (both curves) and `step_times.json` (median step time
-per run, the per-step losses, and the max absolute / max and mean relative loss difference).
+already warm (that made whichever run came second ~25 ms per step faster). Writes (rank 0)
+`loss_curves.png` (both curves) and `step_times.json` (median step time per run, the per-step
+losses, and the max absolute / max and mean relative loss difference).
 """
 
 from __future__ import annotations
@@ -285,7 +286,8 @@ def main(argv=None):
         dist.destroy_process_group()
     else:
         results = train_in_fresh_processes(args, argv)
-        rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         png = plot(args.out, {k: v[0] for k, v in results.items()}, args.steps, world_size)

@@ -104,9 +104,13 @@ def expert_major_rows(topk_idx: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor) -> float:
+def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor):
     """µs of `fan_out_copy` (ceiling.cu): each row of `x [N, H]` read once and written to its K
-    expert-major rows of an `[N * K, H]` output, the EP=1 expand's traffic and nothing else."""
+    expert-major rows of an `[N * K, H]` output, the EP=1 expand's traffic and nothing else.
+
+    Returns:
+        `(µs, the output [N * K, H] (checked against index_select), its rows [N * K] int32)`.
+    """
     from megatron_deepep import jit
 
     num_tokens, num_topk = topk_idx.shape
