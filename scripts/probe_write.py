@@ -110,7 +110,8 @@ __device__ __forceinline__ void expand_pipelined_impl(const int4* x, const int* 
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
     u64 policy = 0;
-    if (kPolicy) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    if (kPolicy)
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     const int chunks_per_row = (num_int4 + 32 * kU - 1) / (32 * kU);
     // Work items: (token, chunk) in token-major order, this warp's share.
     const long long total = (long long)num_tokens * chunks_per_row;
@@ -138,7 +139,8 @@ __device__ __forceinline__ void expand_pipelined_impl(const int4* x, const int* 
             for (int u = 0; u < kU; ++u) {
                 const int i = c * 32 * kU + u * 32 + lane;
                 if (i < num_int4) {
-                    if (kPolicy) st_evict_first(d + i, cur[u], policy); else st_plain(d + i, cur[u]);
+                    if (kPolicy) st_evict_first(d + i, cur[u], policy);
+                    else st_plain(d + i, cur[u]);
                 }
             }
         }
