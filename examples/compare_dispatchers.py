@@ -11,7 +11,7 @@
 experts get bf16 rows dequantized on the receiver) against `deepep` with bf16 dispatch instead of
 `deepep` against `alltoall`, and adds the max / mean relative loss difference per step.
 
-Needs only megatron-core (no megatron.training, which the pip wheel lacks): GPTModel with the
+Needs only megatron-core (not megatron.training, which 0.16's wheel lacks): GPTModel with the
 local (non-TE) layer spec, 4 layers, hidden 512, 8 experts, top-2, aux loss, bf16, random
 tokens from a fixed seed, AdamW. Both runs start from identical weights and see identical
 batches, each in a fresh process (`--same-process` to share one): with one seed the expert GEMM

@@ -4,9 +4,14 @@
 Mock data (MockGPTDataset) and NullTokenizer: no dataset or tokenizer files. Launched by
 `examples/run_gpt_moe.sh` (one node) or `examples/slurm_gpt_moe.sbatch` (several).
 
-`megatron.training` is not in the pip megatron-core wheel: put a Megatron-LM checkout (0.16+) on
-PYTHONPATH (`MEGATRON_LM=/path/to/Megatron-LM`). With an unpatched checkout this script registers
-the runtime plugin before arguments are parsed; with a patched one the plugin is a no-op on top.
+`megatron.training` ships in the megatron-core wheels from 0.17 on (Python >= 3.12); for 0.16, put
+a Megatron-LM checkout on PYTHONPATH (`MEGATRON_LM=/path/to/Megatron-LM`). With an unpatched
+tree this script registers the runtime plugin before arguments are parsed; with a patched one
+the plugin is a no-op on top. It drives both training APIs: `pretrain(provider, model_provider,
+model_type, forward_step, extra_args_provider=, args_defaults=)` (0.16, 0.17) and, from 0.18,
+`pretrain(config_container, ...)` after `parse_and_validate_args` (keywords, so that 0.18's
+and 0.19's different argument orders both bind). The batch is read here (no TP broadcast),
+so the example runs with tensor and context parallel size 1: EP carries the experts.
 
 Extra flags (ours, named apart from Megatron's `--moe-deepep-num-sms` / `--moe-enable-deepep`,
 which belong to the flex dispatcher): every `--moe-mdeep-*` flag of
@@ -19,6 +24,7 @@ Megatron defines them as config fields itself; here they are added only when mis
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from functools import partial
@@ -45,20 +51,34 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 )
 from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
-from megatron.training.utils import (  # noqa: E402
-    get_batch_on_this_cp_rank,
-    get_batch_on_this_tp_rank,
-)
 
-def model_provider(pre_process=True, post_process=True, *unused_args, **unused_kwargs):
+ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
+
+
+def check_parallelism(args) -> None:
+    """The batch is read on every rank (no TP broadcast, no CP split): TP = CP = 1."""
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--context-parallel-size", getattr(args, "context_parallel_size", 1))):
+        if value != 1:
+            raise SystemExit(f"pretrain_gpt_moe.py runs with {flag} 1 (got {value}); "
+                             "--expert-model-parallel-size carries the experts")
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None, **unused_kwargs):
+    """The GPT-MoE; Megatron 0.17+ passes `vp_stage`, `config` and `pg_collection`."""
     args = get_args()
+    check_parallelism(args)
     mdm.apply_arguments(args)  # the parsed --moe-mdeep-* values become the option defaults
-    config = core_transformer_config_from_args(args)
+    if config is None:
+        config = core_transformer_config_from_args(args)
     if args.transformer_impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts,
                                                           args.moe_grouped_gemm)
     else:
         spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
+    extra = {k: v for k, v in (("vp_stage", vp_stage), ("pg_collection", pg_collection))
+             if v is not None}
     return GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
@@ -66,16 +86,20 @@ def model_provider(pre_process=True, post_process=True, *unused_args, **unused_k
                     share_embeddings_and_output_weights=(
                         not args.untie_embeddings_and_output_weights),
                     position_embedding_type=args.position_embedding_type,
-                    rotary_percent=args.rotary_percent)
+                    rotary_percent=args.rotary_percent, **extra)
+
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
 def get_batch(data_iterator):
+    """`(tokens, labels, loss_mask, attention_mask, position_ids)` on this GPU (None where the
+    dataset gives no attention mask); all None on pipeline stages that take no input."""
     if not (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()):
-        return None, None, None, None, None
-    batch = get_batch_on_this_tp_rank(data_iterator)
-    batch = get_batch_on_this_cp_rank(batch)
-    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
-            batch["position_ids"])
+        return (None,) * len(BATCH_KEYS)
+    data = next(data_iterator)
+    return tuple(data[k].cuda(non_blocking=True) if data.get(k) is not None else None
+                 for k in BATCH_KEYS)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -87,8 +111,14 @@ def loss_func(loss_mask, output_tensor):
     return total, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One micro-batch. `return_schedule_plan`: Megatron's EP A2A overlap
+    (`--overlap-moe-expert-parallel-comm`) asks for the model's schedule plan instead."""
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels,
+                                         loss_mask=loss_mask)
+        return plan, partial(loss_func, loss_mask)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, partial(loss_func, loss_mask)
 
@@ -105,8 +135,30 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
                                          config).build()
 
 
-if __name__ == "__main__":
+def uses_config_container(pretrain_fn) -> bool:
+    """True for the 0.18+ `pretrain(cfg_container, ...)`, False for the older argument-parsing
+    `pretrain(train_valid_test_dataset_provider, model_provider, ...)`."""
+    return next(iter(inspect.signature(pretrain_fn).parameters)) == "cfg_container"
+
+
+def main() -> None:
     train_valid_test_datasets_provider.is_distributed = True
-    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-             forward_step, extra_args_provider=mdm.add_arguments,
-             args_defaults={"tokenizer_type": "NullTokenizer"})
+    if not uses_config_container(pretrain):
+        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                 forward_step, extra_args_provider=mdm.add_arguments,
+                 args_defaults=ARGS_DEFAULTS)
+        return
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=mdm.add_arguments,
+                                   args_defaults=ARGS_DEFAULTS)
+    check_parallelism(args)
+    pretrain(pretrain_cfg_container_from_args(args),
+             train_valid_test_dataset_provider=train_valid_test_datasets_provider,
+             model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
+             forward_step_func=forward_step)
+
+
+if __name__ == "__main__":
+    main()

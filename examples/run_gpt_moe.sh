@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Tiny GPT-MoE on every local GPU with --moe-token-dispatcher-type deepep (EP = number of GPUs).
-#   MEGATRON_LM=/path/to/Megatron-LM bash examples/run_gpt_moe.sh [extra Megatron flags]
+#   bash examples/run_gpt_moe.sh [extra Megatron flags]   # megatron-core >= 0.17 (Python >= 3.12)
+#   MEGATRON_LM=/path/to/Megatron-LM bash examples/run_gpt_moe.sh   # 0.16: a Megatron-LM checkout
+# The local (non-TE) layers need --no-rope-fusion and --no-persist-layer-norm without TE / Apex.
 # Env: DISPATCHER (default deepep; alltoall to compare), TRAIN_ITERS (50), METRICS=1 (per-layer
 # comm/load metrics, JSON lines in $OUT/metrics -> python scripts/plot_metrics.py $OUT/metrics),
 # OUT (run folder, default runs/gpt_moe_<dispatcher>).
@@ -26,9 +28,10 @@ if ! python3 -c "import megatron.training" 2>/dev/null; then
   if [ -n "${MEGATRON_LM:-}" ]; then
     export PYTHONPATH="${MEGATRON_LM}:${PYTHONPATH:-}"
   else
-    echo "run_gpt_moe.sh: megatron.training not importable (the pip wheel lacks it)." >&2
-    echo "Set MEGATRON_LM=/path/to/Megatron-LM (0.16+), or run" \
-      "python examples/compare_dispatchers.py (megatron-core only)." >&2
+    echo "run_gpt_moe.sh: megatron.training not importable (megatron-core wheels ship it" \
+      "from 0.17 on, Python >= 3.12; 0.16 does not)." >&2
+    echo "pip install 'megatron-core>=0.17' pyyaml, or set MEGATRON_LM=/path/to/Megatron-LM" \
+      "(0.16+), or run python examples/compare_dispatchers.py (megatron-core only)." >&2
     exit 1
   fi
 fi
@@ -52,6 +55,7 @@ torchrun --standalone --nproc-per-node "$NGPU" "$HERE/pretrain_gpt_moe.py" \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
   --bf16 --disable-bias-linear --untie-embeddings-and-output-weights \
   --transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion \
+  --no-rope-fusion --no-persist-layer-norm \
   --num-experts 8 --moe-ffn-hidden-size 1024 --moe-router-topk 2 \
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-router-dtype fp32 \
   --expert-model-parallel-size "$NGPU" --moe-token-dispatcher-type "$DISPATCHER" \
