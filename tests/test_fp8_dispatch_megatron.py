@@ -29,6 +29,8 @@ def _fp8_case(rank, world, pg, option, fmt_name, seed, align=None):
     config.moe_mdeep_fp8_dispatch = option  # the config field a patched Megatron carries
     if align is not None:
         config.moe_router_padding_for_quantization = True
+        # Megatron sizes the padding from the fp8 recipe (0.19 gives 0 without fp8).
+        config.fp8 = "e4m3"
     num_local = num_experts // world
     local_ids = list(range(rank * num_local, (rank + 1) * num_local))
     dispatcher = DeepEPTokenDispatcher(num_local, local_ids, config=config, pg_collection=pg)

@@ -103,6 +103,8 @@ def _case(rank, world_size, pg, *, num_experts, topk, tokens, dtype=torch.float3
     if align is not None:
         # Needs fp8 in __post_init__ (TE); the dispatcher only reads the flag and the size.
         config.moe_router_padding_for_quantization = True
+        # Megatron sizes the padding from the fp8 recipe (0.19 gives 0 without fp8).
+        config.fp8 = "e4m3"
     num_local = num_experts // world_size
     local_ids = list(range(rank * num_local, (rank + 1) * num_local))
     dispatcher = DeepEPTokenDispatcher(num_local, local_ids, config=config, pg_collection=pg)
