@@ -206,7 +206,7 @@ def write_profile(args, name, profiler, host_profiler) -> None:
         pstats.Stats(host_profiler, stream=stream).sort_stats(key).print_stats(30)
         text += "\n\n" + stream.getvalue()
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"profile_{name.replace(':', '_').replace('+', '_')}.txt")
+    path = os.path.join(args.out, f"profile_{_file_stem(name)}.txt")
     with open(path, "w") as f:
         f.write(f"{name}: {args.profile_steps} profiled steps\n{text}\n")
     print(f"[{name}] profile written to {path}", flush=True)
@@ -310,8 +310,13 @@ def train_with_plugin(args, name):
     return train(args, name)
 
 
+def _file_stem(name: str) -> str:
+    """A run name as a file-name part: `deepep+fp8:mxfp8` -> `deepep_fp8_mxfp8`."""
+    return name.replace(":", "_").replace("+", "_")
+
+
 def _run_file(args, name) -> str:
-    return os.path.join(args.out, f"run_{name.replace(':', '_').replace('+', '_')}.json")
+    return os.path.join(args.out, f"run_{_file_stem(name)}.json")
 
 
 def train_one_run(args) -> int:
