@@ -141,23 +141,28 @@ def uses_config_container(pretrain_fn) -> bool:
     return next(iter(inspect.signature(pretrain_fn).parameters)) == "cfg_container"
 
 
-def main() -> None:
+def pretrain_call(pretrain_fn):
+    """`(args, kwargs)` of this version's `pretrain_fn` call (0.18+: parses the flags first)."""
     train_valid_test_datasets_provider.is_distributed = True
-    if not uses_config_container(pretrain):
-        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                 forward_step, extra_args_provider=mdm.add_arguments,
-                 args_defaults=ARGS_DEFAULTS)
-        return
+    if not uses_config_container(pretrain_fn):
+        return ((train_valid_test_datasets_provider, model_provider,
+                 ModelType.encoder_or_decoder, forward_step),
+                dict(extra_args_provider=mdm.add_arguments, args_defaults=ARGS_DEFAULTS))
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
     args = parse_and_validate_args(extra_args_provider=mdm.add_arguments,
                                    args_defaults=ARGS_DEFAULTS)
     check_parallelism(args)
-    pretrain(pretrain_cfg_container_from_args(args),
-             train_valid_test_dataset_provider=train_valid_test_datasets_provider,
-             model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
-             forward_step_func=forward_step)
+    return ((pretrain_cfg_container_from_args(args),),
+            dict(train_valid_test_dataset_provider=train_valid_test_datasets_provider,
+                 model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
+                 forward_step_func=forward_step))
+
+
+def main() -> None:
+    call_args, call_kwargs = pretrain_call(pretrain)
+    pretrain(*call_args, **call_kwargs)
 
 
 if __name__ == "__main__":

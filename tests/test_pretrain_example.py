@@ -79,25 +79,16 @@ from megatron.training import training
 
 sys.argv = ["pretrain_gpt_moe.py"] + json.loads(sys.argv[2])
 report = {"config_container": example.uses_config_container(training.pretrain)}
+call_args, call_kwargs = example.pretrain_call(training.pretrain)  # what main() passes
+inspect.signature(training.pretrain).bind(*call_args, **call_kwargs)
 if report["config_container"]:
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
-    args = parse_and_validate_args(extra_args_provider=example.mdm.add_arguments,
-                                   args_defaults=example.ARGS_DEFAULTS)
-    cfg = pretrain_cfg_container_from_args(args)
-    inspect.signature(training.pretrain).bind(
-        cfg, train_valid_test_dataset_provider=example.train_valid_test_datasets_provider,
-        model_provider=example.model_provider, model_type=example.ModelType.encoder_or_decoder,
-        forward_step_func=example.forward_step)
-else:
+    from megatron.training.global_vars import get_args
+    args = get_args()
+else:  # this pretrain parses the flags itself
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
-    inspect.signature(training.pretrain).bind(
-        example.train_valid_test_datasets_provider, example.model_provider,
-        example.ModelType.encoder_or_decoder, example.forward_step,
-        extra_args_provider=example.mdm.add_arguments, args_defaults=example.ARGS_DEFAULTS)
-    args = parse_args(example.mdm.add_arguments)
-    validate_args(args, example.ARGS_DEFAULTS)
+    args = parse_args(call_kwargs["extra_args_provider"])
+    validate_args(args, call_kwargs["args_defaults"])
     set_global_variables(args)
 report["dispatcher_type"] = args.moe_token_dispatcher_type
 report["moe_mdeep_num_sms"] = args.moe_mdeep_num_sms
