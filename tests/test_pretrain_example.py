@@ -1,8 +1,8 @@
 """CPU tier: `examples/pretrain_gpt_moe.py` against the installed `megatron.training`.
 
 It ships in the megatron-core wheels from 0.17 on (Python >= 3.12); with 0.16 (CI's Python 3.11)
-the model test skips (the launcher parsing runs everywhere). In a fresh interpreter: the launcher's own flags (`run_gpt_moe.sh`, with one
-GPU) parse and validate with ours added, the example's call binds to this version's `pretrain`,
+the model test skips (the launcher parsing runs everywhere). In a fresh interpreter: the
+launchers' own flags (one GPU) parse and validate with ours added, the example's call binds to this version's `pretrain`,
 and its model provider builds the GPT-MoE (on the CPU) with `DeepEPTokenDispatcher` in every
 MoE layer and our flag's value in the dispatcher's options.
 """
