@@ -3,8 +3,8 @@
 It ships in the megatron-core wheels from 0.17 on (Python >= 3.12); with 0.16 (CI's Python 3.11)
 the model test skips (the launcher parsing runs everywhere). In a fresh interpreter: the
 launchers' own flags (one GPU) parse and validate with ours added, the example's call binds to
-this version's `pretrain`, and its model provider builds the GPT-MoE (on the CPU) with `DeepEPTokenDispatcher` in every
-MoE layer and our flag's value in the dispatcher's options.
+this version's `pretrain`, and its model provider builds the GPT-MoE (on the CPU) with
+`DeepEPTokenDispatcher` in every MoE layer and our flag's value in the dispatcher's options.
 """
 
 from __future__ import annotations
