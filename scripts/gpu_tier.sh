@@ -6,7 +6,9 @@
 # into /tmp/site first when present. Extras, off by default: PROBE=1 (scripts/probe_copy.py),
 # NCU=1 (Nsight Compute speed-of-light of the expand and reduce kernels), COMPARE_STEPS=N (the
 # example trains N steps with deepep and alltoall; PROFILE_STEPS=M profiles M more per run),
-# FP8_STEPS=N (FP8 vs bf16 dispatch, N steps). On one H200 the 1000-call tier takes about 10
+# FP8_STEPS=N (FP8 vs bf16 dispatch, N steps), PROBE_WRITE=1 (scripts/probe_write.py),
+# MAIN_JOB=N (the README's main job, examples/run_gpt_moe.sh, N iterations with deepep and with
+# alltoall, metrics on). On one H200 the 1000-call tier takes about 10
 # minutes (N = 8 alone ~170 s), more than one 600 s device call: split it, e.g.
 # MDEEP_TEST_PROCS=1,2,3 in one call and MDEEP_TEST_PROCS=4,8 in the next.
 set -u
@@ -32,6 +34,19 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   timeout 120 python3 scripts/probe_copy.py 2>&1 | tee "$OUT/probe.log"
+fi
+if [ "${PROBE_WRITE:-0}" = 1 ]; then
+  timeout 180 python3 scripts/probe_write.py 2>&1 | tee "$OUT/probe_write.log"
+fi
+if [ "${MAIN_JOB:-0}" != 0 ]; then
+  for dispatcher in deepep alltoall; do
+    DISPATCHER=$dispatcher TRAIN_ITERS=$MAIN_JOB METRICS=1 OUT="$OUT/gpt_moe_$dispatcher" \
+      timeout 240 bash examples/run_gpt_moe.sh > "$OUT/main_job_$dispatcher.log" 2>&1
+    echo "main job ($dispatcher): rc $?"
+    grep -E "iteration +($MAIN_JOB|1)/|Error|error" "$OUT/main_job_$dispatcher.log" | tail -5
+  done
+  python3 scripts/plot_metrics.py "$OUT/gpt_moe_deepep/metrics" --out "$OUT/metrics_png" 2>&1 \
+    | tail -3
 fi
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   timeout 180 ncu --section SpeedOfLight --kernel-name regex:"dispatch_recv|combine_reduce" \

@@ -6,7 +6,9 @@ measures, on one buffer of the size the bench's first shape writes:
   - fills: torch `zero_`, plain 16-byte stores, streaming (`.cs`) stores, TMA bulk stores from a
     zeroed shared-memory tile;
   - the expand pattern (read a row once, write it to K scattered rows) with plain stores,
-    streaming stores, and TMA (bulk load of the row into shared memory, K bulk stores from it).
+    streaming stores, TMA (bulk load of the row into shared memory, K bulk stores from it), and
+    in global phases (batches of rows read into shared memory, a grid barrier, their K copies
+    written, a grid barrier), with and without the barriers.
 
     python scripts/probe_write.py [--tokens 4096 --hidden 7168 --topk 8]
 
@@ -236,6 +238,60 @@ extern "C" __global__ void expand_tma(const char* x, const int* rows, char* out,
     }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
+// The expand in global phases: every block (one per SM) loads `rows_per_block` token rows into
+// shared memory, all blocks meet at a grid barrier, then write the K copies of those rows and
+// meet again, so DRAM sees read bursts and write bursts instead of a 1:K mix. kBarrier = false
+// keeps the per-block batches without the grid barriers (the same phases, unsynchronized).
+__device__ __forceinline__ void grid_barrier(unsigned* count, volatile unsigned* gen) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned my_gen = *gen;
+        __threadfence();
+        if (atomicAdd(count, 1u) == gridDim.x - 1) {
+            *count = 0;
+            __threadfence();
+            atomicAdd((unsigned*)gen, 1u);
+        } else {
+            while (*gen == my_gen) {}
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+template <bool kBarrier>
+__device__ __forceinline__ void expand_phased_impl(const int4* x, const int* rows, int4* out,
+                                                   int num_tokens, int num_int4, int topk,
+                                                   int rows_per_block, unsigned* sync) {
+    extern __shared__ __align__(128) int4 row_tile[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    const int per_phase = rows_per_block * gridDim.x;
+    for (int first = 0; first < num_tokens; first += per_phase) {
+        const int n0 = first + blockIdx.x * rows_per_block;
+        const int count = max(0, min(rows_per_block, num_tokens - n0));
+        const int words = count * num_int4;
+        for (int i = threadIdx.x; i < words; i += blockDim.x)
+            row_tile[i] = ld_nc(x + (long long)n0 * num_int4 + i);
+        if (kBarrier) grid_barrier(sync, sync + 1); else __syncthreads();
+        for (int item = warp; item < count * topk; item += num_warps) {
+            const int t = item / topk, r = rows[(long long)(n0 + t) * topk + item % topk];
+            if (r < 0) continue;
+            const int4* s = row_tile + t * num_int4;
+            int4* d = out + (long long)r * num_int4;
+            for (int i = lane; i < num_int4; i += 32) st_plain(d + i, s[i]);
+        }
+        if (kBarrier) grid_barrier(sync, sync + 1); else __syncthreads();
+    }
+}
+extern "C" __global__ void expand_phased(const int4* x, const int* rows, int4* out, int n,
+                                         int num_int4, int topk, int rows_per_block,
+                                         unsigned* sync) {
+    expand_phased_impl<true>(x, rows, out, n, num_int4, topk, rows_per_block, sync);
+}
+extern "C" __global__ void expand_batched(const int4* x, const int* rows, int4* out, int n,
+                                          int num_int4, int topk, int rows_per_block,
+                                          unsigned* sync) {
+    expand_phased_impl<false>(x, rows, out, n, num_int4, topk, rows_per_block, sync);
+}
 """
 
 
@@ -341,6 +397,21 @@ def main():
                                                      cp.int32(stages)), shared_mem=smem)),
                read_bytes)
         assert torch.equal(out, ref), "expand_tma wrote different rows"
+    sync = cp.zeros(2, dtype=cp.uint32)
+    for name in ("expand_phased", "expand_batched"):
+        fn = mod.get_function(name)
+        for rows_per_block in (4, 8, 11, 14):
+            smem = rows_per_block * row_bytes
+            if smem > 227 * 1024:
+                continue
+            fn.max_dynamic_shared_size_bytes = smem
+            out.zero_()
+            record(f"{name} {rows_per_block} rows/block 1x{sms}x1024",
+                   time_us(lambda: fn((sms,), (1024,), (x_c, rows_c, out_c, cp.int32(n),
+                                                         cp.int32(h // 8), cp.int32(k),
+                                                         cp.int32(rows_per_block), sync),
+                                      shared_mem=smem)), read_bytes)
+            assert torch.equal(out, ref), f"{name} wrote different rows"
     print("\n| variant | µs | write GB/s | read+write GB/s |\n|---|---|---|---|")
     for name, us, gbs_w, gbs_rw in results:
         print(f"| {name} | {us:.1f} | {gbs_w:.0f} | {gbs_rw:.0f} |")
