@@ -24,7 +24,9 @@ Megatron defines them as config fields itself; here they are added only when mis
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import logging
 import os
 import sys
 from functools import partial
@@ -53,6 +55,7 @@ from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
 
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
+logger = logging.getLogger("pretrain_gpt_moe")
 
 
 def check_parallelism(args) -> None:
@@ -160,7 +163,31 @@ def pretrain_call(pretrain_fn):
                  forward_step_func=forward_step))
 
 
+def use_prebuilt_dataset_helpers() -> bool:
+    """Skips `megatron.training`'s build of the dataset helpers when they are prebuilt.
+
+    The megatron-core wheels ship `megatron/core/datasets/helpers_cpp` built, but not the Makefile
+    that `megatron.training` runs `make` on (rank 0, at start-up): the build fails and training
+    exits. A Megatron-LM source tree (with its Makefile) keeps building as usual.
+
+    Returns:
+        True when the build step was replaced by a no-op.
+    """
+    from megatron.core.datasets import utils as dataset_utils
+
+    if os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
+        return False
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    logger.info("megatron.core.datasets.helpers_cpp is prebuilt: skipping its build")
+    dataset_utils.compile_helpers = lambda: None
+    return True
+
+
 def main() -> None:
+    use_prebuilt_dataset_helpers()
     call_args, call_kwargs = pretrain_call(pretrain)
     pretrain(*call_args, **call_kwargs)
 

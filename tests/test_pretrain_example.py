@@ -125,3 +125,27 @@ def test_example_parses_binds_and_builds_the_model(launcher, tmp_path):
     assert report["moe_mdeep_num_sms"] == 16
     assert report["dispatchers"] == ["DeepEPTokenDispatcher"] * 4  # one per MoE layer
     assert report["num_sms"] == [16]
+
+
+_HELPERS_CHILD = r"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("pretrain_gpt_moe", sys.argv[1])
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+skipped = example.use_prebuilt_dataset_helpers()
+from megatron.core.datasets.utils import compile_helpers  # what megatron.training calls
+compile_helpers()
+print("HELPERS skipped=%s" % skipped)
+"""
+
+
+@needs_training
+def test_example_start_up_does_not_build_prebuilt_dataset_helpers():
+    """The wheels ship `helpers_cpp` built but not its Makefile: Megatron's start-up `make` fails
+    and exits training (seen on the H200 with 0.19.2), unless the example skips the build."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", _HELPERS_CHILD,
+                           os.path.join(ROOT, "examples", "pretrain_gpt_moe.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "HELPERS skipped=" in done.stdout
