@@ -209,3 +209,45 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
     release_peers_when_done<&Meta::combine_consumed>(peer_bases, rg, 3, rank, num_ranks, epoch,
                                                      err);
 }
+
+// EP = 1: no peer partials and no protocol (no regions are touched). For each token, its rows
+// of y summed in k order in fp32 and rounded once, the value combine_reduce computes for a
+// single rank (its bf16 partial plus nothing rounds to itself). One block per budgeted SM, of
+// 1024 threads up to top-8 (twice combine_reduce's loads in flight; 64 registers), else 512.
+template <int kTopk>
+struct CombineLocalThreads {
+    static constexpr int value = kTopk <= 8 ? 1024 : 512;
+};
+
+template <int kTopk, bool kWeighted, bool kWithWeights>
+__global__ void __launch_bounds__(CombineLocalThreads<kTopk>::value) combine_local(
+    int4* out, float* out_weights, int num_tokens, int num_int4, const int4* y,
+    const float* recv_weights, const float* grad_row_weights, const int* slot_rows,
+    const int* token_slot_in_rank) {
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int n = warp; n < num_tokens; n += num_warps) {
+        const int slot = token_slot_in_rank[n];
+        int rows[kTopk];
+        float weights[kTopk];
+#pragma unroll
+        for (int k = 0; k < kTopk; ++k) rows[k] = -1, weights[k] = 1.f;
+        if (slot >= 0) load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights, slot, rows,
+                                                        weights);
+        for (int base = 0; base < num_int4; base += 32) {
+            float acc[1][8];
+            slot_partial<kTopk, kWeighted, 1>(acc, y, rows, weights, num_int4, base, lane);
+            if (base + lane < num_int4) out[(i64)n * num_int4 + base + lane] = pack_bf16x8(acc[0]);
+        }
+        if (kWithWeights && lane < kTopk) {
+            int row_lane = -1;
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k)
+                if (k == lane) row_lane = rows[k];
+            // combine_reduce's sum over ranks of one value: 0 + v
+            out_weights[(i64)n * kTopk + lane] =
+                __fadd_rn(0.f, row_lane >= 0 ? grad_row_weights[row_lane] : 0.f);
+        }
+    }
+}

@@ -1,66 +1,179 @@
-// Dispatch layout (local, no communication). Grid: num_experts + num_ranks blocks.
-//   block b <  E: expert b. Scans tokens in order: pos_in_expert[n][k] for entries naming b,
-//                 and num_tokens_per_expert[b].
-//   block b >= E: rank r = b - E. is_token_in_rank[n][r], token_slot_in_rank[n][r] (scan),
-//                 slot_token[r][slot] and num_tokens_per_rank[r]. Block r == 0 also marks -1
-//                 entries (pos -1) and checks the range of every id.
+// Dispatch layout (local, no communication) in one pass over topk_idx. Grid: one block per chunk
+// of `chunk_tokens` tokens (at least one block; a chunk has at most 2 * 512 entries).
+//   1. A block marks its chunk in shared-memory bitmaps (per expert: the chunk's entries naming
+//      it; per rank: the chunk's tokens with an expert there) and counts the set bits.
+//   2. It publishes the counts, adds those of every earlier chunk (decoupled look-back: the
+//      nearest earlier chunk that has published its inclusive totals ends the walk) and
+//      publishes its own inclusive totals.
+//   3. pos_in_expert and token_slot_in_rank are the earlier chunks' count plus the set bits
+//      before the entry (token) in its bitmap, i.e. (n, k) and token order as layout.py defines.
+//      The last chunk writes num_tokens_per_expert and num_tokens_per_rank.
+// Between launches: chunk_status[c] is 2 * epoch once chunk c's counts are out and
+// 2 * epoch + 1 once its inclusive totals are; state[0] holds the last finished epoch and the
+// last block advances it. No zeroing per call, and a replayed CUDA graph advances it too.
+// A workspace (state, chunk_status, chunk_counts) serves one stream at a time.
 #include "common/error.cuh"
 #include "common/warp.cuh"
 
 using namespace mdeep;
 
+constexpr int kLayoutThreads = 512;
+constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
+constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
+
+// Set bits of `bits[0 .. index)` (index in bits).
+__device__ __forceinline__ int bits_before(const u32* bits, int index) {
+    int count = __popc(bits[index >> 5] & ((1u << (index & 31)) - 1u));
+    for (int w = 0; w < (index >> 5); ++w) count += __popc(bits[w]);
+    return count;
+}
+
+// Thread `lane` of warp 0 waits for chunk `p`'s counts (2 * epoch); true once its inclusive
+// totals are out too. A chunk that never publishes is a scheduling fault: recorded, and the
+// walk ends (the result is wrong, the error record says so).
+__device__ __forceinline__ bool wait_chunk(const u32* status, int p, u32 published,
+                                           u64 timeout_ns, const ErrorState& err, int rank) {
+    const u64 start = global_timer_ns();
+    for (u32 iter = 0;; ++iter) {
+        const u32 seen = ld_acquire_sys(status + p);
+        if ((int)(seen - published) >= 0) return seen != published;
+        if ((iter & 255u) == 255u &&
+            (has_error(err) || global_timer_ns() - start > timeout_ns)) {
+            if (!has_error(err))
+                record_error(err, kErrTimeout, rank, rank, kPhaseLayout, p, (i64)published,
+                             (i64)seen);
+            return true;
+        }
+    }
+}
+
 template <typename IdxT, int kTopk>
-__global__ void __launch_bounds__(512) layout_kernel(
-    const IdxT* topk_idx, int num_tokens, int num_experts, int num_ranks,
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
+    const IdxT* topk_idx, int num_tokens, int num_experts, int num_ranks, int chunk_tokens,
     int* num_tokens_per_expert, int* pos_in_expert, int* num_tokens_per_rank,
-    u8* is_token_in_rank, int* token_slot_in_rank, int* slot_token, int* error_claim,
+    u8* is_token_in_rank, int* token_slot_in_rank, int* slot_token, u32* state,
+    u32* chunk_status, int* chunk_counts, u64 timeout_ns, int* error_claim,
     ErrorRecord* error_record, int rank) {
-    __shared__ int scan_smem[33];
+    extern __shared__ u32 smem[];
+    __shared__ int window_first, window_inclusive;
     const ErrorState err{error_claim, error_record};
+    const int num_counts = num_experts + num_ranks;  // experts first, then ranks
+    const int expert_words = (chunk_tokens * kTopk + 31) >> 5;
+    const int token_words = (chunk_tokens + 31) >> 5;
+    u32* expert_bits = smem;                                    // [E][expert_words]
+    u32* rank_bits = expert_bits + num_experts * expert_words;  // [R][token_words]
+    int* counts = reinterpret_cast<int*>(rank_bits + num_ranks * token_words);  // [E + R]
     const int num_local = num_experts / num_ranks;
-    const bool is_expert_block = blockIdx.x < num_experts;
-    const int target = is_expert_block ? blockIdx.x : blockIdx.x - num_experts;
-    int base = 0;
-    for (int chunk = 0; chunk < num_tokens; chunk += blockDim.x) {
-        const int n = chunk + threadIdx.x;
-        IdxT ids[kTopk];
-        int count = 0;
-        if (n < num_tokens) {
+    const int c = blockIdx.x;
+    const int first_token = c * chunk_tokens;
+    const int num_entries = max(0, min(chunk_tokens, num_tokens - first_token)) * kTopk;
+    const u32 epoch = ld_acquire_sys(state) + 1u;
+    const u32 published = 2u * epoch, inclusive = published + 1u;
+
+    // 1. The chunk's ids (all loads first), then its bitmaps and counts.
+    const IdxT* chunk_idx = topk_idx + (i64)first_token * kTopk;
+    IdxT ids[kEntriesPerThread];
 #pragma unroll
-            for (int k = 0; k < kTopk; ++k) {
-                ids[k] = topk_idx[(i64)n * kTopk + k];
-                const bool valid = ids[k] >= 0 && ids[k] < num_experts;
-                if (is_expert_block) {
-                    count += ids[k] == target;
-                } else {
-                    count |= valid && ids[k] / num_local == target;
-                    if (target == 0) {
-                        if (ids[k] < -1 || ids[k] >= num_experts)
-                            record_error(err, kErrBadExpertId, rank, -1, kPhaseLayout, n,
-                                         (i64)num_experts, (i64)ids[k]);
-                        if (!valid) pos_in_expert[(i64)n * kTopk + k] = -1;
-                    }
-                }
+    for (int u = 0; u < kEntriesPerThread; ++u) {
+        const int j = threadIdx.x + u * kLayoutThreads;
+        ids[u] = j < num_entries ? chunk_idx[j] : (IdxT)-1;
+    }
+    const int smem_words = num_experts * expert_words + num_ranks * token_words + num_counts;
+    for (int i = threadIdx.x; i < smem_words; i += kLayoutThreads) smem[i] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kEntriesPerThread; ++u) {
+        const int j = threadIdx.x + u * kLayoutThreads;
+        if (j >= num_entries) continue;
+        const IdxT id = ids[u];
+        if (id < 0 || id >= num_experts) {
+            if (id != -1)
+                record_error(err, kErrBadExpertId, rank, -1, kPhaseLayout,
+                             first_token + j / kTopk, (i64)num_experts, (i64)id);
+            pos_in_expert[(i64)first_token * kTopk + j] = -1;
+            ids[u] = -1;
+            continue;
+        }
+        atomicOr(&expert_bits[(int)id * expert_words + (j >> 5)], 1u << (j & 31));
+        atomicAdd(&counts[id], 1);
+        const int t = j / kTopk, r = (int)id / num_local;
+        const u32 bit = 1u << (t & 31);
+        if (!(atomicOr(&rank_bits[r * token_words + (t >> 5)], bit) & bit))
+            atomicAdd(&counts[num_experts + r], 1);  // the token's first expert on rank r
+    }
+    __syncthreads();
+
+    // 2. Publish the counts (chunk 0's are its inclusive totals), look back, publish totals.
+    int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
+    for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
+        my_counts[(c == 0 ? num_counts : 0) + i] = counts[i];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(chunk_status + c, c == 0 ? inclusive : published);
+
+    int earlier[kCountsPerThread] = {};
+    for (int end = c; end > 0;) {
+        if (threadIdx.x < 32) {  // warp 0 reads a window of up to 32 earlier chunks
+            const int p = end - 1 - (int)threadIdx.x;
+            const bool done = p >= 0 && wait_chunk(chunk_status, p, published, timeout_ns, err,
+                                                    rank);
+            const u32 done_mask = __ballot_sync(0xffffffffu, done);
+            if (threadIdx.x == 0) {
+                window_inclusive = done_mask != 0;
+                window_first = done_mask ? end - __ffs(done_mask) : max(0, end - 32);
             }
         }
-        int total;
-        const int offset = base + block_exclusive_scan(count, scan_smem, &total);
-        if (n < num_tokens) {
-            if (is_expert_block) {
-                int seen = 0;
+        __syncthreads();
+        const int first = window_first;
+        const bool has_inclusive = window_inclusive;
 #pragma unroll
-                for (int k = 0; k < kTopk; ++k)
-                    if (ids[k] == target) pos_in_expert[(i64)n * kTopk + k] = offset + seen++;
-            } else {
-                is_token_in_rank[(i64)n * num_ranks + target] = count ? 1 : 0;
-                token_slot_in_rank[(i64)n * num_ranks + target] = count ? offset : -1;
-                if (count) slot_token[(i64)target * num_tokens + offset] = n;
+        for (int v = 0; v < kCountsPerThread; ++v) {
+            const int i = threadIdx.x + v * kLayoutThreads;
+            if (i >= num_counts) continue;
+            for (int p = first; p < end; ++p) {
+                const int half = p == first && has_inclusive ? num_counts : 0;
+                earlier[v] += __ldcg(chunk_counts + (i64)p * 2 * num_counts + half + i);
             }
         }
-        base += total;
+        end = has_inclusive ? 0 : first;
+        __syncthreads();  // window_* are rewritten by the next step
     }
-    if (threadIdx.x == 0) {
-        if (is_expert_block) num_tokens_per_expert[target] = base;
-        else num_tokens_per_rank[target] = base;
+    const bool is_last = c == (int)gridDim.x - 1;
+#pragma unroll
+    for (int v = 0; v < kCountsPerThread; ++v) {
+        const int i = threadIdx.x + v * kLayoutThreads;
+        if (i >= num_counts) continue;
+        const int total = earlier[v] + counts[i];
+        if (c > 0) my_counts[num_counts + i] = total;
+        if (is_last) {
+            if (i < num_experts) num_tokens_per_expert[i] = total;
+            else num_tokens_per_rank[i - num_experts] = total;
+        }
+        counts[i] = earlier[v];  // from here on: the offset of this chunk's first bit
     }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && c > 0) st_release_sys(chunk_status + c, inclusive);
+
+    // 3. Positions: earlier chunks' count plus the bits before this one.
+#pragma unroll
+    for (int u = 0; u < kEntriesPerThread; ++u) {
+        const int j = threadIdx.x + u * kLayoutThreads;
+        if (j >= num_entries || ids[u] < 0) continue;
+        const int e = (int)ids[u];
+        pos_in_expert[(i64)first_token * kTopk + j] =
+            counts[e] + bits_before(expert_bits + e * expert_words, j);
+    }
+    for (int t = threadIdx.x; t * kTopk < num_entries; t += kLayoutThreads) {
+        const int n = first_token + t;
+        for (int r = 0; r < num_ranks; ++r) {
+            const u32* bits = rank_bits + r * token_words;
+            const bool in_rank = (bits[t >> 5] >> (t & 31)) & 1u;
+            const int slot = in_rank ? counts[num_experts + r] + bits_before(bits, t) : -1;
+            is_token_in_rank[(i64)n * num_ranks + r] = in_rank ? 1 : 0;
+            token_slot_in_rank[(i64)n * num_ranks + r] = slot;
+            if (in_rank) slot_token[(i64)r * num_tokens + slot] = n;
+        }
+    }
+    if (last_block_done(state + 1)) st_release_sys(state, epoch);
 }

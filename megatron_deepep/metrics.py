@@ -38,6 +38,7 @@ step values above.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -348,6 +349,21 @@ def _rebind(old, new) -> None:
                     pass
 
 
+# Depth of nested Megatron report calls: 0.19's deprecated `track_moe_metrics` calls
+# `MoEMetricsTracker.report`, and both are hooked; only the outermost one flushes.
+_REPORT_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def _report_call():
+    """Marks a hooked Megatron report call; yields True for the outermost one."""
+    _REPORT_DEPTH[0] += 1
+    try:
+        yield _REPORT_DEPTH[0] == 1
+    finally:
+        _REPORT_DEPTH[0] -= 1
+
+
 def _flush_collector(params, args, kwargs) -> bool:
     """Flushes the active collector into Megatron's tracker before a report; False if none."""
     if _COLLECTOR is None:
@@ -358,7 +374,12 @@ def _flush_collector(params, args, kwargs) -> bool:
 
 
 def install_megatron_hooks() -> None:
-    """Makes Megatron's step-end MoE report flush our metrics first (idempotent)."""
+    """Makes Megatron's step-end MoE report flush our metrics first (idempotent).
+
+    Hooks `moe_utils.track_moe_metrics` (the report of 0.16; a deprecated wrapper around the
+    tracker's report on 0.19) and `moe_logging.MoEMetricsTracker.report` (0.17+). A step's
+    metrics are flushed once, by the outermost of the two.
+    """
     from megatron.core.transformer.moe import moe_utils
 
     original = getattr(moe_utils, "track_moe_metrics", None)
@@ -368,9 +389,12 @@ def install_megatron_hooks() -> None:
         @functools.wraps(original)
         def track_moe_metrics(*args, **kwargs):
             # 0.16 reports every tracker entry; `track_names` only selects what it reduces
-            # over PP/DP, so ours (already reduced over EP) stay out of it.
-            _flush_collector(params, args, kwargs)
-            return original(*args, **kwargs)
+            # over PP/DP, so ours (already reduced over EP) stay out of it. 0.19 forwards to
+            # the tracker's report, whose hook adds them to `track_names` there.
+            with _report_call() as outermost:
+                if outermost:
+                    _flush_collector(params, args, kwargs)
+                return original(*args, **kwargs)
 
         setattr(track_moe_metrics, _HOOK_MARK, True)
         _rebind(original, track_moe_metrics)
@@ -388,9 +412,13 @@ def install_megatron_hooks() -> None:
 
     @functools.wraps(report)
     def wrapped_report(*args, **kwargs):
-        if _flush_collector(rparams, args, kwargs):
-            args, kwargs = _extend_track_names(rparams, args, kwargs)
-        return report(*args, **kwargs)
+        with _report_call() as outermost:
+            flushed = _flush_collector(rparams, args, kwargs) if outermost \
+                else _COLLECTOR is not None
+            if flushed:
+                # 0.17+ syncs and logs only the `track_names` it is given.
+                args, kwargs = _extend_track_names(rparams, args, kwargs)
+            return report(*args, **kwargs)
 
     setattr(wrapped_report, _HOOK_MARK, True)
     tracker_cls.report = wrapped_report

@@ -58,14 +58,57 @@ class ErrorSink:
         self.claim, self.record = u64(claim_ptr), u64(record_ptr)
 
 
+# The layout kernel keeps per-chunk bitmaps in shared memory: this many 32-bit words of them.
+LAYOUT_BITMAP_WORDS = 8192
+LAYOUT_MAX_CHUNK_ENTRIES = 2 * LAYOUT_THREADS  # kEntriesPerThread in layout.cu
+LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS  # kCountsPerThread: experts plus ranks
+
+
+def layout_chunk_tokens(num_experts: int, num_topk: int) -> int:
+    """Tokens per block of the layout kernel: as many as fit its entry and bitmap limits."""
+    words_per_expert = max(1, min(LAYOUT_MAX_CHUNK_ENTRIES // 32,
+                                  LAYOUT_BITMAP_WORDS // num_experts))
+    return max(1, 32 * words_per_expert // num_topk)
+
+
+class _LayoutWorkspace:
+    """The layout kernel's state between launches, for one stream: an epoch word and a
+    finished-blocks counter, a status word per chunk and its published counts
+    (`[chunks, 2, experts + ranks]` int32). Zeroed once; grown (zeroed again) when a call needs
+    more chunks or counts. One per stream, since two layouts running at once would share it."""
+
+    def __init__(self):
+        self.tensor = None
+        self.max_chunks = self.max_counts = 0
+
+    def views(self, num_chunks: int, num_counts: int, device):
+        if num_chunks > self.max_chunks or num_counts > self.max_counts:
+            self.max_chunks = max(num_chunks, 2 * self.max_chunks, 64)
+            self.max_counts = max(num_counts, self.max_counts)
+            self.tensor = torch.zeros(2 + self.max_chunks * (1 + 2 * self.max_counts),
+                                      dtype=torch.int32, device=device)
+            # The zeros come from the current stream; the kernel may run on another.
+            torch.cuda.current_stream(device).synchronize()
+        state, status, counts = self.tensor.split(
+            [2, self.max_chunks, self.max_chunks * 2 * self.max_counts])
+        return state, status, counts
+
+
+_layout_workspaces: dict = {}
+
+
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
-           errors: ErrorSink, extra_ints: int = 0):
+           errors: ErrorSink, extra_ints: int = 0, timeout_ns: int = 10**10):
     """`DispatchLayout` of `topk_idx [N, K]` (see layout.py), computed by layout.cu.
 
     Returns the layout and a `[extra_ints]` int32 scratch tensor carved from the same allocation
     (the caller's receive-side arrays): allocations dominate the host time of a dispatch.
     """
     num_tokens, num_topk = topk_idx.shape
+    num_counts = num_experts + num_ranks
+    if num_counts > LAYOUT_MAX_COUNTS:
+        raise ValueError(f"num_experts={num_experts} with {num_ranks} ranks exceeds the layout "
+                         f"kernel's {LAYOUT_MAX_COUNTS} experts plus ranks")
     dev = topk_idx.device
     bool_words = -(-num_tokens * num_ranks // 4)  # is_token_in_rank as bytes of int32 words
     sizes = [num_ranks, num_experts, num_tokens * num_ranks, num_ranks * num_tokens,
@@ -79,12 +122,20 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
         token_slot_in_rank=slot_in_rank.view(num_tokens, num_ranks),
         slot_token=slot_token.view(num_ranks, num_tokens),
         pos_in_expert=pos.view(num_tokens, num_topk))
+    chunk_tokens = layout_chunk_tokens(num_experts, num_topk)
+    num_chunks = max(1, -(-num_tokens // chunk_tokens))
+    stream = _stream()
+    workspace = _layout_workspaces.setdefault((dev.index, stream.cuda_stream), _LayoutWorkspace())
+    state, status, counts = workspace.views(num_chunks, num_counts, dev)
+    shared_words = (num_experts * (-(-chunk_tokens * num_topk // 32))
+                    + num_ranks * (-(-chunk_tokens // 32)) + num_counts)
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
-    kernel.launch(num_experts + num_ranks, LAYOUT_THREADS, [  # a block per expert and rank
-        ptr(topk_idx), i32(num_tokens), i32(num_experts), i32(num_ranks),
+    kernel.launch(num_chunks, LAYOUT_THREADS, [
+        ptr(topk_idx), i32(num_tokens), i32(num_experts), i32(num_ranks), i32(chunk_tokens),
         ptr(out.num_tokens_per_expert), ptr(out.pos_in_expert), ptr(out.num_tokens_per_rank),
         ptr(out.is_token_in_rank), ptr(out.token_slot_in_rank), ptr(out.slot_token),
-        errors.claim, errors.record, i32(rank)], _stream())
+        ptr(state), ptr(status), ptr(counts), u64(timeout_ns), errors.claim, errors.record,
+        i32(rank)], stream, shared_mem=4 * shared_words)
     return out, extra
 
 
@@ -190,6 +241,20 @@ def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: to
         errors.record], _stream())
 
 
+def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
+                  handle, weighted: bool, grad_row_weights: Optional[torch.Tensor],
+                  num_sms: int) -> None:
+    """EP = 1: every token's rows of `y` summed into `out [N, H]`, no protocol; the same values
+    as `combine_reduce` on one rank."""
+    kernel = jit.get_kernel("combine.cu", "combine_local",
+                            [handle.num_topk, weighted, grad_row_weights is not None])
+    threads = 1024 if handle.num_topk <= 8 else 512  # CombineLocalThreads in combine.cu
+    kernel.launch(num_sms, threads, [
+        ptr(out), ptr(out_weights), i32(out.shape[0]), i32(out.shape[1] * 2 // 16), ptr(y),
+        ptr(handle.recv_weights), ptr(grad_row_weights), ptr(handle.slot_rows),
+        ptr(handle.layout.token_slot_in_rank)], _stream())
+
+
 # (kFmt, kDequant) pairs of dispatch_recv beyond bf16: every FP8 wire format, kept or dequantized.
 FP8_RECV_VARIANTS = [(fmt, dequant) for fmt in (1, 2, 3) for dequant in (False, True)]
 
@@ -214,7 +279,7 @@ def kernel_names(num_topk: int, fp8: bool = False) -> dict:
                                      for fmt, dq in recv_variants]
     for weighted in ("false", "true"):
         for with_weights in ("false", "true"):
-            for kind in ("combine_send", "combine_reduce"):
+            for kind in ("combine_send", "combine_reduce", "combine_local"):
                 names["combine.cu"].append(f"{kind}<{num_topk}, {weighted}, {with_weights}>")
     return names
 

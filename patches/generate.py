@@ -105,13 +105,19 @@ def _add_to_list(match):
 
 
 # ----------------------------------------------------------------------------------------------
+# The dispatcher field at the start of its line: not `inference_moe_token_dispatcher_type`
+# (0.19+, also a Literal) nor a mention in a docstring.
+DISPATCHER_FIELD = r"^[ \t]*moe_token_dispatcher_type: "  # with re.M
+
+
 def edit_config(root):
     rel = "megatron/core/transformer/transformer_config.py"
     text = _read(root, rel)
-    if f"'{TYPE}'" not in text.split("moe_token_dispatcher_type:")[1].split("\n")[0]:
-        text = _sub_once(text, r"(moe_token_dispatcher_type: Literal\[)([^\]]*)(\])",
+    field = re.search(DISPATCHER_FIELD + r".*$", text, flags=re.M)
+    if field is None or f"'{TYPE}'" not in field.group(0):
+        text = _sub_once(text, rf"({DISPATCHER_FIELD}Literal\[)([^\]]*)(\])",
                          lambda m: f"{m.group(1)}{m.group(2)}, '{TYPE}'{m.group(3)}", rel,
-                         "the dispatcher Literal")
+                         "the dispatcher Literal", flags=re.M)
     old_doc = "Options are 'allgather','alltoall' and 'flex'."
     if old_doc in text:  # the docstring is cosmetic: edited where it reads as expected
         text = text.replace(old_doc, "Options are 'allgather', 'alltoall', 'flex' and 'deepep' "
@@ -217,7 +223,7 @@ def edit_arguments_legacy(root):
 
 def detect_family(root):
     text = _read(root, "megatron/core/transformer/transformer_config.py")
-    return "core" if re.search(r"moe_token_dispatcher_type: Literal\[", text) else "legacy"
+    return "core" if re.search(DISPATCHER_FIELD + r"Literal\[", text, flags=re.M) else "legacy"
 
 
 def apply_edits(root, family=None):

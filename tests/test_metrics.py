@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,11 +42,28 @@ def _routing(num_tokens, seed):
     return scores * routing_map, routing_map
 
 
-def _worker(rank, world_size, out_dir):
+def _report(entry, iteration, writer, **kwargs):
+    """Megatron's step-end MoE report through `entry`.
+
+    "track_moe_metrics": `moe_utils.track_moe_metrics`, what megatron.training 0.16 calls (a
+    deprecated wrapper around the tracker's report on 0.19). "tracker_report": the 0.17+
+    tracker's `report`, called as megatron.training 0.19 does: an explicit `track_names` list
+    (here without aux losses, which need a DP average that gloo lacks) and `force_initialize`.
+    """
+    common = dict(loss_scale=0.5, iteration=iteration, writer=writer, num_layers=3, **kwargs)
+    if entry == "track_moe_metrics":
+        from megatron.core.transformer.moe import moe_utils
+
+        return moe_utils.track_moe_metrics(**common)
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    return get_moe_metrics_tracker().report(track_names=[], force_initialize=True, **common)
+
+
+def _worker(rank, world_size, out_dir, entry):
     warnings.filterwarnings("ignore")
     import megatron_deepep.megatron as mdm
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron_deepep import metrics
@@ -92,8 +110,7 @@ def _worker(rank, world_size, out_dir):
     assert collector.last_results == {}
 
     writer = _Writer()
-    moe_utils.track_moe_metrics(loss_scale=0.5, iteration=7, writer=writer,
-                                per_layer_logging=True, num_layers=3)
+    _report(entry, 7, writer, per_layer_logging=True)
     results = collector.last_results
     assert sorted(results) == [1, 3]
     for number, m in results.items():
@@ -126,14 +143,18 @@ def _worker(rank, world_size, out_dir):
 
     # The next report has nothing new: no stale values.
     writer2 = _Writer()
-    moe_utils.track_moe_metrics(loss_scale=0.5, iteration=8, writer=writer2, num_layers=3)
+    _report(entry, 8, writer2)
     assert writer2.scalars.get(("deepep_load_imbalance", 8), 0.0) == 0.0
     ps.destroy_model_parallel()
 
 
-def test_metrics_through_megatron_tracker(tmp_path):
+@pytest.mark.parametrize("entry", ["track_moe_metrics", "tracker_report"])
+def test_metrics_through_megatron_tracker(tmp_path, entry):
+    if entry == "tracker_report" and importlib.util.find_spec(
+            "megatron.core.transformer.moe.moe_logging") is None:
+        pytest.skip("megatron-core < 0.17 has no MoEMetricsTracker")
     out_dir = str(tmp_path / "metrics")
-    run_distributed(2, _worker, out_dir, timeout_s=150)
+    run_distributed(2, _worker, out_dir, entry, timeout_s=150)
     path = os.path.join(out_dir, "deepep_metrics_rank0.jsonl")
     lines = [json.loads(l) for l in open(path, encoding="utf-8")]
     assert [l["step"] for l in lines] == [7]

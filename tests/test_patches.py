@@ -209,18 +209,24 @@ def test_generator_legacy_family(tmp_path):
     root = _tree(tmp_path, "legacy")
     cfg = root / "megatron/core/transformer/transformer_config.py"
     text = cfg.read_text()
-    legacy_cfg = re.sub(r"moe_token_dispatcher_type: Literal\[[^\]]*\]",
-                        "moe_token_dispatcher_type: str", text, count=1)
+    # The field itself, not 0.19's `inference_moe_token_dispatcher_type: Literal[...]`.
+    legacy_cfg = re.sub(r"^([ \t]*)moe_token_dispatcher_type: Literal\[[^\]]*\]",
+                        r"\1moe_token_dispatcher_type: str", text, count=1, flags=re.M)
+    assert legacy_cfg != text
     cfg.write_text(legacy_cfg)
     layer = root / "megatron/core/transformer/moe/moe_layer.py"
     layer.write_text(layer.read_text().replace("pg_collection=pg_collection",
                                                "model_comm_pgs=model_comm_pgs"))
-    args = root / "megatron/training/arguments.py"
-    args.parent.mkdir(parents=True)
+    # The fixture's megatron/training is only the legacy arguments.py: the 0.17+ wheels ship a
+    # megatron/training of their own (0.19's derives the choices from the config Literal).
+    training = root / "megatron/training"
+    shutil.rmtree(training, ignore_errors=True)
+    training.mkdir(parents=True)
+    args = training / "arguments.py"
     args.write_text(_LEGACY_ARGS)
     out = subprocess.run([sys.executable, GENERATE, str(root)], capture_output=True, text=True,
                          timeout=120)
-    assert out.returncode == 0 and "legacy" in out.stdout, out.stderr
+    assert out.returncode == 0 and "(legacy family)" in out.stdout, (out.stdout, out.stderr)
     assert "choices=['allgather', 'alltoall', 'flex', 'deepep']" in args.read_text()
     new_layer = layer.read_text()
     assert 'moe_token_dispatcher_type == "deepep"' in new_layer

@@ -6,7 +6,9 @@ Every check runs in a spawned interpreter (fresh imports, nothing registered bef
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import typing
 import warnings
 
@@ -56,6 +58,39 @@ def _cpu_router(layer):
     layer.router.forward = forward
 
 
+def _free_input_policy():
+    """Megatron's A2A-overlap input-freeing policy as `policy(name, is_moe, config)`.
+
+    Looked up where the schedule reads it: `TransformerLayerNode._resolve_free_input` over
+    `models/common/utils.should_free_input` on 0.17+, `models/gpt/fine_grained_callables.
+    should_free_input` on 0.16. Four local experts: with one, 0.17+ keeps alltoall's mlp inputs.
+    """
+    try:
+        from megatron.core.models.common.utils import TransformerLayerNode
+    except ImportError:
+        from megatron.core.models.gpt import fine_grained_callables as fgc
+
+        return lambda name, is_moe, config: fgc.should_free_input(name, is_moe, config)
+    return lambda name, is_moe, config: TransformerLayerNode._resolve_free_input(
+        name, is_moe, config, 4)
+
+
+def _megatron_cli_dispatcher_type(value):
+    """`--moe-token-dispatcher-type value` through megatron.training's parser, built now.
+
+    Returns None where megatron.training is not installed (the 0.16 wheel lacks it); an invalid
+    choice raises SystemExit.
+    """
+    try:
+        from megatron.training import arguments
+    except ImportError:
+        return None
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    with contextlib.redirect_stderr(io.StringIO()):
+        args, _ = parser.parse_known_args(["--moe-token-dispatcher-type", value])
+    return args.moe_token_dispatcher_type
+
+
 _SHARED_OVERLAP = dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True)
 _A2A_OVERLAP = dict(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2,
                     bf16=True)
@@ -76,6 +111,10 @@ def _accepts_worker(rank, world_size):
         _config("deepep", **_A2A_OVERLAP)
     with pytest.raises(ValueError, match="Unsupported token dispatcher type"):
         _moe_layer("deepep")
+    cli_checked = _megatron_cli_dispatcher_type("alltoall") == "alltoall"
+    if cli_checked:
+        with pytest.raises(SystemExit):
+            _megatron_cli_dispatcher_type("deepep")
 
     mdm.register_deepep_dispatcher(transport="reference")
     mdm.register_deepep_dispatcher(transport="reference")  # idempotent
@@ -89,6 +128,8 @@ def _accepts_worker(rank, world_size):
     parser.add_argument("--moe-token-dispatcher-type", type=str, choices=choices)
     assert parser.parse_args(["--moe-token-dispatcher-type", "deepep"]).moe_token_dispatcher_type \
         == "deepep"
+    if cli_checked:  # megatron.training's own parser (0.17+ wheels ship megatron.training)
+        assert _megatron_cli_dispatcher_type("deepep") == "deepep"
     assert _config("deepep").moe_token_dispatcher_type == "deepep"
     assert _config("deepep", **_SHARED_OVERLAP).moe_shared_expert_overlap
     assert _config("deepep", **_A2A_OVERLAP).overlap_moe_expert_parallel_comm
@@ -106,13 +147,23 @@ def _accepts_worker(rank, world_size):
     assert layer.config.moe_token_dispatcher_type == "deepep"
 
     # A2A-overlap memory policy: dispatched rows are kept for the experts' backward.
-    from megatron.core.models.gpt import fine_grained_callables as fgc
+    free_input = _free_input_policy()
     cfg = _config("deepep")
-    assert fgc.should_free_input("mlp", True, cfg) is False
-    assert fgc.should_free_input("moe_dispatch", True, cfg) is False
-    assert fgc.should_free_input("moe_combine", True, cfg) is True
-    assert fgc.should_free_input("mlp", False, cfg) is False
-    assert fgc.should_free_input("mlp", True, _config("alltoall")) is True
+    assert free_input("mlp", True, cfg) is False
+    assert free_input("moe_dispatch", True, cfg) is False
+    assert free_input("moe_combine", True, cfg) is True
+    assert free_input("mlp", False, cfg) is False
+    assert free_input("mlp", True, _config("alltoall")) is True
+    # Without a policy to extend, the overlap is refused rather than freeing the experts' rows.
+    from megatron_deepep.megatron import register as reg
+    found = reg._STATE["should_free_input"]
+    assert found and set(found) <= set(reg.SHOULD_FREE_INPUT_MODULES), found
+    reg._STATE["should_free_input"] = []
+    try:
+        with pytest.raises(ValueError, match="should_free_input"):
+            _config("deepep", **_A2A_OVERLAP)
+    finally:
+        reg._STATE["should_free_input"] = found
 
     # Option precedence: config field > register kwargs > environment.
     assert mdm.resolve_options(cfg).transport == "reference"
@@ -126,7 +177,10 @@ def _accepts_worker(rank, world_size):
     assert "deepep" not in typing.get_args(field.type)
     with pytest.raises(ValueError, match="Unsupported token dispatcher type"):
         _moe_layer("deepep")
-    assert fgc.should_free_input("mlp", True, cfg) is True
+    assert free_input("mlp", True, cfg) is True
+    if cli_checked:
+        with pytest.raises(SystemExit):
+            _megatron_cli_dispatcher_type("deepep")
     ps.destroy_model_parallel()
 
 

@@ -11,8 +11,10 @@ After the call (megatron-core 0.16.x to 0.19.x):
   config with the rules of "alltoall" (which allow shared-expert overlap, the EP A2A overlap and
   router padding), after our own checks;
 * `MoELayer` builds a `DeepEPTokenDispatcher` for it;
-* the A2A-overlap memory policy (`should_free_input`) keeps the dispatched rows alive (the
-  experts save them: our dispatch postprocess is an identity);
+* the A2A-overlap memory policy (`should_free_input`: `models/common/utils.py` on 0.17+,
+  `models/gpt/fine_grained_callables.py` on 0.16) keeps the dispatched rows alive (the experts
+  save them: our dispatch postprocess is an identity); where no such function is found,
+  `--overlap-moe-expert-parallel-comm` is refused for deepep;
 * on versions that have `skip_routed_expert_padding`, experts do not pad again when
   `moe_router_padding_for_quantization` is set (the kernel pads each expert's rows);
 * Megatron's step-end MoE report first flushes `megatron_deepep.metrics` (when enabled).
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import inspect
 import logging
 import sys
 import typing
@@ -52,7 +56,7 @@ _MARK = "_megatron_deepep_wrapped"
 # (owner, attribute, original) for every replacement, for unregister.
 _PATCHES: List[Tuple[object, str, object]] = []
 _REBOUND: List[Tuple[object, str, object]] = []
-_STATE: Dict[str, object] = {"registered": False}
+_STATE: Dict[str, object] = {"registered": False, "should_free_input": []}
 
 
 def _replace(owner, name: str, new) -> None:
@@ -110,6 +114,12 @@ def _patch_config() -> None:
         if not _is_deepep(self):
             return original(self, *args, **kwargs)
         check_config(self)
+        if getattr(self, "overlap_moe_expert_parallel_comm", False) \
+                and not _STATE["should_free_input"]:
+            raise ValueError(
+                "--overlap-moe-expert-parallel-comm with --moe-token-dispatcher-type deepep: "
+                "this Megatron has no should_free_input the plugin could extend, so the overlap "
+                "would free rows the experts still need; use the patches/ for it")
         with _dispatcher_type_as(self, _VALIDATE_AS):
             return original(self, *args, **kwargs)
 
@@ -183,24 +193,41 @@ _DEEPEP_FREE_INPUT = {
 
 
 def should_free_input_for_deepep(name: str) -> bool:
+    """Whether the A2A-overlap schedule node `name` of a deepep MoE layer may free its inputs."""
     return _DEEPEP_FREE_INPUT.get(name, False)
 
 
-def _patch_should_free_input() -> None:
-    modules = []
-    for path in ("megatron.core.models.common.utils",
-                 "megatron.core.models.gpt.fine_grained_callables"):
-        try:
-            __import__(path)
-            modules.append(sys.modules[path])
-        except Exception:  # absent in this version, or needs optional packages
-            continue
+#: Modules that define Megatron's `should_free_input` (the A2A-overlap input-freeing policy),
+#: newest first: 0.17+ `models/common/utils.py` with `(name, is_moe, config, num_local_experts)`,
+#: read by `TransformerLayerNode._resolve_free_input`; 0.16 `models/gpt/fine_grained_callables.py`
+#: with `(name, is_moe, config)`; <= 0.15 the latter with `(name, is_moe, is_deepep)` (left alone:
+#: it cannot tell a deepep config apart).
+SHOULD_FREE_INPUT_MODULES = ("megatron.core.models.common.utils",
+                             "megatron.core.models.gpt.fine_grained_callables")
+
+
+def _patch_should_free_input() -> List[str]:
+    """Wraps every `should_free_input` Megatron defines; returns the modules that had one."""
+    patched = []
     seen = set()
-    for module in modules:
+    for path in SHOULD_FREE_INPUT_MODULES:
+        try:
+            module = importlib.import_module(path)
+        except Exception:  # absent in this version, or needs optional packages
+            logger.debug("megatron_deepep: %s not importable", path, exc_info=True)
+            continue
         original = getattr(module, "should_free_input", None)
-        if original is None or getattr(original, _MARK, False) or id(original) in seen:
+        if original is None or id(original) in seen:  # absent, or imported from the other one
             continue
         seen.add(id(original))
+        params = list(inspect.signature(original).parameters)
+        if params[2:3] != ["config"]:  # <= 0.15: (name, is_moe, is_deepep)
+            logger.debug("megatron_deepep: %s.should_free_input%s takes no config", path,
+                         tuple(params))
+            continue
+        patched.append(path)
+        if getattr(original, _MARK, False):
+            continue
 
         def make(original):
             @functools.wraps(original)
@@ -213,8 +240,12 @@ def _patch_should_free_input() -> None:
             setattr(should_free_input, _MARK, True)
             return should_free_input
 
-        wrapped = make(original)
-        _rebind_everywhere(original, wrapped)
+        _rebind_everywhere(original, make(original))
+    if not patched:
+        logger.warning("megatron_deepep: no should_free_input found in %s; "
+                       "--overlap-moe-expert-parallel-comm stays refused for deepep",
+                       ", ".join(SHOULD_FREE_INPUT_MODULES))
+    return patched
 
 
 def _patch_skip_padding() -> None:
@@ -251,7 +282,7 @@ def register_deepep_dispatcher(**options) -> None:
         return
     _patch_config()
     _patch_moe_layer()
-    _patch_should_free_input()
+    _STATE["should_free_input"] = _patch_should_free_input()
     _patch_skip_padding()
     from megatron_deepep import metrics
     metrics.install_megatron_hooks()
@@ -276,6 +307,7 @@ def unregister_deepep_dispatcher() -> None:
         else:
             setattr(owner, name, old)
     _STATE["registered"] = False
+    _STATE["should_free_input"] = []
 
 
 # ----------------------------------------------------------------------------------------------

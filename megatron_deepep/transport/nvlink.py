@@ -4,8 +4,9 @@ Per dispatch: layout (local) -> notify (counts to every peer, epoch flag) -> dis
 token once per destination rank into its staging region) -> [one host wait for the row count,
 unless the caller gave an upper bound] -> dispatch_recv (expand into expert-major rows).
 Per combine: combine_send (one partial row per received slot back to its source) ->
-combine_reduce (sum over ranks). Flags carry per-operation epochs, so the buffer is never zeroed
-between calls, and every writer first waits until its reader has consumed the previous call.
+combine_reduce (sum over ranks); at EP = 1, combine_local alone (no protocol). Flags carry
+per-operation epochs, so the buffer is never zeroed between calls, and every writer first waits
+until its reader has consumed the previous call.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class NVLinkTransport:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         self.check_errors()
         return ops.layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
-                          self.errors)[0]
+                          self.errors, timeout_ns=self.timeout_ns)[0]
 
     def _common(self):
         return dict(peer_bases=self.sym.peer_bases, regions=self.regions_dev, rank=self.rank,
@@ -135,7 +136,7 @@ class NVLinkTransport:
         sizes = [num_local, num_local, num_local + 1, R * num_local, R, slots]
         if layout is None:  # the layout's allocation also holds the receive-side arrays
             layout, scratch = ops.layout(topk_idx, num_experts, R, self.rank, self.errors,
-                                         extra_ints=sum(sizes))
+                                         extra_ints=sum(sizes), timeout_ns=self.timeout_ns)
         else:
             scratch = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
         per_expert, padded, row_start, src_offset, num_recv_tokens_per_rank, slot_rows = \
@@ -209,7 +210,11 @@ class NVLinkTransport:
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         out_weights = (torch.empty(handle.num_tokens, handle.num_topk, dtype=torch.float32,
                                    device=y.device) if grad_row_weights is not None else None)
-        ops.combine_reduce(out, out_weights, y, handle, weighted, grad_row_weights, **common)
+        if self.num_ranks == 1:  # nothing to exchange: no protocol
+            ops.combine_local(out, out_weights, y, handle, weighted, grad_row_weights,
+                              self.num_sms)
+        else:
+            ops.combine_reduce(out, out_weights, y, handle, weighted, grad_row_weights, **common)
         return out, out_weights
 
     def destroy(self) -> None:
