@@ -20,6 +20,7 @@ using namespace mdeep;
 constexpr int kLayoutThreads = 512;
 constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
 constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
+constexpr int kLookBackLoads = 8;
 
 // Set bits of `bits[0 .. index)` (index in bits).
 __device__ __forceinline__ int bits_before(const u32* bits, int index) {
@@ -130,9 +131,18 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         for (int v = 0; v < kCountsPerThread; ++v) {
             const int i = threadIdx.x + v * kLayoutThreads;
             if (i >= num_counts) continue;
-            for (int p = first; p < end; ++p) {
-                const int half = p == first && has_inclusive ? num_counts : 0;
-                earlier[v] += __ldcg(chunk_counts + (i64)p * 2 * num_counts + half + i);
+            // kLookBackLoads independent loads in flight: a window is up to 32 L2 reads.
+            for (int p0 = first; p0 < end; p0 += kLookBackLoads) {
+                int value[kLookBackLoads];
+#pragma unroll
+                for (int q = 0; q < kLookBackLoads; ++q) {
+                    const int p = p0 + q;
+                    const int half = p == first && has_inclusive ? num_counts : 0;
+                    value[q] = p < end ? __ldcg(chunk_counts + (i64)p * 2 * num_counts + half + i)
+                                       : 0;
+                }
+#pragma unroll
+                for (int q = 0; q < kLookBackLoads; ++q) earlier[v] += value[q];
             }
         }
         end = has_inclusive ? 0 : first;
