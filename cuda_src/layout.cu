@@ -13,7 +13,6 @@
 // last block advances it. No zeroing per call, and a replayed CUDA graph advances it too.
 // A workspace (state, chunk_status, chunk_counts) serves one stream at a time.
 #include "common/error.cuh"
-#include "common/warp.cuh"
 
 using namespace mdeep;
 
@@ -36,7 +35,7 @@ __device__ __forceinline__ bool wait_chunk(const u32* status, int p, u32 publish
                                            u64 timeout_ns, const ErrorState& err, int rank) {
     const u64 start = global_timer_ns();
     for (u32 iter = 0;; ++iter) {
-        const u32 seen = ld_acquire_sys(status + p);
+        const u32 seen = ld_acquire_gpu(status + p);
         if ((int)(seen - published) >= 0) return seen != published;
         if ((iter & 255u) == 255u &&
             (has_error(err) || global_timer_ns() - start > timeout_ns)) {
@@ -68,7 +67,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     const int c = blockIdx.x;
     const int first_token = c * chunk_tokens;
     const int num_entries = max(0, min(chunk_tokens, num_tokens - first_token)) * kTopk;
-    const u32 epoch = ld_acquire_sys(state) + 1u;
+    const u32 epoch = ld_acquire_gpu(state) + 1u;
     const u32 published = 2u * epoch, inclusive = published + 1u;
 
     // 1. The chunk's ids (all loads first), then its bitmaps and counts.
@@ -108,9 +107,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
     for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
         my_counts[(c == 0 ? num_counts : 0) + i] = counts[i];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) st_release_sys(chunk_status + c, c == 0 ? inclusive : published);
+    __syncthreads();  // thread 0's release then covers the block's stores (cumulativity)
+    if (threadIdx.x == 0) st_release_gpu(chunk_status + c, c == 0 ? inclusive : published);
 
     int earlier[kCountsPerThread] = {};
     for (int end = c; end > 0;) {
@@ -161,9 +159,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         }
         counts[i] = earlier[v];  // from here on: the offset of this chunk's first bit
     }
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0 && c > 0) st_release_sys(chunk_status + c, inclusive);
+    if (threadIdx.x == 0 && c > 0) st_release_gpu(chunk_status + c, inclusive);
 
     // 3. Positions: earlier chunks' count plus the bits before this one.
 #pragma unroll
@@ -185,5 +182,12 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
             if (in_rank) slot_token[(i64)r * num_tokens + slot] = n;
         }
     }
-    if (last_block_done(state + 1)) st_release_sys(state, epoch);
+    __syncthreads();
+    if (threadIdx.x == 0) {  // the last block to finish advances the epoch
+        __threadfence();
+        if (atomicAdd(state + 1, 1u) == gridDim.x - 1) {
+            state[1] = 0;
+            st_release_gpu(state, epoch);
+        }
+    }
 }

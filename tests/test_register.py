@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import io
 import typing
 import warnings
@@ -61,9 +62,10 @@ def _cpu_router(layer):
 def _free_input_policy():
     """Megatron's A2A-overlap input-freeing policy as `policy(name, is_moe, config)`.
 
-    Looked up where the schedule reads it: `TransformerLayerNode._resolve_free_input` over
-    `models/common/utils.should_free_input` on 0.17+, `models/gpt/fine_grained_callables.
-    should_free_input` on 0.16. Four local experts: with one, 0.17+ keeps alltoall's mlp inputs.
+    Looked up where the schedule reads it: on 0.17+ `TransformerLayerNode._resolve_free_input`,
+    over `should_free_input` of `models/common/utils.py`; on 0.16 `should_free_input` of
+    `models/gpt/fine_grained_callables.py`. Four local experts: with one, 0.17+ keeps alltoall's
+    mlp inputs too.
     """
     try:
         from megatron.core.models.common.utils import TransformerLayerNode
@@ -81,10 +83,10 @@ def _megatron_cli_dispatcher_type(value):
     Returns None where megatron.training is not installed (the 0.16 wheel lacks it); an invalid
     choice raises SystemExit.
     """
-    try:
-        from megatron.training import arguments
-    except ImportError:
+    if importlib.util.find_spec("megatron.training") is None:
         return None
+    from megatron.training import arguments
+
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     with contextlib.redirect_stderr(io.StringIO()):
         args, _ = parser.parse_known_args(["--moe-token-dispatcher-type", value])
