@@ -49,10 +49,11 @@ if [ "${MAIN_JOB:-0}" != 0 ]; then
     | tail -3
 fi
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-  timeout 180 ncu --section SpeedOfLight --kernel-name regex:"dispatch_recv|combine_reduce|combine_local" \
+  kernels="dispatch_recv|combine_reduce|combine_local"
+  timeout 180 ncu --section SpeedOfLight --kernel-name regex:"$kernels" \
     --launch-skip 6 --launch-count 2 python3 -m megatron_deepep.bench --no-megatron --fp8 '' \
     --shapes 4096,7168,256,8 --num-sms 132 2>&1 \
-    | grep -E "dispatch_recv|combine_reduce|combine_local|Throughput|Duration" | tee "$OUT/ncu.log"
+    | grep -E "$kernels|Throughput|Duration" | tee "$OUT/ncu.log"
 fi
 if [ "${COMPARE_STEPS:-0}" != 0 ]; then
   timeout 300 python3 examples/compare_dispatchers.py --steps "$COMPARE_STEPS" \
