@@ -413,20 +413,34 @@ def install_megatron_hooks() -> None:
     @functools.wraps(report)
     def wrapped_report(*args, **kwargs):
         with _report_call() as outermost:
-            flushed = _flush_collector(rparams, args, kwargs) if outermost \
-                else _COLLECTOR is not None
-            if flushed:
-                # 0.17+ syncs and logs only the `track_names` it is given.
-                args, kwargs = _extend_track_names(rparams, args, kwargs)
+            if outermost:
+                _flush_collector(rparams, args, kwargs)
+            # 0.17+ syncs and logs only the `track_names` it is given.
+            args, kwargs = _extend_track_names(rparams, args, kwargs)
             return report(*args, **kwargs)
 
     setattr(wrapped_report, _HOOK_MARK, True)
     tracker_cls.report = wrapped_report
 
 
+def _metrics_enabled() -> bool:
+    """Metrics are on in this process: a collector exists, or the dispatcher option says so
+    (a pipeline stage without MoE layers builds no dispatcher, hence no collector)."""
+    if _COLLECTOR is not None:
+        return True
+    from megatron_deepep.megatron.dispatcher import resolve_options
+    return bool(resolve_options(None).metrics)
+
+
 def _extend_track_names(params, args, kwargs):
-    """Adds our recorded names to an explicit `track_names` list (returns new args, kwargs)."""
-    names = sorted(_COLLECTOR.recorded_names) if _COLLECTOR is not None else []
+    """Adds our names to an explicit `track_names` list (returns new args, kwargs).
+
+    All of `TRACKER_NAMES` whenever metrics are on, recorded here or not: the tracker
+    all-reduces each listed name over the pipeline stages, so a stage without MoE layers (no
+    dispatcher, nothing recorded) must list the same names, or the stages that do would hang.
+    Megatron's `force_initialize` gives that stage zeros of the right size.
+    """
+    names = list(TRACKER_NAMES) if _metrics_enabled() else []
     if not names or "track_names" not in params:
         return args, kwargs
     index = params.index("track_names")

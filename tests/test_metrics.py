@@ -170,6 +170,50 @@ def test_metrics_through_megatron_tracker(tmp_path, entry):
         assert (plots / name).stat().st_size > 1000, name
 
 
+def _pipeline_worker(rank, world_size):
+    """PP = 2: stage 0 has the one MoE layer (a deepep dispatcher), stage 1 none."""
+    warnings.filterwarnings("ignore")
+    import megatron_deepep.megatron as mdm
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_deepep import metrics
+
+    mdm.register_deepep_dispatcher(transport="reference", metrics=True)
+    ps.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    if rank == 0:
+        config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=4,
+                                   num_moe_experts=E, moe_router_topk=K,
+                                   moe_token_dispatcher_type="deepep",
+                                   use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                                   pipeline_model_parallel_size=world_size)
+        d = mdm.DeepEPTokenDispatcher(E, list(range(E)), config=config,
+                                      pg_collection=get_default_pg_collection())
+        d.bind_layer(_Layer(1))
+        probs, routing_map = _routing(16, seed=5)
+        h, p = d.dispatch_preprocess(torch.randn(16, 1, H), routing_map, probs)
+        h, p = d.token_dispatch(h, p)
+        rows, _, pp = d.dispatch_postprocess(h, p)
+        d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * pp[:, None])))
+    else:
+        assert metrics._COLLECTOR is None  # no MoE layer on this stage: nothing recorded
+    writer = _Writer()
+    # As megatron.training 0.19 calls it on every stage; before the fix stage 0 all-reduced
+    # our names over the pipeline group alone and hung.
+    get_moe_metrics_tracker().report(loss_scale=1.0, iteration=3, writer=writer,
+                                     track_names=[], force_initialize=True, num_layers=2)
+    value = writer.scalars[("deepep_load_imbalance", 3)]
+    assert value > 0.5  # stage 0's value (summed over the stages), seen by both
+    ps.destroy_model_parallel()
+
+
+def test_metrics_with_a_pipeline_stage_without_moe_layers():
+    if importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is None:
+        pytest.skip("megatron-core < 0.17 has no MoEMetricsTracker")
+    run_distributed(2, _pipeline_worker, timeout_s=120)
+
+
 def test_plot_script_rejects_empty_dir(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"),
                            str(tmp_path)], capture_output=True, text=True, timeout=120)
