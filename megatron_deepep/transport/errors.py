@@ -30,6 +30,11 @@ def error_from_record(words: np.ndarray, timeout_s: float):
     rank, peer, phase, detail = (int(w) for w in words[1:5])
     expected, seen = (int(v) for v in words[6:10].view(np.int64))
     where = PHASES.get(phase, f"phase {phase}")
+    if code == CODE_TIMEOUT and phase == 0:  # layout.cu: a chunk waits for earlier chunks
+        return RuntimeError(
+            f"megatron_deepep: rank {rank}'s layout kernel timed out after {timeout_s:g}s: its "
+            f"token chunk {detail} never published its counts (waited for {expected}, saw "
+            f"{seen}); another layout on the same stream workspace, or a scheduling fault")
     if code == CODE_TIMEOUT:
         return PeerTimeoutError(
             f"megatron_deepep: rank {rank} timed out after {timeout_s:g}s in {where}: peer {peer}"
