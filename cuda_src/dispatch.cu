@@ -225,3 +225,79 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
     release_peers_when_done<&Meta::dispatch_consumed>(peer_bases, rg, 1, rank, num_ranks, epoch,
                                                       err);
 }
+
+// EP = 1: each token row read from x once and written to its expert-major rows; no staging and
+// no protocol (no regions are touched). The same recv_x, recv_weights and slot_rows as
+// dispatch_recv on one rank (the self source's offsets inside every expert are 0). One warp per
+// token, so the token's ids, positions and row starts are one round of parallel loads; blocks of
+// 1024 threads per budgeted SM for bf16 (the bare read-once-write-K kernel's warps per SM).
+template <int kFmt>
+struct DispatchLocalThreads {
+    static constexpr int value = kFmt == fp8::kWireBf16 ? 1024 : kDispatchThreads;
+};
+
+template <int kTopk, bool kCached, typename IdxT, int kFmt, bool kDequant>
+__global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_local(
+    u8* recv_x, u8* recv_scales, float* recv_weights, int max_rows, int hidden,
+    const int* num_recv_tokens_per_expert, const int* expert_row_start, int* slot_rows,
+    const u8* x, const u8* x_scales, float amax_epsilon, const IdxT* topk_idx,
+    const float* topk_weights, const int* pos_in_expert, const int* token_slot_in_rank,
+    int num_tokens, int num_local) {
+    static_assert(kTopk <= 32, "one lane per top-k entry");
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
+    const i64 row_bytes = out_row_bytes<kFmt, kDequant>(hidden);
+    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
+    const i64 in_row_bytes = kFmt == fp8::kWireBf16 || x_scales == nullptr ? (i64)hidden * 2
+                                                                           : (i64)hidden;
+    const int in_scale_bytes = kFmt == fp8::kWireBf16 ? 0 : fp8::scale_row_bytes<kFmt>(hidden);
+
+    // Padding rows, one expert per warp from the last warp down: the first warps take tokens.
+    for (int e = num_warps - 1 - warp; e >= 0 && e < num_local; e -= num_warps) {
+        const int first = expert_row_start[e] + num_recv_tokens_per_expert[e];
+        const int last = min(expert_row_start[e + 1], max_rows);
+        for (int row = first; row < last; ++row) {
+            warp_zero_row(reinterpret_cast<int4*>(recv_x + row * row_bytes),
+                          (int)(row_bytes / 16), lane);
+            if (kFp8Out)
+                for (int b = lane; b < scale_bytes; b += 32)
+                    recv_scales[(i64)row * scale_bytes + b] = 0;
+            if (!kCached && lane == 0) recv_weights[row] = 0.f;
+        }
+    }
+
+    for (int n = warp; n < num_tokens; n += num_warps) {
+        const int slot = token_slot_in_rank[n];
+        if (slot < 0) continue;  // no expert on this rank: no rows, no slot
+        int* my_rows = slot_rows + (i64)slot * kTopk;
+        int row_lane = -1;  // lane k: the row of entry k
+        if (kCached) {
+            if (lane < kTopk) row_lane = my_rows[lane];
+        } else if (lane < kTopk) {
+            const i64 id = (i64)topk_idx[(i64)n * kTopk + lane];
+            const float weight = topk_weights[(i64)n * kTopk + lane];
+            if (id >= 0) {
+                row_lane = expert_row_start[id] + pos_in_expert[(i64)n * kTopk + lane];
+                if (row_lane >= max_rows) row_lane = -1;  // overflow: reported by notify
+            }
+            my_rows[lane] = row_lane;
+            if (row_lane >= 0) recv_weights[row_lane] = weight;
+        }
+        u8* dst[kTopk];
+        u8* dst_scales[kTopk];
+        int num_dst = 0;
+#pragma unroll
+        for (int k = 0; k < kTopk; ++k) {
+            const int row = __shfl_sync(0xffffffffu, row_lane, k);
+            if (row < 0) continue;
+            dst[num_dst] = recv_x + row * row_bytes;
+            dst_scales[num_dst++] = recv_scales + (i64)row * scale_bytes;
+        }
+        if (num_dst > 0)
+            write_row<kFmt, kDequant, kTopk, false>(
+                x + n * in_row_bytes, x_scales ? x_scales + (i64)n * in_scale_bytes : nullptr,
+                hidden, dst, dst_scales, num_dst, amax_epsilon, lane);
+    }
+}

@@ -13,7 +13,10 @@ struct HostInfo {  // mirrored by megatron_deepep/transport/nvlink.py
     int tokens_per_expert[kMaxLocalExperts];
 };
 
-__global__ void __launch_bounds__(256) notify_kernel(
+constexpr int kNotifyThreads = 256;  // ops.NOTIFY_THREADS: one thread per local expert
+static_assert(kNotifyThreads == kMaxLocalExperts, "step 3 gives each expert a thread");
+
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
     const u64* peer_bases, int rank, int num_ranks, u32 epoch, const int* num_tokens_per_rank,
     const int* num_tokens_per_expert, int num_local, int hidden, int num_topk, int alignment,
     int max_recv_rows, int* num_recv_tokens_per_rank, int* num_recv_tokens_per_expert,
@@ -54,32 +57,32 @@ __global__ void __launch_bounds__(256) notify_kernel(
                              counts[s][f]);
         num_recv_tokens_per_rank[s] = counts[s][kHdrTokens];
     }
-    // 3. Receive layout: offsets per (source, expert), padded segments, their prefix sum.
-    __shared__ int padded[kMaxLocalExperts];
-    for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+    // 3. Receive layout: offsets per (source, expert), padded segments, their prefix sum (one
+    //    thread per local expert; a serial prefix over 256 experts cost microseconds).
+    __shared__ int scan_smem[33];
+    const int e = threadIdx.x;
+    int padded = 0;
+    if (e < num_local) {
         int running = 0;
         for (int s = 0; s < num_ranks; ++s) {
             src_expert_offset[s * num_local + e] = running;
             running += counts[s][8 + e];
         }
         num_recv_tokens_per_expert[e] = running;
-        padded[e] = (running + alignment - 1) / alignment * alignment;
-        tokens_per_expert[e] = padded[e];
-        host_info->tokens_per_expert[e] = padded[e];
+        padded = (running + alignment - 1) / alignment * alignment;
+        tokens_per_expert[e] = padded;
+        host_info->tokens_per_expert[e] = padded;
     }
     __threadfence_system();
-    __syncthreads();
+    int num_rows;
+    const int row_start = block_exclusive_scan(padded, scan_smem, &num_rows);
+    if (e < num_local) expert_row_start[e] = row_start;
     if (threadIdx.x == 0) {
-        int running = 0;
-        for (int e = 0; e < num_local; ++e) {
-            expert_row_start[e] = running;
-            running += padded[e];
-        }
-        expert_row_start[num_local] = running;
-        if (max_recv_rows >= 0 && running > max_recv_rows)
+        expert_row_start[num_local] = num_rows;
+        if (max_recv_rows >= 0 && num_rows > max_recv_rows)
             record_error(err, kErrRecvOverflow, rank, -1, kPhaseNotify, 0, max_recv_rows,
-                         running);
-        st_volatile(&host_info->num_recv_rows, running);
+                         num_rows);
+        st_volatile(&host_info->num_recv_rows, num_rows);
         __threadfence_system();
         st_volatile(&host_info->epoch, (int)epoch);
         __threadfence_system();

@@ -98,8 +98,12 @@ _layout_workspaces: dict = {}
 
 
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
-           errors: ErrorSink, extra_ints: int = 0, timeout_ns: int = 10**10):
+           errors: ErrorSink, extra_ints: int = 0, timeout_ns: int = 10**10,
+           chunk_tokens: Optional[int] = None):
     """`DispatchLayout` of `topk_idx [N, K]` (see layout.py), computed by layout.cu.
+
+    `chunk_tokens` (tokens per block) defaults to `layout_chunk_tokens`, the largest that fits;
+    a smaller one (tests, probes) gives more blocks and a longer look-back.
 
     Returns the layout and a `[extra_ints]` int32 scratch tensor carved from the same allocation
     (the caller's receive-side arrays): allocations dominate the host time of a dispatch.
@@ -122,7 +126,12 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
         token_slot_in_rank=slot_in_rank.view(num_tokens, num_ranks),
         slot_token=slot_token.view(num_ranks, num_tokens),
         pos_in_expert=pos.view(num_tokens, num_topk))
-    chunk_tokens = layout_chunk_tokens(num_experts, num_topk)
+    max_chunk_tokens = layout_chunk_tokens(num_experts, num_topk)
+    if chunk_tokens is None:
+        chunk_tokens = max_chunk_tokens
+    elif not 1 <= chunk_tokens <= max_chunk_tokens:
+        raise ValueError(f"chunk_tokens={chunk_tokens} is outside [1, {max_chunk_tokens}] for "
+                         f"{num_experts} experts and top-{num_topk}")
     num_chunks = max(1, -(-num_tokens // chunk_tokens))
     stream = _stream()
     workspace = _layout_workspaces.setdefault((dev.index, stream.cuda_stream), _LayoutWorkspace())
@@ -211,6 +220,27 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         errors.record], _stream())
 
 
+def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                   recv_weights: Optional[torch.Tensor], recv, slot_rows: torch.Tensor,
+                   x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                   topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
+                   fp8, num_local: int, num_sms: int) -> None:
+    """EP = 1: expands `x [N, H]` into the expert-major `recv_x` with no protocol; the same
+    outputs as `dispatch_recv` on one rank (`recv_weights` and `slot_rows` written unless
+    `cached`, which reads `slot_rows`)."""
+    num_topk = slot_rows.shape[2]
+    fmt, dequant, amax_epsilon = _wire(fp8)
+    kernel = jit.get_kernel("dispatch.cu", "dispatch_local",
+                            [num_topk, cached, _index_type(topk_idx), fmt, dequant])
+    threads = 1024 if fmt == 0 else COMM_THREADS  # DispatchLocalThreads in dispatch.cu
+    kernel.launch(num_sms, threads, [
+        ptr(recv_x), ptr(recv_scales), ptr(recv_weights), i32(recv_x.shape[0]),
+        i32(recv_x.shape[1]), ptr(recv.num_recv_tokens_per_expert),
+        ptr(recv.expert_row_start), ptr(slot_rows), ptr(x), ptr(x_scales), f32(amax_epsilon),
+        ptr(topk_idx), ptr(topk_weights), ptr(lay.pos_in_expert), ptr(lay.token_slot_in_rank),
+        i32(x.shape[0]), i32(num_local)], _stream())
+
+
 def combine_send(y: torch.Tensor, handle, weighted: bool,
                  grad_row_weights: Optional[torch.Tensor], peer_bases: torch.Tensor,
                  regions: torch.Tensor, rank: int, num_ranks: int, epoch: int, num_sms: int,
@@ -275,7 +305,8 @@ def kernel_names(num_topk: int, fp8: bool = False) -> dict:
         for cached in ("false", "true"):
             prefix = f"{num_topk}, {cached}, {index_type}"
             names["dispatch.cu"] += [f"dispatch_send<{prefix}, {fmt}>" for fmt in send_fmts]
-            names["dispatch.cu"] += [f"dispatch_recv<{prefix}, {fmt}, {str(dq).lower()}>"
+            names["dispatch.cu"] += [f"{kind}<{prefix}, {fmt}, {str(dq).lower()}>"
+                                     for kind in ("dispatch_recv", "dispatch_local")
                                      for fmt, dq in recv_variants]
     for weighted in ("false", "true"):
         for with_weights in ("false", "true"):

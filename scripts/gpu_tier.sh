@@ -7,6 +7,7 @@
 # NCU=1 (Nsight Compute speed-of-light of the expand and reduce kernels), COMPARE_STEPS=N (the
 # example trains N steps with deepep and alltoall; PROFILE_STEPS=M profiles M more per run),
 # FP8_STEPS=N (FP8 vs bf16 dispatch, N steps), PROBE_WRITE=1 (scripts/probe_write.py),
+# PROBE_LAYOUT=1 (scripts/probe_layout.py: layout µs per chunk size),
 # MAIN_JOB=N (the README's main job, examples/run_gpt_moe.sh, N iterations with deepep and with
 # alltoall, metrics on). On one H200 the 1000-call tier takes about 10
 # minutes (N = 8 alone ~170 s), more than one 600 s device call: split it, e.g.
@@ -35,6 +36,9 @@ fi
 if [ "${PROBE:-0}" = 1 ]; then
   timeout 120 python3 scripts/probe_copy.py 2>&1 | tee "$OUT/probe.log"
 fi
+if [ "${PROBE_LAYOUT:-0}" = 1 ]; then
+  timeout 120 python3 scripts/probe_layout.py 2>&1 | tee "$OUT/probe_layout.log"
+fi
 if [ "${PROBE_WRITE:-0}" = 1 ]; then
   timeout 180 python3 scripts/probe_write.py 2>&1 | tee "$OUT/probe_write.log"
 fi
@@ -49,7 +53,7 @@ if [ "${MAIN_JOB:-0}" != 0 ]; then
     | tail -3
 fi
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-  kernels="dispatch_recv|combine_reduce|combine_local"
+  kernels="dispatch_recv|dispatch_local|combine_reduce|combine_local"
   timeout 180 ncu --section SpeedOfLight --kernel-name regex:"$kernels" \
     --launch-skip 6 --launch-count 2 python3 -m megatron_deepep.bench --no-megatron --fp8 '' \
     --shapes 4096,7168,256,8 --num-sms 132 2>&1 \

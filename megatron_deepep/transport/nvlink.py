@@ -2,7 +2,8 @@
 
 Per dispatch: layout (local) -> notify (counts to every peer, epoch flag) -> dispatch_send (each
 token once per destination rank into its staging region) -> [one host wait for the row count,
-unless the caller gave an upper bound] -> dispatch_recv (expand into expert-major rows).
+unless the caller gave an upper bound] -> dispatch_recv (expand into expert-major rows); at
+EP = 1, dispatch_local alone after notify (no staging, no protocol).
 Per combine: combine_send (one partial row per received slot back to its source) ->
 combine_reduce (sum over ranks); at EP = 1, combine_local alone (no protocol). Flags carry
 per-operation epochs, so the buffer is never zeroed between calls, and every writer first waits
@@ -79,8 +80,10 @@ class NVLinkTransport:
             self._broken = exc
             raise exc
 
-    def _wait_host_info(self, epoch: int) -> Tuple[int, list]:
-        """Polls the mapped notify result of `epoch`; raises on a recorded error or timeout."""
+    def _wait_host_info(self, epoch: int) -> int:
+        """Polls the mapped notify result of `epoch` and returns its row count; raises on a
+        recorded error or timeout. Its per-expert sizes stay readable (`_host_tokens_per_expert`)
+        until the next notify."""
         words = self.host_info.words
         deadline = time.monotonic() + self.timeout_s + 5.0
         target = epoch & 0xFFFFFFFF
@@ -98,7 +101,11 @@ class NVLinkTransport:
                     time.sleep(1e-5)
         num_rows = int(words[1])
         self.check_errors()
-        return num_rows, words[4:4 + self._num_local].tolist()
+        return num_rows
+
+    def _host_tokens_per_expert(self) -> list:
+        """The last notify's padded rows per local expert, from mapped host memory."""
+        return self.host_info.words[4:4 + self._num_local].tolist()
 
     # ------------------------------------------------------------------ dispatch
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -159,16 +166,23 @@ class NVLinkTransport:
                               timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
         tokens_per_expert_list = None
         if num_max_recv_rows is None:
-            num_rows, tokens_per_expert_list = self._wait_host_info(self.notify_epoch)
+            num_rows = self._wait_host_info(self.notify_epoch)
         else:
             num_rows = num_max_recv_rows
         recv_x, recv_scales = self._empty_recv(num_rows, x.shape[1], fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        ops.dispatch_recv(recv_x, recv_scales, recv_weights, recv, num_recv_tokens_per_rank,
-                          slot_rows, x, x_scales, topk_idx, topk_weights, layout, False, fp8,
-                          num_local=num_local,
-                          epoch=self.dispatch_epoch, num_sms=self.num_sms,
-                          timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
+        if R == 1:  # nothing to exchange: no protocol
+            ops.dispatch_local(recv_x, recv_scales, recv_weights, recv, slot_rows, x, x_scales,
+                               topk_idx, topk_weights, layout, False, fp8, num_local,
+                               self.num_sms)
+        else:
+            ops.dispatch_recv(recv_x, recv_scales, recv_weights, recv, num_recv_tokens_per_rank,
+                              slot_rows, x, x_scales, topk_idx, topk_weights, layout, False,
+                              fp8, num_local=num_local, epoch=self.dispatch_epoch,
+                              num_sms=self.num_sms, timeout_ns=self.timeout_ns,
+                              errors=self.errors, **self._common())
+        if num_max_recv_rows is None:  # read after the launch: off the wait's critical path
+            tokens_per_expert_list = self._host_tokens_per_expert()
         handle = DispatchHandle(
             layout=layout, recv=recv, num_recv_tokens_per_rank=num_recv_tokens_per_rank,
             slot_rows=slot_rows, recv_weights=recv_weights, num_experts=num_experts,
@@ -190,6 +204,11 @@ class NVLinkTransport:
                               num_sms=self.num_sms, timeout_ns=self.timeout_ns,
                               errors=self.errors, **self._common())
         recv_x, recv_scales = self._empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
+        if self.num_ranks == 1:
+            ops.dispatch_local(recv_x, recv_scales, None, handle.recv, handle.slot_rows, x,
+                               x_scales, topk_idx, None, handle.layout, True, fp8, num_local,
+                               self.num_sms)
+            return recv_x if recv_scales is None else (recv_x, recv_scales)
         ops.dispatch_recv(recv_x, recv_scales, None, handle.recv,
                           handle.num_recv_tokens_per_rank, handle.slot_rows, x, x_scales,
                           topk_idx, None, handle.layout, True, fp8, num_local=num_local,

@@ -51,8 +51,8 @@ def _ids(kind, num_tokens, topk, num_experts, gen):
     return ids
 
 
-def _check(topk_idx, num_experts, num_ranks, sink, claim, record):
-    got, _ = ops.layout(topk_idx, num_experts, num_ranks, 0, sink)
+def _check(topk_idx, num_experts, num_ranks, sink, claim, record, chunk_tokens=None):
+    got, _ = ops.layout(topk_idx, num_experts, num_ranks, 0, sink, chunk_tokens=chunk_tokens)
     torch.cuda.synchronize()
     exc = error_from_record(record.words, 1.0)
     assert exc is None and int(claim.item()) == 0, exc
@@ -73,6 +73,19 @@ def test_layout_kernel_matches_compute_layout(shape, kind, errors):
     ids = _ids(kind, num_tokens, topk, num_experts, gen)
     for dtype in (torch.int64, torch.int32):
         _check(ids.to(dtype).cuda(), num_experts, num_ranks, sink, claim, record)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 16, 33])
+@pytest.mark.parametrize("shape", [(4096, 8, 256, 1), (3001, 2, 24, 3), (2049, 16, 16, 8)],
+                         ids=["N4096K8E256R1", "N3001K2E24R3", "N2049K16E16R8"])
+def test_layout_kernel_with_small_chunks(shape, chunk_tokens, errors):
+    """Thousands of blocks: look-back walks over many 32-chunk windows before an inclusive."""
+    num_tokens, topk, num_experts, num_ranks = shape
+    claim, record, sink = errors
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, chunk_tokens)).encode()))
+    for kind in ("random", "dropped"):
+        ids = _ids(kind, num_tokens, topk, num_experts, gen).cuda()
+        _check(ids, num_experts, num_ranks, sink, claim, record, chunk_tokens)
 
 
 def test_layout_back_to_back_two_streams_and_a_graph(errors):
