@@ -53,7 +53,8 @@ def main() -> None:
         scores = torch.rand(num_tokens, num_experts, device="cuda")
         ids = scores.topk(topk, dim=1).indices
         expected = compute_layout(ids.cpu(), num_experts, 1)
-        largest = ops.layout_chunk_tokens(num_experts, topk)
+        largest = ops.layout_chunk_tokens(num_experts, topk,
+                                          ops.LAYOUT_MAX_CHUNK_ENTRIES)
         for chunk in sorted({largest, largest // 2, largest // 4, largest // 8, 8, 4}):
             if chunk < 1:
                 continue
