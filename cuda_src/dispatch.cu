@@ -24,6 +24,20 @@ __device__ __forceinline__ i64 out_row_bytes(int hidden) {
     return kFmt == fp8::kWireBf16 || kDequant ? (i64)hidden * 2 : (i64)hidden;
 }
 
+// Bytes per row of the input x (bf16, or pre-quantized e4m3 with scales) and of recv_x.
+template <int kFmt, bool kDequant>
+struct RowBytes {
+    i64 in_row, out_row;
+    int in_scales, out_scales;
+    __device__ RowBytes(int hidden, bool pre_quantized) {
+        constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
+        in_row = kFmt == fp8::kWireBf16 || !pre_quantized ? (i64)hidden * 2 : (i64)hidden;
+        out_row = out_row_bytes<kFmt, kDequant>(hidden);
+        in_scales = kFmt == fp8::kWireBf16 ? 0 : fp8::scale_row_bytes<kFmt>(hidden);
+        out_scales = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
+    }
+};
+
 // Writes one token row (bf16 `x` row, or a pre-quantized (data, scales) pair when `x_scales`
 // is given) to every destination, in the destination form kFmt/kDequant asks for. Destination
 // scales are dst_scales[d] (unused for bf16 and dequantized rows).
@@ -45,6 +59,26 @@ __device__ __forceinline__ void write_row(const u8* src, const u8* src_scales, i
     } else {
         fp8::copy_fp8_row<kFmt, kMaxDst, kStagedSrc>(src, src_scales, hidden, dst, dst_scales,
                                                      num_dst, lane);
+    }
+}
+
+// Zeroes local expert e's alignment padding rows of recv_x (and their scales and weights) with
+// the whole warp: rows [start + received, next start), clipped to max_rows.
+template <bool kFp8Out, bool kCached>
+__device__ __forceinline__ void zero_padding_rows(int e, u8* recv_x, u8* recv_scales,
+                                                  float* recv_weights, i64 row_bytes,
+                                                  int scale_bytes, int max_rows,
+                                                  const int* num_recv_tokens_per_expert,
+                                                  const int* expert_row_start, int lane) {
+    const int first = expert_row_start[e] + num_recv_tokens_per_expert[e];
+    const int last = min(expert_row_start[e + 1], max_rows);
+    for (int row = first; row < last; ++row) {
+        warp_zero_row(reinterpret_cast<int4*>(recv_x + row * row_bytes), (int)(row_bytes / 16),
+                      lane);
+        if (kFp8Out)
+            for (int b = lane; b < scale_bytes; b += 32)
+                recv_scales[(i64)row * scale_bytes + b] = 0;
+        if (!kCached && lane == 0) recv_weights[row] = 0.f;
     }
 }
 
@@ -116,25 +150,15 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
     constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
-    const i64 row_bytes = out_row_bytes<kFmt, kDequant>(hidden);
-    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
-    const i64 in_row_bytes = kFmt == fp8::kWireBf16 || x_scales == nullptr ? (i64)hidden * 2
-                                                                           : (i64)hidden;
-    const int in_scale_bytes = kFmt == fp8::kWireBf16 ? 0 : fp8::scale_row_bytes<kFmt>(hidden);
+    const RowBytes<kFmt, kDequant> sizes(hidden, x_scales != nullptr);
+    const i64 row_bytes = sizes.out_row, in_row_bytes = sizes.in_row;
+    const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
 
     // Padding rows (no wait needed: the layout is known from notify); one expert per warp.
-    for (int e = warp; e < num_local; e += num_warps) {
-        const int first = expert_row_start[e] + num_recv_tokens_per_expert[e];
-        const int last = min(expert_row_start[e + 1], max_rows);
-        for (int row = first; row < last; ++row) {
-            warp_zero_row(reinterpret_cast<int4*>(recv_x + row * row_bytes),
-                          (int)(row_bytes / 16), lane);
-            if (kFp8Out)
-                for (int b = lane; b < scale_bytes; b += 32)
-                    recv_scales[(i64)row * scale_bytes + b] = 0;
-            if (!kCached && lane == 0) recv_weights[row] = 0.f;
-        }
-    }
+    for (int e = warp; e < num_local; e += num_warps)
+        zero_padding_rows<kFp8Out, kCached>(e, recv_x, recv_scales, recv_weights, row_bytes,
+                                            scale_bytes, max_rows, num_recv_tokens_per_expert,
+                                            expert_row_start, lane);
 
     __shared__ int slot_start[kMaxRanks + 1];
     if (threadIdx.x == 0) {
@@ -248,25 +272,15 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
     constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
-    const i64 row_bytes = out_row_bytes<kFmt, kDequant>(hidden);
-    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
-    const i64 in_row_bytes = kFmt == fp8::kWireBf16 || x_scales == nullptr ? (i64)hidden * 2
-                                                                           : (i64)hidden;
-    const int in_scale_bytes = kFmt == fp8::kWireBf16 ? 0 : fp8::scale_row_bytes<kFmt>(hidden);
+    const RowBytes<kFmt, kDequant> sizes(hidden, x_scales != nullptr);
+    const i64 row_bytes = sizes.out_row, in_row_bytes = sizes.in_row;
+    const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
 
     // Padding rows, one expert per warp from the last warp down: the first warps take tokens.
-    for (int e = num_warps - 1 - warp; e >= 0 && e < num_local; e -= num_warps) {
-        const int first = expert_row_start[e] + num_recv_tokens_per_expert[e];
-        const int last = min(expert_row_start[e + 1], max_rows);
-        for (int row = first; row < last; ++row) {
-            warp_zero_row(reinterpret_cast<int4*>(recv_x + row * row_bytes),
-                          (int)(row_bytes / 16), lane);
-            if (kFp8Out)
-                for (int b = lane; b < scale_bytes; b += 32)
-                    recv_scales[(i64)row * scale_bytes + b] = 0;
-            if (!kCached && lane == 0) recv_weights[row] = 0.f;
-        }
-    }
+    for (int e = num_warps - 1 - warp; e >= 0 && e < num_local; e -= num_warps)
+        zero_padding_rows<kFp8Out, kCached>(e, recv_x, recv_scales, recv_weights, row_bytes,
+                                            scale_bytes, max_rows, num_recv_tokens_per_expert,
+                                            expert_row_start, lane);
 
     for (int n = warp; n < num_tokens; n += num_warps) {
         const int slot = token_slot_in_rank[n];
