@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
         } else if (lane < kTopk) {
             const i64 id = (i64)topk_idx[(i64)n * kTopk + lane];
             const float weight = topk_weights[(i64)n * kTopk + lane];
-            if (id >= 0) {
+            if (id >= 0 && id < num_local) {  // a bad id (recorded by layout) gets no row
                 row_lane = expert_row_start[id] + pos_in_expert[(i64)n * kTopk + lane];
                 if (row_lane >= max_rows) row_lane = -1;  // overflow: reported by notify
             }

@@ -12,7 +12,11 @@
 // 2 * epoch + 1 once its inclusive totals are; state[0] holds the last finished epoch and the
 // last block advances it. No zeroing per call, and a replayed CUDA graph advances it too.
 // A workspace (state, chunk_status, chunk_counts) serves one stream at a time.
+// At EP = 1 (`recv_tokens_per_expert` given) the last block to finish also derives
+// the receive layout that notify would (nothing to exchange with one rank), so no notify runs.
 #include "common/error.cuh"
+#include "common/host_info.cuh"
+#include "common/warp.cuh"
 
 using namespace mdeep;
 
@@ -47,13 +51,58 @@ __device__ __forceinline__ bool wait_chunk(const u32* status, int p, u32 publish
     }
 }
 
+// EP = 1's receive layout: where the layout kernel writes what notify writes for R ranks
+// (the kernel's last arguments; a null first pointer: EP > 1, notify derives the layout).
+struct LocalRecv {
+    int* num_recv_tokens_per_expert;  // [E]
+    int* tokens_per_expert;           // [E], padded to `alignment`
+    int* expert_row_start;            // [E + 1]
+    int* src_expert_offset;           // [E], all 0 (one source)
+    int* num_recv_tokens_per_rank;    // [1]
+    HostInfo* host_info;
+    int alignment, max_recv_rows;     // max_recv_rows < 0: no bound
+    u32 host_epoch;
+};
+
+// Called by every thread of the last block to finish, once all counts are final: the receive
+// layout from `num_tokens_per_expert` and `num_tokens_per_rank` (one thread per expert).
+__device__ __forceinline__ void write_local_recv(const LocalRecv& out, const int* num_per_expert,
+                                                 const int* num_per_rank, int num_experts,
+                                                 const ErrorState& err, int rank) {
+    __shared__ int scan_smem[33];
+    const int e = threadIdx.x;
+    int padded = 0;
+    if (e < num_experts) {
+        const int count = __ldcg(num_per_expert + e);  // written by another block
+        padded = (count + out.alignment - 1) / out.alignment * out.alignment;
+        out.num_recv_tokens_per_expert[e] = count;
+        out.tokens_per_expert[e] = padded;
+        out.src_expert_offset[e] = 0;
+        out.host_info->tokens_per_expert[e] = padded;
+    }
+    __threadfence_system();
+    int num_rows;
+    const int row_start = block_exclusive_scan(padded, scan_smem, &num_rows);
+    if (e < num_experts) out.expert_row_start[e] = row_start;
+    if (threadIdx.x == 0) {
+        out.expert_row_start[num_experts] = num_rows;
+        out.num_recv_tokens_per_rank[0] = __ldcg(num_per_rank);
+        if (out.max_recv_rows >= 0 && num_rows > out.max_recv_rows)
+            record_error(err, kErrRecvOverflow, rank, -1, kPhaseNotify, 0, out.max_recv_rows,
+                         num_rows);
+        publish_host_info(out.host_info, num_rows, out.host_epoch);
+    }
+}
+
 template <typename IdxT, int kTopk>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     const IdxT* topk_idx, int num_tokens, int num_experts, int num_ranks, int chunk_tokens,
     int* num_tokens_per_expert, int* pos_in_expert, int* num_tokens_per_rank,
     u8* is_token_in_rank, int* token_slot_in_rank, int* slot_token, u32* state,
     u32* chunk_status, int* chunk_counts, u64 timeout_ns, int* error_claim,
-    ErrorRecord* error_record, int rank) {
+    ErrorRecord* error_record, int rank, int* recv_tokens_per_expert, int* recv_padded,
+    int* recv_row_start, int* recv_src_offset, int* recv_tokens_per_rank, HostInfo* host_info,
+    int alignment, int max_recv_rows, u32 host_epoch) {
     extern __shared__ u32 smem[];
     __shared__ int window_first, window_inclusive;
     const ErrorState err{error_claim, error_record};
@@ -182,12 +231,24 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
             if (in_rank) slot_token[(i64)r * num_tokens + slot] = n;
         }
     }
+    // The last block to finish (every block's writes and error records are out) advances the
+    // epoch, after the EP = 1 receive layout when asked.
+    __shared__ bool is_last_done;
     __syncthreads();
-    if (threadIdx.x == 0) {  // the last block to finish advances the epoch
+    if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(state + 1, 1u) == gridDim.x - 1) {
-            state[1] = 0;
-            st_release_gpu(state, epoch);
-        }
+        is_last_done = atomicAdd(state + 1, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last_done) return;
+    if (recv_tokens_per_expert != nullptr) {
+        const LocalRecv out{recv_tokens_per_expert, recv_padded,   recv_row_start,
+                            recv_src_offset,        recv_tokens_per_rank, host_info,
+                            alignment,              max_recv_rows, host_epoch};
+        write_local_recv(out, num_tokens_per_expert, num_tokens_per_rank, num_experts, err, rank);
+    }
+    if (threadIdx.x == 0) {
+        state[1] = 0;
+        st_release_gpu(state, epoch);
     }
 }

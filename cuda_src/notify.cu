@@ -2,16 +2,10 @@
 // region, releases a flag carrying the call's epoch, waits for all peers' flags, then derives its
 // receive layout (per-source offsets inside each local expert, padded segment sizes and the
 // total row count) and publishes it to the host through mapped pinned memory. One block.
+#include "common/host_info.cuh"
 #include "common/protocol.cuh"
 
 using namespace mdeep;
-
-struct HostInfo {  // mirrored by megatron_deepep/transport/nvlink.py
-    int epoch;
-    int num_recv_rows;
-    int pad[2];
-    int tokens_per_expert[kMaxLocalExperts];
-};
 
 constexpr int kNotifyThreads = 256;  // ops.NOTIFY_THREADS: one thread per local expert
 static_assert(kNotifyThreads == kMaxLocalExperts, "step 3 gives each expert a thread");
@@ -82,9 +76,6 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
         if (max_recv_rows >= 0 && num_rows > max_recv_rows)
             record_error(err, kErrRecvOverflow, rank, -1, kPhaseNotify, 0, max_recv_rows,
                          num_rows);
-        st_volatile(&host_info->num_recv_rows, num_rows);
-        __threadfence_system();
-        st_volatile(&host_info->epoch, (int)epoch);
-        __threadfence_system();
+        publish_host_info(host_info, num_rows, epoch);
     }
 }

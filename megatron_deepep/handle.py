@@ -9,15 +9,16 @@ zero rows up to `tokens_per_expert[e]` (a multiple of `expert_alignment`).
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_deepep.arena import ArenaFields
 from megatron_deepep.layout import DispatchLayout
 
 
 @dataclasses.dataclass
-class RecvLayout:
+class RecvLayout(ArenaFields):
     """Receive-side offsets derived from the per-source expert counts.
 
     Attributes:
@@ -32,6 +33,18 @@ class RecvLayout:
     tokens_per_expert: torch.Tensor
     expert_row_start: torch.Tensor
     src_expert_offset: torch.Tensor
+
+
+def recv_fields(num_ranks: int, num_local: int, slots_per_rank: int,
+                num_topk: int) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    """The receive-side arrays of one NVLink dispatch as `ArenaPlan` fields: the `RecvLayout`,
+    then the handle's `num_recv_tokens_per_rank` and `slot_rows`."""
+    return [("num_recv_tokens_per_expert", (num_local,), torch.int32),
+            ("tokens_per_expert", (num_local,), torch.int32),
+            ("expert_row_start", (num_local + 1,), torch.int32),
+            ("src_expert_offset", (num_ranks, num_local), torch.int32),
+            ("num_recv_tokens_per_rank", (num_ranks,), torch.int32),
+            ("slot_rows", (num_ranks, slots_per_rank, num_topk), torch.int32)]
 
 
 def align_up(value: torch.Tensor, alignment: int) -> torch.Tensor:
@@ -58,7 +71,7 @@ def compute_recv_layout(num_tokens_from_src_per_expert: torch.Tensor,
 
 
 @dataclasses.dataclass
-class DispatchHandle:
+class DispatchHandle(ArenaFields):
     """State of one dispatch, reused by combine and by cached dispatch (combine's backward).
 
     Attributes:
@@ -111,4 +124,4 @@ class DispatchHandle:
 
     @property
     def num_local_experts(self) -> int:
-        return self.recv.tokens_per_expert.numel()
+        return self.num_experts // self.layout.num_ranks

@@ -30,7 +30,7 @@ import struct
 import tempfile
 import threading
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -216,6 +216,48 @@ class _ArgPacker:
 _packers = threading.local()
 
 
+class Signature:
+    """A kernel's argument types as letter codes, for `Kernel.launch(..., signature=...)`:
+    p (pointer: a Python int address), q (unsigned 64-bit), i (int32), u (uint32), f (float32).
+    Plain Python numbers then go straight into the 8-byte slots (no numpy scalar per argument).
+
+    Args:
+        codes: one letter per argument; spaces are ignored (group them for reading).
+    """
+
+    _FORMATS = {"p": "Q", "q": "Q", "i": "i4x", "u": "I4x", "f": "f4x"}
+    _NUMPY = {"p": np.uint64, "q": np.uint64, "i": np.int32, "u": np.uint32, "f": np.float32}
+
+    def __init__(self, codes: str):
+        self.codes = codes.replace(" ", "")
+        unknown = set(self.codes) - set(self._FORMATS)
+        if unknown:
+            raise ValueError(f"signature {codes!r}: unknown codes {sorted(unknown)} (use "
+                             f"{''.join(self._FORMATS)})")
+        self.struct = struct.Struct("=" + "".join(self._FORMATS[c] for c in self.codes))
+        self._local = threading.local()  # a packing buffer per thread
+
+    def params(self, args: Sequence):
+        """Packs `args` and returns the `void*[]` parameter array for cuLaunchKernel."""
+        local = self._local
+        params = getattr(local, "params", None)
+        if params is None:
+            local.buffer = ctypes.create_string_buffer(max(self.struct.size, 8))
+            base = ctypes.addressof(local.buffer)
+            params = local.params = (ctypes.c_void_p * max(len(self.codes), 1))(
+                *[base + 8 * i for i in range(len(self.codes))])
+        try:
+            self.struct.pack_into(local.buffer, 0, *args)
+        except struct.error as exc:
+            raise TypeError(f"kernel arguments {list(args)} do not match signature "
+                            f"{self.codes!r}: {exc}") from None
+        return params
+
+    def as_numpy(self, args: Sequence) -> tuple:
+        """The same arguments as numpy scalars (for the CuPy launch path)."""
+        return tuple(self._NUMPY[c](a) for c, a in zip(self.codes, args))
+
+
 def _packer(args: Sequence) -> _ArgPacker:
     types = tuple(map(type, args))
     cache = getattr(_packers, "cache", None)
@@ -284,20 +326,28 @@ class Kernel:
         inner = getattr(self.function, "kernel", self.function)
         return int(getattr(inner, "ptr"))
 
-    def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0) -> None:
+    def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0,
+               signature: Optional[Signature] = None) -> None:
         """Launches on a torch stream (or a `RawStream`); `args` are numpy scalars (pointers
-        as np.uint64).
+        as np.uint64), or plain Python numbers typed by `signature`.
 
         Raises:
             RuntimeError: the launch failed (the CUDA error name and the kernel).
+            TypeError: `args` do not match `signature`.
         """
         if _launch_via_cupy():
+            if signature is not None:
+                args = signature.as_numpy(args)
             self._launch_cupy(grid, block, args, stream, shared_mem)
             return
-        packer = _packer(args)
-        packer.struct.pack_into(packer.buffer, 0, *args)
+        if signature is not None:
+            params = signature.params(args)
+        else:
+            packer = _packer(args)
+            packer.struct.pack_into(packer.buffer, 0, *args)
+            params = packer.params
         code = _driver()[0](self.function_ptr, max(int(grid), 1), 1, 1, int(block), 1, 1,
-                            shared_mem, stream.cuda_stream, packer.params, None)
+                            shared_mem, stream.cuda_stream, params, None)
         if code != 0:
             raise RuntimeError(f"launching {self.name} (grid {grid}, block {block}) failed: "
                                f"{_cuda_error_name(code)}")

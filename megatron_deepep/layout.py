@@ -11,12 +11,15 @@ and this module is its pure-torch definition (used by the reference transport an
 from __future__ import annotations
 
 import dataclasses
+from typing import List, Tuple
 
 import torch
 
+from megatron_deepep.arena import ArenaFields
+
 
 @dataclasses.dataclass
-class DispatchLayout:
+class DispatchLayout(ArenaFields):
     """Per-token routing facts of one rank, all on the device of `topk_idx`.
 
     Attributes:
@@ -41,11 +44,22 @@ class DispatchLayout:
 
     @property
     def num_tokens(self) -> int:
-        return self.is_token_in_rank.shape[0]
+        return self.shape_of("token_slot_in_rank")[0]
 
     @property
     def num_ranks(self) -> int:
-        return self.is_token_in_rank.shape[1]
+        return self.shape_of("token_slot_in_rank")[1]
+
+
+def layout_fields(num_tokens: int, num_topk: int, num_experts: int,
+                  num_ranks: int) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    """The `DispatchLayout` arrays as `ArenaPlan` fields (what the CUDA layout kernel writes)."""
+    return [("num_tokens_per_rank", (num_ranks,), torch.int32),
+            ("num_tokens_per_expert", (num_experts,), torch.int32),
+            ("token_slot_in_rank", (num_tokens, num_ranks), torch.int32),
+            ("slot_token", (num_ranks, num_tokens), torch.int32),
+            ("pos_in_expert", (num_tokens, num_topk), torch.int32),
+            ("is_token_in_rank", (num_tokens, num_ranks), torch.bool)]
 
 
 def compute_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> DispatchLayout:

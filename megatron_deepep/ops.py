@@ -8,21 +8,27 @@ Every launch goes on the torch stream that is current when it is called.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import threading
-from typing import Optional
+from typing import Optional, Tuple
 
-import numpy as np
 import torch
 
 from megatron_deepep import jit
-from megatron_deepep.layout import DispatchLayout
+from megatron_deepep.arena import Arena, ArenaPlan
+from megatron_deepep.layout import DispatchLayout, layout_fields
 
 LAYOUT_THREADS = 512
 NOTIFY_THREADS = 256
 COMM_THREADS = 512
 
-i32, u32, u64, f32 = np.int32, np.uint32, np.uint64, np.float32
-ptr = jit.ptr
+Sig = jit.Signature
+
+
+def addr(tensor: Optional[torch.Tensor]) -> int:
+    """A tensor's device address as a kernel argument (0 for None)."""
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _index_type(t: torch.Tensor) -> str:
@@ -55,7 +61,7 @@ class ErrorSink:
     """Where kernels record the first error: a device claim word and a host-mapped record."""
 
     def __init__(self, claim_ptr: int, record_ptr: int):
-        self.claim, self.record = u64(claim_ptr), u64(record_ptr)
+        self.claim, self.record = int(claim_ptr), int(record_ptr)
 
 
 # The layout kernel keeps per-chunk bitmaps in shared memory: this many 32-bit words of them.
@@ -86,8 +92,10 @@ class _LayoutWorkspace:
     def __init__(self):
         self.tensor = None
         self.max_chunks = self.max_counts = 0
+        self.addresses = (0, 0, 0)
 
-    def views(self, num_chunks: int, num_counts: int, device):
+    def get(self, num_chunks: int, num_counts: int, device):
+        """(state, chunk_status, chunk_counts) addresses for a launch of `num_chunks` blocks."""
         if num_chunks > self.max_chunks or num_counts > self.max_counts:
             self.max_chunks = max(num_chunks, 2 * self.max_chunks, 64)
             self.max_counts = max(num_counts, self.max_counts)
@@ -95,43 +103,24 @@ class _LayoutWorkspace:
                                       dtype=torch.int32, device=device)
             # The zeros come from the current stream; the kernel may run on another.
             torch.cuda.current_stream(device).synchronize()
-        state, status, counts = self.tensor.split(
-            [2, self.max_chunks, self.max_chunks * 2 * self.max_counts])
-        return state, status, counts
+            base = self.tensor.data_ptr()
+            self.addresses = (base, base + 4 * 2, base + 4 * (2 + self.max_chunks))
+        return self.addresses
 
 
 _layout_workspaces: dict = {}
 
 
-def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
-           errors: ErrorSink, extra_ints: int = 0, timeout_ns: int = 10**10,
-           chunk_tokens: Optional[int] = None):
-    """`DispatchLayout` of `topk_idx [N, K]` (see layout.py), computed by layout.cu.
+@functools.lru_cache(maxsize=256)
+def layout_plan(num_tokens: int, num_topk: int, num_experts: int, num_ranks: int) -> ArenaPlan:
+    """The arena of one `DispatchLayout` (the layout kernel writes every array)."""
+    return ArenaPlan(layout_fields(num_tokens, num_topk, num_experts, num_ranks))
 
-    `chunk_tokens` (tokens per block) defaults to `layout_chunk_tokens` (512 entries); tests and
-    probes may pass any size up to the kernel's limit.
 
-    Returns the layout and a `[extra_ints]` int32 scratch tensor carved from the same allocation
-    (the caller's receive-side arrays): allocations dominate the host time of a dispatch.
-    """
-    num_tokens, num_topk = topk_idx.shape
-    num_counts = num_experts + num_ranks
-    if num_counts > LAYOUT_MAX_COUNTS:
-        raise ValueError(f"num_experts={num_experts} with {num_ranks} ranks exceeds the layout "
-                         f"kernel's {LAYOUT_MAX_COUNTS} experts plus ranks")
-    dev = topk_idx.device
-    bool_words = -(-num_tokens * num_ranks // 4)  # is_token_in_rank as bytes of int32 words
-    sizes = [num_ranks, num_experts, num_tokens * num_ranks, num_ranks * num_tokens,
-             num_tokens * num_topk, bool_words, extra_ints]
-    per_rank, per_expert, slot_in_rank, slot_token, pos, in_rank, extra = torch.empty(
-        sum(sizes), dtype=torch.int32, device=dev).split(sizes)
-    out = DispatchLayout(
-        num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
-        is_token_in_rank=in_rank.view(torch.uint8)[:num_tokens * num_ranks].view(
-            torch.bool).view(num_tokens, num_ranks),
-        token_slot_in_rank=slot_in_rank.view(num_tokens, num_ranks),
-        slot_token=slot_token.view(num_ranks, num_tokens),
-        pos_in_expert=pos.view(num_tokens, num_topk))
+@functools.lru_cache(maxsize=256)
+def _layout_launch(num_tokens: int, num_topk: int, num_experts: int, num_ranks: int,
+                   chunk_tokens: Optional[int]) -> Tuple[int, int, int]:
+    """(tokens per chunk, chunks, shared-memory bytes) of one layout launch."""
     max_chunk_tokens = layout_chunk_tokens(num_experts, num_topk, LAYOUT_MAX_CHUNK_ENTRIES)
     if chunk_tokens is None:
         chunk_tokens = layout_chunk_tokens(num_experts, num_topk)
@@ -139,34 +128,98 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
         raise ValueError(f"chunk_tokens={chunk_tokens} is outside [1, {max_chunk_tokens}] for "
                          f"{num_experts} experts and top-{num_topk}")
     num_chunks = max(1, -(-num_tokens // chunk_tokens))
-    stream = _stream()
-    workspace = _layout_workspaces.setdefault((dev.index, stream.cuda_stream), _LayoutWorkspace())
-    state, status, counts = workspace.views(num_chunks, num_counts, dev)
     shared_words = (num_experts * (-(-chunk_tokens * num_topk // 32))
-                    + num_ranks * (-(-chunk_tokens // 32)) + num_counts)
+                    + num_ranks * (-(-chunk_tokens // 32)) + num_experts + num_ranks)
+    return chunk_tokens, num_chunks, 4 * shared_words
+
+
+@dataclasses.dataclass
+class LocalRecv:
+    """EP = 1: the layout kernel also writes the receive layout notify would (no notify runs).
+
+    Attributes:
+        recv: the arena holding the `handle.recv_fields` arrays.
+        host_info_ptr: the mapped `HostInfo` the host polls.
+        alignment: segment alignment in rows.
+        max_recv_rows: the caller's row bound, -1 for none.
+        epoch: the epoch published to the host.
+    """
+
+    recv: Arena
+    host_info_ptr: int
+    alignment: int
+    max_recv_rows: int
+    epoch: int
+
+    def args(self) -> tuple:
+        recv = self.recv
+        return (recv.address("num_recv_tokens_per_expert"), recv.address("tokens_per_expert"),
+                recv.address("expert_row_start"), recv.address("src_expert_offset"),
+                recv.address("num_recv_tokens_per_rank"), self.host_info_ptr, self.alignment,
+                self.max_recv_rows, self.epoch & 0xFFFFFFFF)
+
+
+_LAYOUT_SIG = Sig("p iiii pppppp ppp q pp i ppppp p iiu")
+_NO_LOCAL_RECV = (0, 0, 0, 0, 0, 0, 1, -1, 0)
+
+
+def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
+           errors: ErrorSink, timeout_ns: int = 10**10, chunk_tokens: Optional[int] = None,
+           arena: Optional[Arena] = None, local_recv: Optional[LocalRecv] = None
+           ) -> DispatchLayout:
+    """`DispatchLayout` of `topk_idx [N, K]` (see layout.py), computed by layout.cu.
+
+    Args:
+        chunk_tokens: tokens per block; defaults to `layout_chunk_tokens` (512 entries); tests
+            and probes may pass any size up to the kernel's limit.
+        arena: where the layout's arrays go (an allocation that holds `layout_plan`'s fields,
+            e.g. with the dispatch's receive arrays); a new one by default.
+        local_recv: at EP = 1, the receive layout to write too (notify is then skipped).
+    """
+    num_tokens, num_topk = topk_idx.shape
+    if num_experts + num_ranks > LAYOUT_MAX_COUNTS:
+        raise ValueError(f"num_experts={num_experts} with {num_ranks} ranks exceeds the layout "
+                         f"kernel's {LAYOUT_MAX_COUNTS} experts plus ranks")
+    dev = topk_idx.device
+    if arena is None:
+        arena = layout_plan(num_tokens, num_topk, num_experts, num_ranks).allocate(dev)
+    chunk_tokens, num_chunks, shared_bytes = _layout_launch(num_tokens, num_topk, num_experts,
+                                                            num_ranks, chunk_tokens)
+    stream = _stream()
+    workspace = _layout_workspaces.get((dev.index, stream.cuda_stream))
+    if workspace is None:
+        workspace = _layout_workspaces[(dev.index, stream.cuda_stream)] = _LayoutWorkspace()
+    state, status, counts = workspace.get(num_chunks, num_experts + num_ranks, dev)
+    a = arena.address
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
-    kernel.launch(num_chunks, LAYOUT_THREADS, [
-        ptr(topk_idx), i32(num_tokens), i32(num_experts), i32(num_ranks), i32(chunk_tokens),
-        ptr(out.num_tokens_per_expert), ptr(out.pos_in_expert), ptr(out.num_tokens_per_rank),
-        ptr(out.is_token_in_rank), ptr(out.token_slot_in_rank), ptr(out.slot_token),
-        ptr(state), ptr(status), ptr(counts), u64(timeout_ns), errors.claim, errors.record,
-        i32(rank)], stream, shared_mem=4 * shared_words)
-    return out, extra
+    kernel.launch(num_chunks, LAYOUT_THREADS, (
+        topk_idx.data_ptr(), num_tokens, num_experts, num_ranks, chunk_tokens,
+        a("num_tokens_per_expert"), a("pos_in_expert"), a("num_tokens_per_rank"),
+        a("is_token_in_rank"), a("token_slot_in_rank"), a("slot_token"),
+        state, status, counts, timeout_ns, errors.claim, errors.record, rank,
+        *(local_recv.args() if local_recv is not None else _NO_LOCAL_RECV)),
+        stream, shared_mem=shared_bytes, signature=_LAYOUT_SIG)
+    return DispatchLayout.from_arena(arena)
+
+
+_NOTIFY_SIG = Sig("p iiu pp iiiii ppppp p q pp")
 
 
 def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch: int,
            lay: DispatchLayout, num_local: int, hidden: int, num_topk: int, alignment: int,
-           max_recv_rows: int, recv, num_recv_tokens_per_rank: torch.Tensor, host_info_ptr: int,
-           timeout_ns: int, errors: ErrorSink) -> None:
-    """Exchanges counts with every peer and fills `recv` (a RecvLayout) on the device."""
+           max_recv_rows: int, recv: Arena, host_info_ptr: int, timeout_ns: int,
+           errors: ErrorSink) -> None:
+    """Exchanges counts with every peer and writes the receive layout (the `recv_fields`
+    arrays of `recv`) on the device."""
     kernel = jit.get_kernel("notify.cu", "notify_kernel")
-    kernel.launch(1, NOTIFY_THREADS, [
-        ptr(peer_bases), i32(rank), i32(num_ranks), u32(epoch & 0xFFFFFFFF),
-        ptr(lay.num_tokens_per_rank), ptr(lay.num_tokens_per_expert), i32(num_local),
-        i32(hidden), i32(num_topk), i32(alignment), i32(max_recv_rows),
-        ptr(num_recv_tokens_per_rank), ptr(recv.num_recv_tokens_per_expert),
-        ptr(recv.tokens_per_expert), ptr(recv.expert_row_start), ptr(recv.src_expert_offset),
-        u64(host_info_ptr), u64(timeout_ns), errors.claim, errors.record], _stream())
+    a = recv.address
+    kernel.launch(1, NOTIFY_THREADS, (
+        peer_bases.data_ptr(), rank, num_ranks, epoch & 0xFFFFFFFF,
+        lay.address("num_tokens_per_rank"), lay.address("num_tokens_per_expert"), num_local,
+        hidden, num_topk, alignment, max_recv_rows, a("num_recv_tokens_per_rank"),
+        a("num_recv_tokens_per_expert"), a("tokens_per_expert"), a("expert_row_start"),
+        a("src_expert_offset"), host_info_ptr, timeout_ns, errors.claim, errors.record),
+        _stream(), signature=_NOTIFY_SIG)
 
 
 def _wire(fp8) -> tuple:
@@ -174,6 +227,9 @@ def _wire(fp8) -> tuple:
     if fp8 is None:
         return 0, False, 0.0
     return fp8.wire_code, fp8.dequantize, float(fp8.fmt.amax_epsilon)
+
+
+_SEND_SIG = Sig("pp iif ppppp pp iiiu q pp")
 
 
 def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
@@ -187,64 +243,72 @@ def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: t
     `Fp8Dispatch` or None.
     """
     num_tokens, hidden = x.shape
-    num_topk = lay.pos_in_expert.shape[1]
     fmt, _, amax_epsilon = _wire(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_send",
-                            [num_topk, cached, _index_type(topk_idx), fmt])
-    kernel.launch(num_sms, COMM_THREADS, [
-        ptr(x), ptr(x_scales), i32(num_tokens), i32(hidden), f32(amax_epsilon), ptr(topk_idx),
-        ptr(topk_weights), ptr(lay.pos_in_expert), ptr(lay.is_token_in_rank),
-        ptr(lay.token_slot_in_rank), ptr(peer_bases), ptr(regions), i32(rank), i32(num_ranks),
-        i32(num_local), u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim, errors.record],
-        _stream())
+                            [topk_idx.shape[1], cached, _index_type(topk_idx), fmt])
+    kernel.launch(num_sms, COMM_THREADS, (
+        x.data_ptr(), addr(x_scales), num_tokens, hidden, amax_epsilon, topk_idx.data_ptr(),
+        addr(topk_weights), lay.address("pos_in_expert"), lay.address("is_token_in_rank"),
+        lay.address("token_slot_in_rank"), peer_bases.data_ptr(), regions.data_ptr(), rank,
+        num_ranks, num_local, epoch & 0xFFFFFFFF, timeout_ns, errors.claim, errors.record),
+        _stream(), signature=_SEND_SIG)
+
+
+_RECV_SIG = Sig("ppp ii ppppp ppf ppppi pp iiiu q pp")
 
 
 def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
-                  recv_weights: Optional[torch.Tensor], recv,
-                  num_recv_tokens_per_rank: torch.Tensor, slot_rows: torch.Tensor,
-                  x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                  recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
+                  x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                   topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
                   fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
                   num_ranks: int, num_local: int, epoch: int, num_sms: int, timeout_ns: int,
                   errors: ErrorSink) -> None:
     """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`.
 
-    `recv_x` is `[M, H]` bf16, or e4m3 rows with `recv_scales` when `fp8` keeps FP8.
+    `recv_x` is `[M, H]` bf16, or e4m3 rows with `recv_scales` when `fp8` keeps FP8; `recv`
+    holds the dispatch's `recv_fields` arrays (`slot_rows` written unless `cached`).
     """
-    num_topk = slot_rows.shape[2]
     fmt, dequant, amax_epsilon = _wire(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_recv",
-                            [num_topk, cached, _index_type(topk_idx), fmt, dequant])
-    kernel.launch(num_sms, COMM_THREADS, [
-        ptr(recv_x), ptr(recv_scales), ptr(recv_weights), i32(recv_x.shape[0]),
-        i32(recv_x.shape[1]), ptr(num_recv_tokens_per_rank),
-        ptr(recv.num_recv_tokens_per_expert), ptr(recv.expert_row_start),
-        ptr(recv.src_expert_offset), ptr(slot_rows), ptr(x), ptr(x_scales), f32(amax_epsilon),
-        ptr(topk_idx), ptr(topk_weights), ptr(lay.pos_in_expert), ptr(lay.slot_token),
-        i32(x.shape[0]), ptr(peer_bases), ptr(regions), i32(rank), i32(num_ranks),
-        i32(num_local), u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim,
-        errors.record], _stream())
+                            [topk_idx.shape[1], cached, _index_type(topk_idx), fmt, dequant])
+    a = recv.address
+    kernel.launch(num_sms, COMM_THREADS, (
+        recv_x.data_ptr(), addr(recv_scales), addr(recv_weights), recv_x.shape[0],
+        recv_x.shape[1], a("num_recv_tokens_per_rank"), a("num_recv_tokens_per_expert"),
+        a("expert_row_start"), a("src_expert_offset"), a("slot_rows"), x.data_ptr(),
+        addr(x_scales), amax_epsilon, topk_idx.data_ptr(), addr(topk_weights),
+        lay.address("pos_in_expert"), lay.address("slot_token"), x.shape[0],
+        peer_bases.data_ptr(), regions.data_ptr(), rank, num_ranks, num_local,
+        epoch & 0xFFFFFFFF, timeout_ns, errors.claim, errors.record),
+        _stream(), signature=_RECV_SIG)
+
+
+_LOCAL_SIG = Sig("ppp ii ppp ppf pppp ii")
 
 
 def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
-                   recv_weights: Optional[torch.Tensor], recv, slot_rows: torch.Tensor,
-                   x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                   recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
+                   x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
                    fp8, num_local: int, num_sms: int) -> None:
     """EP = 1: expands `x [N, H]` into the expert-major `recv_x` with no protocol; the same
-    outputs as `dispatch_recv` on one rank (`recv_weights` and `slot_rows` written unless
-    `cached`, which reads `slot_rows`)."""
-    num_topk = slot_rows.shape[2]
+    outputs as `dispatch_recv` on one rank (`recv_weights` and `recv`'s `slot_rows` written
+    unless `cached`, which reads `slot_rows`)."""
     fmt, dequant, amax_epsilon = _wire(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_local",
-                            [num_topk, cached, _index_type(topk_idx), fmt, dequant])
+                            [topk_idx.shape[1], cached, _index_type(topk_idx), fmt, dequant])
     threads = 1024 if fmt == 0 else COMM_THREADS  # DispatchLocalThreads in dispatch.cu
-    kernel.launch(num_sms, threads, [
-        ptr(recv_x), ptr(recv_scales), ptr(recv_weights), i32(recv_x.shape[0]),
-        i32(recv_x.shape[1]), ptr(recv.num_recv_tokens_per_expert),
-        ptr(recv.expert_row_start), ptr(slot_rows), ptr(x), ptr(x_scales), f32(amax_epsilon),
-        ptr(topk_idx), ptr(topk_weights), ptr(lay.pos_in_expert), ptr(lay.token_slot_in_rank),
-        i32(x.shape[0]), i32(num_local)], _stream())
+    a = recv.address
+    kernel.launch(num_sms, threads, (
+        recv_x.data_ptr(), addr(recv_scales), addr(recv_weights), recv_x.shape[0],
+        recv_x.shape[1], a("num_recv_tokens_per_expert"), a("expert_row_start"),
+        a("slot_rows"), x.data_ptr(), addr(x_scales), amax_epsilon, topk_idx.data_ptr(),
+        addr(topk_weights), lay.address("pos_in_expert"), lay.address("token_slot_in_rank"),
+        x.shape[0], num_local), _stream(), signature=_LOCAL_SIG)
+
+
+_COMBINE_SEND_SIG = Sig("p i pppp pp iiu q pp")
 
 
 def combine_send(y: torch.Tensor, handle, weighted: bool,
@@ -254,11 +318,15 @@ def combine_send(y: torch.Tensor, handle, weighted: bool,
     """Sends one fp32-accumulated partial row per received slot back to its source rank."""
     kernel = jit.get_kernel("combine.cu", "combine_send",
                             [handle.num_topk, weighted, grad_row_weights is not None])
-    kernel.launch(num_sms, COMM_THREADS, [
-        ptr(y), i32(y.shape[1] * 2 // 16), ptr(handle.recv_weights), ptr(grad_row_weights),
-        ptr(handle.slot_rows), ptr(handle.num_recv_tokens_per_rank), ptr(peer_bases),
-        ptr(regions), i32(rank), i32(num_ranks), u32(epoch & 0xFFFFFFFF), u64(timeout_ns),
-        errors.claim, errors.record], _stream())
+    kernel.launch(num_sms, COMM_THREADS, (
+        y.data_ptr(), y.shape[1] * 2 // 16, handle.recv_weights.data_ptr(),
+        addr(grad_row_weights), handle.address("slot_rows"),
+        handle.address("num_recv_tokens_per_rank"), peer_bases.data_ptr(), regions.data_ptr(),
+        rank, num_ranks, epoch & 0xFFFFFFFF, timeout_ns, errors.claim, errors.record),
+        _stream(), signature=_COMBINE_SEND_SIG)
+
+
+_COMBINE_REDUCE_SIG = Sig("pp ii p ppp pp pp iiu q pp")
 
 
 def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
@@ -269,12 +337,15 @@ def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: to
     kernel = jit.get_kernel("combine.cu", "combine_reduce",
                             [handle.num_topk, weighted, grad_row_weights is not None])
     lay = handle.layout
-    kernel.launch(num_sms, COMM_THREADS, [
-        ptr(out), ptr(out_weights), i32(out.shape[0]), i32(out.shape[1] * 2 // 16), ptr(y),
-        ptr(handle.recv_weights), ptr(grad_row_weights), ptr(handle.slot_rows),
-        ptr(lay.is_token_in_rank), ptr(lay.token_slot_in_rank), ptr(peer_bases), ptr(regions),
-        i32(rank), i32(num_ranks), u32(epoch & 0xFFFFFFFF), u64(timeout_ns), errors.claim,
-        errors.record], _stream())
+    kernel.launch(num_sms, COMM_THREADS, (
+        out.data_ptr(), addr(out_weights), out.shape[0], out.shape[1] * 2 // 16, y.data_ptr(),
+        handle.recv_weights.data_ptr(), addr(grad_row_weights), handle.address("slot_rows"),
+        lay.address("is_token_in_rank"), lay.address("token_slot_in_rank"),
+        peer_bases.data_ptr(), regions.data_ptr(), rank, num_ranks, epoch & 0xFFFFFFFF,
+        timeout_ns, errors.claim, errors.record), _stream(), signature=_COMBINE_REDUCE_SIG)
+
+
+_COMBINE_LOCAL_SIG = Sig("pp ii p ppp p")
 
 
 def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
@@ -285,11 +356,22 @@ def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: tor
     kernel = jit.get_kernel("combine.cu", "combine_local",
                             [handle.num_topk, weighted, grad_row_weights is not None])
     threads = 1024 if handle.num_topk <= 8 else 512  # CombineLocalThreads in combine.cu
-    kernel.launch(num_sms, threads, [
-        ptr(out), ptr(out_weights), i32(out.shape[0]), i32(out.shape[1] * 2 // 16), ptr(y),
-        ptr(handle.recv_weights), ptr(grad_row_weights), ptr(handle.slot_rows),
-        ptr(handle.layout.token_slot_in_rank)], _stream())
+    kernel.launch(num_sms, threads, (
+        out.data_ptr(), addr(out_weights), out.shape[0], out.shape[1] * 2 // 16, y.data_ptr(),
+        handle.recv_weights.data_ptr(), addr(grad_row_weights), handle.address("slot_rows"),
+        handle.layout.address("token_slot_in_rank")), _stream(),
+        signature=_COMBINE_LOCAL_SIG)
 
+
+# Every kernel's argument signature, checked against its CUDA parameter list by the CPU tests.
+KERNEL_SIGNATURES = {
+    ("layout.cu", "layout_kernel"): _LAYOUT_SIG, ("notify.cu", "notify_kernel"): _NOTIFY_SIG,
+    ("dispatch.cu", "dispatch_send"): _SEND_SIG, ("dispatch.cu", "dispatch_recv"): _RECV_SIG,
+    ("dispatch.cu", "dispatch_local"): _LOCAL_SIG,
+    ("combine.cu", "combine_send"): _COMBINE_SEND_SIG,
+    ("combine.cu", "combine_reduce"): _COMBINE_REDUCE_SIG,
+    ("combine.cu", "combine_local"): _COMBINE_LOCAL_SIG,
+}
 
 # (kFmt, kDequant) pairs of dispatch_recv beyond bf16: every FP8 wire format, kept or dequantized.
 FP8_RECV_VARIANTS = [(fmt, dequant) for fmt in (1, 2, 3) for dequant in (False, True)]

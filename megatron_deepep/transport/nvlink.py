@@ -2,8 +2,10 @@
 
 Per dispatch: layout (local) -> notify (counts to every peer, epoch flag) -> dispatch_send (each
 token once per destination rank into its staging region) -> [one host wait for the row count,
-unless the caller gave an upper bound] -> dispatch_recv (expand into expert-major rows); at
-EP = 1, dispatch_local alone after notify (no staging, no protocol).
+unless the caller gave an upper bound] -> dispatch_recv (expand into expert-major rows). At
+EP = 1 the layout kernel also writes the receive layout (no notify), and dispatch_local expands
+with no staging and no protocol; a synchronous call launches it into a row bound before its host
+wait and returns a view of the exact rows.
 Per combine: combine_send (one partial row per received slot back to its source) ->
 combine_reduce (sum over ranks); at EP = 1, combine_local alone (no protocol). Flags carry
 per-operation epochs, so the buffer is never zeroed between calls, and every writer first waits
@@ -12,6 +14,7 @@ until its reader has consumed the previous call.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Optional, Tuple
@@ -19,16 +22,30 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_deepep import ops
-from megatron_deepep.handle import DispatchHandle, RecvLayout
-from megatron_deepep.layout import DispatchLayout
+from megatron_deepep.arena import ArenaPlan
+from megatron_deepep.handle import DispatchHandle, RecvLayout, recv_fields
+from megatron_deepep.layout import DispatchLayout, layout_fields
 from megatron_deepep.transport.errors import ERROR_RECORD_WORDS, error_from_record
 from megatron_deepep.transport.ipc import MappedHostArray, SymmetricBuffer
 from megatron_deepep.transport.regions import MAX_LOCAL_EXPERTS, BufferRegions
 
 logger = logging.getLogger(__name__)
 
-HOST_INFO_WORDS = 4 + MAX_LOCAL_EXPERTS  # struct HostInfo of notify.cu
+HOST_INFO_WORDS = 4 + MAX_LOCAL_EXPERTS  # struct HostInfo of common/host_info.cuh
 CLAIM_OFFSET = 8 * 4                     # Workspace.error_claim, after 8 block counters
+# A synchronous dispatch at EP = 1 launches its expand before the host wait when the row bound
+# exceeds the entries by at most 1/this (the alignment padding it must allow for).
+EARLY_LAUNCH_MAX_SLACK = 8
+
+
+@functools.lru_cache(maxsize=256)
+def _dispatch_plan(num_tokens: int, num_topk: int, num_experts: int, num_ranks: int,
+                   slots_per_rank: int, with_layout: bool) -> ArenaPlan:
+    """The arena of one dispatch: its layout's arrays (unless the caller gave a layout), the
+    receive layout, the per-source token counts and the slot rows."""
+    fields = layout_fields(num_tokens, num_topk, num_experts, num_ranks) if with_layout else []
+    return ArenaPlan(fields + recv_fields(num_ranks, num_experts // num_ranks, slots_per_rank,
+                                          num_topk))
 
 
 class BrokenBufferError(RuntimeError):
@@ -103,15 +120,15 @@ class NVLinkTransport:
         self.check_errors()
         return num_rows
 
-    def _host_tokens_per_expert(self) -> list:
+    def _host_tokens_per_expert(self, num_local: int) -> list:
         """The last notify's padded rows per local expert, from mapped host memory."""
-        return self.host_info.words[4:4 + self._num_local].tolist()
+        return self.host_info.words[4:4 + num_local].tolist()
 
     # ------------------------------------------------------------------ dispatch
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         self.check_errors()
         return ops.layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
-                          self.errors, timeout_ns=self.timeout_ns)[0]
+                          self.errors, timeout_ns=self.timeout_ns)
 
     def _common(self):
         return dict(peer_bases=self.sym.peer_bases, regions=self.regions_dev, rank=self.rank,
@@ -126,6 +143,18 @@ class NVLinkTransport:
                 torch.empty(num_rows, fp8.fmt.num_blocks(hidden), dtype=fp8.fmt.scale_dtype,
                             device=device))
 
+    def _rows_before_wait(self, num_tokens: int, num_topk: int, num_local: int,
+                          alignment: int) -> Optional[int]:
+        """At EP = 1, a row bound that lets the expand start before the host learns the exact
+        count (the result is then a view of its first rows): every (token, k) entry is at most
+        one row, plus each expert's alignment padding. None (wait first) at EP > 1, or when
+        the padding would make the bound more than 1/8 larger than the entries."""
+        if self.num_ranks != 1:
+            return None
+        num_entries = num_tokens * num_topk
+        slack = min(num_local, num_entries) * (alignment - 1)
+        return num_entries + slack if slack <= num_entries // EARLY_LAUNCH_MAX_SLACK else None
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  num_experts: int, expert_alignment: int = 1,
                  num_max_recv_rows: Optional[int] = None,
@@ -137,58 +166,63 @@ class NVLinkTransport:
         self.check_errors()
         dev, R = x.device, self.num_ranks
         num_local = num_experts // R
-        self._num_local = num_local
-        num_topk = topk_idx.shape[1]
-        slots = R * self.regions.max_tokens * num_topk
-        sizes = [num_local, num_local, num_local + 1, R * num_local, R, slots]
-        if layout is None:  # the layout's allocation also holds the receive-side arrays
-            layout, scratch = ops.layout(topk_idx, num_experts, R, self.rank, self.errors,
-                                         extra_ints=sum(sizes), timeout_ns=self.timeout_ns)
-        else:
-            scratch = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
-        per_expert, padded, row_start, src_offset, num_recv_tokens_per_rank, slot_rows = \
-            scratch.split(sizes)
-        slot_rows = slot_rows.view(R, self.regions.max_tokens, num_topk)
-        recv = RecvLayout(num_recv_tokens_per_expert=per_expert, tokens_per_expert=padded,
-                          expert_row_start=row_start,
-                          src_expert_offset=src_offset.view(R, num_local))
+        num_tokens, num_topk = topk_idx.shape
+        hidden = x.shape[1]
+        # One allocation for the layout (unless given) and every receive-side array.
+        arena = _dispatch_plan(num_tokens, num_topk, num_experts, R, self.regions.max_tokens,
+                               layout is None).allocate(dev)
         self.notify_epoch += 1
         self.dispatch_epoch += 1
         bound = -1 if num_max_recv_rows is None else num_max_recv_rows
-        ops.notify(self.sym.peer_bases, self.rank, R, self.notify_epoch, layout, num_local,
-                   x.shape[1], num_topk, expert_alignment, bound, recv,
-                   num_recv_tokens_per_rank, self.host_info.device_ptr, self.timeout_ns,
-                   self.errors)
+        local_recv = None
+        if layout is None:
+            if R == 1:  # one rank: the layout kernel writes the receive layout, no notify
+                local_recv = ops.LocalRecv(arena, self.host_info.device_ptr, expert_alignment,
+                                           bound, self.notify_epoch)
+            layout = ops.layout(topk_idx, num_experts, R, self.rank, self.errors,
+                                timeout_ns=self.timeout_ns, arena=arena, local_recv=local_recv)
+        if local_recv is None:
+            ops.notify(self.sym.peer_bases, self.rank, R, self.notify_epoch, layout, num_local,
+                       hidden, num_topk, expert_alignment, bound, arena,
+                       self.host_info.device_ptr, self.timeout_ns, self.errors)
         if R > 1:
             ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, False, fp8,
                               num_local=num_local,
                               epoch=self.dispatch_epoch, num_sms=self.num_sms,
                               timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
-        tokens_per_expert_list = None
-        if num_max_recv_rows is None:
-            num_rows = self._wait_host_info(self.notify_epoch)
-        else:
+        rows_before_wait = None
+        if num_max_recv_rows is not None:
             num_rows = num_max_recv_rows
-        recv_x, recv_scales = self._empty_recv(num_rows, x.shape[1], fp8, dev)
-        recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
+        else:
+            rows_before_wait = self._rows_before_wait(num_tokens, num_topk, num_local,
+                                                      expert_alignment)
+            if rows_before_wait is None:
+                num_rows = self._wait_host_info(self.notify_epoch)
+        alloc_rows = num_rows if rows_before_wait is None else rows_before_wait
+        recv_x, recv_scales = self._empty_recv(alloc_rows, hidden, fp8, dev)
+        recv_weights = torch.empty(alloc_rows, dtype=torch.float32, device=dev)
         if R == 1:  # nothing to exchange: no protocol
-            ops.dispatch_local(recv_x, recv_scales, recv_weights, recv, slot_rows, x, x_scales,
+            ops.dispatch_local(recv_x, recv_scales, recv_weights, arena, x, x_scales,
                                topk_idx, topk_weights, layout, False, fp8, num_local,
                                self.num_sms)
         else:
-            ops.dispatch_recv(recv_x, recv_scales, recv_weights, recv, num_recv_tokens_per_rank,
-                              slot_rows, x, x_scales, topk_idx, topk_weights, layout, False,
-                              fp8, num_local=num_local, epoch=self.dispatch_epoch,
-                              num_sms=self.num_sms, timeout_ns=self.timeout_ns,
-                              errors=self.errors, **self._common())
+            ops.dispatch_recv(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx,
+                              topk_weights, layout, False, fp8, num_local=num_local,
+                              epoch=self.dispatch_epoch, num_sms=self.num_sms,
+                              timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
+        tokens_per_expert_list = None
         if num_max_recv_rows is None:  # read after the launch: off the wait's critical path
-            tokens_per_expert_list = self._host_tokens_per_expert()
-        handle = DispatchHandle(
-            layout=layout, recv=recv, num_recv_tokens_per_rank=num_recv_tokens_per_rank,
-            slot_rows=slot_rows, recv_weights=recv_weights, num_experts=num_experts,
-            num_topk=num_topk, hidden=x.shape[1], expert_alignment=expert_alignment,
-            num_recv_rows=num_rows, tokens_per_expert_list=tokens_per_expert_list,
-            transport_state=topk_idx)
+            if rows_before_wait is not None:
+                num_rows = self._wait_host_info(self.notify_epoch)
+                if num_rows < alloc_rows:  # the exact size: a view of the first rows
+                    recv_x, recv_weights = recv_x[:num_rows], recv_weights[:num_rows]
+                    recv_scales = None if recv_scales is None else recv_scales[:num_rows]
+            tokens_per_expert_list = self._host_tokens_per_expert(num_local)
+        handle = DispatchHandle.from_arena(
+            arena, layout=layout, recv=RecvLayout.from_arena(arena), recv_weights=recv_weights,
+            num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+            expert_alignment=expert_alignment, num_recv_rows=num_rows,
+            tokens_per_expert_list=tokens_per_expert_list, transport_state=(topk_idx, arena))
         return (recv_x if recv_scales is None else (recv_x, recv_scales)), recv_weights, handle
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8=None,
@@ -196,7 +230,7 @@ class NVLinkTransport:
         """Replays `handle`'s routing for new rows; returns recv_x or its FP8 pair."""
         self.check_errors()
         num_local = handle.num_local_experts
-        topk_idx = handle.transport_state
+        topk_idx, arena = handle.transport_state
         self.dispatch_epoch += 1
         if self.num_ranks > 1:
             ops.dispatch_send(x, x_scales, topk_idx, None, handle.layout, True, fp8,
@@ -205,15 +239,13 @@ class NVLinkTransport:
                               errors=self.errors, **self._common())
         recv_x, recv_scales = self._empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
         if self.num_ranks == 1:
-            ops.dispatch_local(recv_x, recv_scales, None, handle.recv, handle.slot_rows, x,
-                               x_scales, topk_idx, None, handle.layout, True, fp8, num_local,
-                               self.num_sms)
-            return recv_x if recv_scales is None else (recv_x, recv_scales)
-        ops.dispatch_recv(recv_x, recv_scales, None, handle.recv,
-                          handle.num_recv_tokens_per_rank, handle.slot_rows, x, x_scales,
-                          topk_idx, None, handle.layout, True, fp8, num_local=num_local,
-                          epoch=self.dispatch_epoch, num_sms=self.num_sms,
-                          timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
+            ops.dispatch_local(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None,
+                               handle.layout, True, fp8, num_local, self.num_sms)
+        else:
+            ops.dispatch_recv(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None,
+                              handle.layout, True, fp8, num_local=num_local,
+                              epoch=self.dispatch_epoch, num_sms=self.num_sms,
+                              timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
         return recv_x if recv_scales is None else (recv_x, recv_scales)
 
     # ------------------------------------------------------------------ combine

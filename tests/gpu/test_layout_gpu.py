@@ -52,7 +52,7 @@ def _ids(kind, num_tokens, topk, num_experts, gen):
 
 
 def _check(topk_idx, num_experts, num_ranks, sink, claim, record, chunk_tokens=None):
-    got, _ = ops.layout(topk_idx, num_experts, num_ranks, 0, sink, chunk_tokens=chunk_tokens)
+    got = ops.layout(topk_idx, num_experts, num_ranks, 0, sink, chunk_tokens=chunk_tokens)
     torch.cuda.synchronize()
     exc = error_from_record(record.words, 1.0)
     assert exc is None and int(claim.item()) == 0, exc
@@ -109,7 +109,7 @@ def test_layout_back_to_back_two_streams_and_a_graph(errors):
         ops.layout(ids, 256, 2, 0, sink)  # the workspace exists before capture
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
-            lay, _ = ops.layout(ids, 256, 2, 0, sink)
+            lay = ops.layout(ids, 256, 2, 0, sink)
     for _ in range(3):
         ids.copy_(_ids("random", 4096, 8, 256, gen).cuda())
         graph.replay()
@@ -130,3 +130,64 @@ def test_layout_bad_expert_id_is_reported(errors):
     assert isinstance(exc, ValueError) and "token 2500" in str(exc) and "64" in str(exc)
     claim.zero_()
     record.words[:] = 0
+
+
+@pytest.mark.parametrize("num_tokens,topk,num_experts,alignment,bound", [
+    (4096, 8, 256, 1, -1), (3001, 6, 64, 16, -1), (777, 4, 128, 128, -1), (0, 2, 8, 8, -1),
+    (2049, 16, 16, 1, 2049 * 16)])
+def test_layout_writes_the_ep1_receive_layout(errors, num_tokens, topk, num_experts, alignment,
+                                              bound):
+    """EP = 1: the layout kernel's last block writes what notify would (compute_recv_layout)
+    and publishes the row count and padded sizes to the host, with the given epoch."""
+    from megatron_deepep.arena import ArenaPlan
+    from megatron_deepep.handle import compute_recv_layout, recv_fields
+    from megatron_deepep.layout import layout_fields
+    from megatron_deepep.transport.nvlink import HOST_INFO_WORDS
+
+    claim, record, sink = errors
+    gen = torch.Generator().manual_seed(num_tokens + alignment)
+    ids = _ids("dropped", num_tokens, topk, num_experts, gen).cuda()
+    arena = ArenaPlan(layout_fields(num_tokens, topk, num_experts, 1)
+                      + recv_fields(1, num_experts, max(num_tokens, 1), topk)).allocate("cuda")
+    host = MappedHostArray(HOST_INFO_WORDS)
+    try:
+        for epoch in (5, 6):  # a second call on the same workspace publishes its own epoch
+            local = ops.LocalRecv(arena, host.device_ptr, alignment, bound, epoch)
+            lay = ops.layout(ids, num_experts, 1, 0, sink, arena=arena, local_recv=local)
+            torch.cuda.synchronize()
+            assert error_from_record(record.words, 1.0) is None and int(claim.item()) == 0
+            exp_lay = compute_layout(ids.cpu(), num_experts, 1)
+            exp = compute_recv_layout(exp_lay.num_tokens_per_expert.view(1, -1), alignment)
+            for name in ("num_recv_tokens_per_expert", "tokens_per_expert", "expert_row_start",
+                         "src_expert_offset"):
+                assert torch.equal(arena.view(name).cpu(), getattr(exp, name)), name
+            assert arena.view("num_recv_tokens_per_rank").cpu().tolist() == \
+                exp_lay.num_tokens_per_rank.tolist()
+            assert torch.equal(lay.pos_in_expert.cpu(), exp_lay.pos_in_expert)
+            num_rows = int(exp.expert_row_start[-1])
+            assert host.words[0] == epoch and host.words[1] == num_rows
+            assert host.words[4:4 + num_experts].tolist() == exp.tokens_per_expert.tolist()
+    finally:
+        host.destroy()
+
+
+def test_layout_ep1_row_bound_overflow_is_reported(errors):
+    claim, record, sink = errors
+    from megatron_deepep.arena import ArenaPlan
+    from megatron_deepep.handle import recv_fields
+    from megatron_deepep.layout import layout_fields
+    from megatron_deepep.transport.nvlink import HOST_INFO_WORDS
+
+    ids = _ids("random", 100, 4, 16, torch.Generator().manual_seed(4)).cuda()
+    arena = ArenaPlan(layout_fields(100, 4, 16, 1) + recv_fields(1, 16, 100, 4)).allocate("cuda")
+    host = MappedHostArray(HOST_INFO_WORDS)
+    try:
+        ops.layout(ids, 16, 1, 0, sink, arena=arena,
+                   local_recv=ops.LocalRecv(arena, host.device_ptr, 1, 399, 1))
+        torch.cuda.synchronize()
+        exc = error_from_record(record.words, 1.0)
+        assert exc is not None and "399" in str(exc) and "400" in str(exc), exc
+    finally:
+        claim.zero_()
+        record.words[:] = 0
+        host.destroy()

@@ -32,6 +32,7 @@ NUM_CALLS = int(os.environ.get("MDEEP_TEST_CALLS", "1000"))
 CASES = [
     ("random", 64, 7168, 4, 8, 1),
     ("random", 37, 2880, 3, 4, 16),
+    ("dropped", 64, 2048, 4, 8, 8),  # EP = 1: the expand starts before the wait, then trimmed
     ("dropped", 50, 4096, 2, 6, 1),
     ("skewed", 40, 2048, 2, 2, 32),
     ("empty", 16, 2048, 1, 1, 1),
