@@ -18,6 +18,10 @@ using namespace mdeep;
 
 constexpr int kDispatchThreads = 512;
 
+#ifndef MDEEP_DISPATCH_PRELOAD  // 0: dispatch_local loads a row only after its bookkeeping
+#define MDEEP_DISPATCH_PRELOAD 1
+#endif
+
 // Bytes of one output row of recv_x: bf16 unless the rows stay in FP8.
 template <int kFmt, bool kDequant>
 __device__ __forceinline__ i64 out_row_bytes(int hidden) {
@@ -282,7 +286,13 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                                             scale_bytes, max_rows, num_recv_tokens_per_expert,
                                             expert_row_start, lane);
 
+    constexpr bool kPreload = kFmt == fp8::kWireBf16 && MDEEP_DISPATCH_PRELOAD;
     for (int n = warp; n < num_tokens; n += num_warps) {
+        // bf16: the row's first chunk is in flight while the ids and rows below are loaded.
+        int4 first[kCopyUnroll];
+        if (kPreload)
+            load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
+                              hidden / 8, lane, first);
         const int slot = token_slot_in_rank[n];
         if (slot < 0) continue;  // no expert on this rank: no rows, no slot
         int* my_rows = slot_rows + (i64)slot * kTopk;
@@ -298,6 +308,12 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             }
             my_rows[lane] = row_lane;
             if (row_lane >= 0) recv_weights[row_lane] = weight;
+        }
+        if (kPreload) {
+            warp_copy_row_to_lane_rows<kTopk>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
+                                              first, recv_x, row_bytes, row_lane, hidden / 8,
+                                              lane);
+            continue;
         }
         u8* dst[kTopk];
         u8* dst_scales[kTopk];

@@ -10,28 +10,69 @@ namespace mdeep {
 // 16 B x 8 in flight per lane: enough bytes to cover latency (a tuning knob, see jit.py).
 constexpr int kCopyUnroll = MDEEP_COPY_UNROLL;
 
+// One lane's share of a chunk of kCopyUnroll x 32 words starting at `base`: word
+// base + u * 32 + lane for u < kCopyUnroll. kStagedSrc: the source was written by a peer during
+// this kernel (read through L2), else it is read-only input (non-coherent path).
+template <bool kStagedSrc>
+__device__ __forceinline__ void load_chunk(const int4* src, int base, int num_int4, int lane,
+                                           int4 (&v)[kCopyUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < num_int4) v[u] = kStagedSrc ? ld_cg_v4(src + i) : ld_nc_v4(src + i);
+    }
+}
+
+template <int kMaxDst>
+__device__ __forceinline__ void store_chunk(int4* const* dst, int num_dst, int base,
+                                            int num_int4, int lane,
+                                            const int4 (&v)[kCopyUnroll]) {
+#pragma unroll
+    for (int d = 0; d < kMaxDst; ++d) {
+        if (d >= num_dst) break;
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < num_int4) st_v4(dst[d] + i, v[u]);
+        }
+    }
+}
+
 // Copies one row of `num_int4` 16-byte words from `src` to up to kMaxDst destinations; the
-// whole warp takes part. kStagedSrc: the source was written by a peer during this kernel (read
-// through L2), else it is read-only input (non-coherent path).
+// whole warp takes part.
 template <int kMaxDst, bool kStagedSrc>
 __device__ __forceinline__ void warp_copy_row(const int4* src, int4* const* dst, int num_dst,
                                               int num_int4, int lane) {
     for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
         int4 v[kCopyUnroll];
+        load_chunk<kStagedSrc>(src, base, num_int4, lane, v);
+        store_chunk<kMaxDst>(dst, num_dst, base, num_int4, lane, v);
+    }
+}
+
+// Copies one read-only row to the rows of `out` (of `row_bytes` each) that lanes 0..kMaxDst-1
+// name in `row_lane` (-1: none), taken by shuffle per chunk, so no destination array lives in
+// local memory. The caller already loaded the first chunk `v` (issued before the token's
+// bookkeeping loads, so their latencies overlap).
+template <int kMaxDst>
+__device__ __forceinline__ void warp_copy_row_to_lane_rows(const int4* src, int4 (&v)[kCopyUnroll],
+                                                           u8* out, i64 row_bytes, int row_lane,
+                                                           int num_int4, int lane) {
+    for (int base = 0;;) {
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < num_int4) v[u] = kStagedSrc ? ld_cg_v4(src + i) : ld_nc_v4(src + i);
-        }
-#pragma unroll
-        for (int d = 0; d < kMaxDst; ++d) {
-            if (d >= num_dst) break;
+        for (int k = 0; k < kMaxDst; ++k) {
+            const int row = __shfl_sync(0xffffffffu, row_lane, k);
+            if (row < 0) continue;
+            int4* dst = reinterpret_cast<int4*>(out + row * row_bytes);
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u) {
                 const int i = base + u * 32 + lane;
-                if (i < num_int4) st_v4(dst[d] + i, v[u]);
+                if (i < num_int4) st_v4(dst + i, v[u]);
             }
         }
+        base += 32 * kCopyUnroll;
+        if (base >= num_int4) break;
+        load_chunk<false>(src, base, num_int4, lane, v);
     }
 }
 
