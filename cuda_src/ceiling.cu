@@ -3,7 +3,8 @@
 //   fill_kernel: write-only rate (16-byte stores, grid-stride). torch's own fill reaches ~20%
 //     less on H200, so it understates the write ceiling.
 //   fan_out_copy: the EP=1 expand's traffic without its bookkeeping: each of N rows read once
-//     and written to `fan_out` rows given by `dst_rows` (N x fan_out, -1 skips).
+//     and written to `fan_out` rows given by `dst_rows` (N x fan_out, -1 skips); a row's first
+//     loads are issued before its destinations are read, as the expand does.
 //   fan_in_sum: the EP=1 combine's traffic: for each of N output rows, its `fan_in` rows of
 //     `src` (given by `src_rows`) summed in fp32 and written once in bf16.
 #include "common/types.cuh"
@@ -26,13 +27,21 @@ __global__ void __launch_bounds__(512) fan_out_copy(const int4* src, const int* 
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
     for (int n = warp; n < num_rows; n += num_warps) {
+        // The row's first chunk is loaded before its destinations (as dispatch_local does).
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = u * 32 + lane;
+            if (i < num_int4) v[u] = ld_nc_v4(src + (i64)n * num_int4 + i);
+        }
         const int my_row = lane < fan_out ? dst_rows[(i64)n * fan_out + lane] : -1;
         for (int base = 0; base < num_int4; base += 32 * kUnroll) {
-            int4 v[kUnroll];
+            if (base > 0) {
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < num_int4) v[u] = ld_nc_v4(src + (i64)n * num_int4 + i);
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int i = base + u * 32 + lane;
+                    if (i < num_int4) v[u] = ld_nc_v4(src + (i64)n * num_int4 + i);
+                }
             }
             for (int k = 0; k < fan_out; ++k) {
                 const int row = __shfl_sync(0xffffffffu, my_row, k);

@@ -280,17 +280,24 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     const i64 row_bytes = sizes.out_row, in_row_bytes = sizes.in_row;
     const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
 
+    // bf16: a token's first chunk is in flight while its ids and rows are loaded; the first
+    // token's even before the wait for the layout kernel (launched programmatically after it,
+    // this kernel may start while the layout still runs; x was complete before the layout).
+    constexpr bool kPreload = kFmt == fp8::kWireBf16 && MDEEP_DISPATCH_PRELOAD;
+    int4 first[kCopyUnroll];
+    if (kPreload && warp < num_tokens)
+        load_chunk<false>(reinterpret_cast<const int4*>(x + warp * in_row_bytes), 0, hidden / 8,
+                          lane, first);
+    griddep_wait();
+
     // Padding rows, one expert per warp from the last warp down: the first warps take tokens.
     for (int e = num_warps - 1 - warp; e >= 0 && e < num_local; e -= num_warps)
         zero_padding_rows<kFp8Out, kCached>(e, recv_x, recv_scales, recv_weights, row_bytes,
                                             scale_bytes, max_rows, num_recv_tokens_per_expert,
                                             expert_row_start, lane);
 
-    constexpr bool kPreload = kFmt == fp8::kWireBf16 && MDEEP_DISPATCH_PRELOAD;
     for (int n = warp; n < num_tokens; n += num_warps) {
-        // bf16: the row's first chunk is in flight while the ids and rows below are loaded.
-        int4 first[kCopyUnroll];
-        if (kPreload)
+        if (kPreload && n != warp)
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
         const int slot = token_slot_in_rank[n];

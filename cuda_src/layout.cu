@@ -118,6 +118,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     const int num_entries = max(0, min(chunk_tokens, num_tokens - first_token)) * kTopk;
     const u32 epoch = ld_acquire_gpu(state) + 1u;
     const u32 published = 2u * epoch, inclusive = published + 1u;
+    // The EP = 1 expand (a programmatic launch) may start now: it loads its first input rows,
+    // then waits for this grid to finish before it reads anything written here.
+    griddep_launch_dependents();
 
     // 1. The chunk's ids (all loads first), then its bitmaps and counts.
     const IdxT* chunk_idx = topk_idx + (i64)first_token * kTopk;

@@ -15,6 +15,8 @@ Environment knobs (all read at first use):
 - `MEGATRON_DEEPEP_LAUNCH_VIA_CUPY`: 1: launch through CuPy instead of `cuLaunchKernel`.
 - `MEGATRON_DEEPEP_JIT_DEFINES`: extra `-D` macros, comma-separated (tuning knobs such as
   `MDEEP_COPY_UNROLL=16`); part of the cache key.
+- `MEGATRON_DEEPEP_PDL`: 0: no programmatic dependent launch (the EP = 1 expand then starts
+  only after the layout kernel has finished).
 """
 
 from __future__ import annotations
@@ -269,6 +271,52 @@ def _packer(args: Sequence) -> _ArgPacker:
     return packer
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, and a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig of cuLaunchKernelEx."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_ex():
+    """cuLaunchKernelEx, for launches that may start before the previous kernel on the stream
+    has finished (programmatic dependent launch; the kernel's griddepcontrol.wait orders it)."""
+    launch_ex = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_void_p]
+    launch_ex.restype = ctypes.c_int
+    return launch_ex
+
+
+def _programmatic_config() -> _LaunchConfig:
+    """A per-thread launch config carrying the programmatic-serialization attribute."""
+    config = getattr(_packers, "programmatic", None)
+    if config is None:
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        config = _LaunchConfig(num_attrs=1)
+        config.attrs = ctypes.pointer(attr)
+        config._attr = attr  # keep it alive
+        _packers.programmatic = config
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch (Hopper+) for kernels that ask for it; MEGATRON_DEEPEP_PDL=0
+    turns it off."""
+    return os.environ.get(ENV_PREFIX + "PDL", "1") not in ("0", "false", "False")
+
+
 @functools.lru_cache(maxsize=None)
 def _driver():
     """libcuda's cuLaunchKernel and cuGetErrorName through ctypes (a call costs ~1 µs, against
@@ -327,9 +375,11 @@ class Kernel:
         return int(getattr(inner, "ptr"))
 
     def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0,
-               signature: Optional[Signature] = None) -> None:
+               signature: Optional[Signature] = None, programmatic: bool = False) -> None:
         """Launches on a torch stream (or a `RawStream`); `args` are numpy scalars (pointers
-        as np.uint64), or plain Python numbers typed by `signature`.
+        as np.uint64), or plain Python numbers typed by `signature`. `programmatic`: the kernel
+        may start while the previous kernel on the stream still runs (it must execute
+        griddepcontrol.wait before reading that kernel's outputs); off when `pdl_enabled()` is.
 
         Raises:
             RuntimeError: the launch failed (the CUDA error name and the kernel).
@@ -346,8 +396,15 @@ class Kernel:
             packer = _packer(args)
             packer.struct.pack_into(packer.buffer, 0, *args)
             params = packer.params
-        code = _driver()[0](self.function_ptr, max(int(grid), 1), 1, 1, int(block), 1, 1,
-                            shared_mem, stream.cuda_stream, params, None)
+        if programmatic and pdl_enabled():
+            config = _programmatic_config()
+            config.grid[0], config.grid[1], config.grid[2] = max(int(grid), 1), 1, 1
+            config.block[0], config.block[1], config.block[2] = int(block), 1, 1
+            config.shared_mem, config.stream = shared_mem, stream.cuda_stream
+            code = _launch_ex()(ctypes.byref(config), self.function_ptr, params, None)
+        else:
+            code = _driver()[0](self.function_ptr, max(int(grid), 1), 1, 1, int(block), 1, 1,
+                                shared_mem, stream.cuda_stream, params, None)
         if code != 0:
             raise RuntimeError(f"launching {self.name} (grid {grid}, block {block}) failed: "
                                f"{_cuda_error_name(code)}")

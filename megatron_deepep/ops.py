@@ -291,10 +291,12 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
                    recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
                    x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
-                   fp8, num_local: int, num_sms: int) -> None:
+                   fp8, num_local: int, num_sms: int, after_layout: bool = False) -> None:
     """EP = 1: expands `x [N, H]` into the expert-major `recv_x` with no protocol; the same
     outputs as `dispatch_recv` on one rank (`recv_weights` and `recv`'s `slot_rows` written
-    unless `cached`, which reads `slot_rows`)."""
+    unless `cached`, which reads `slot_rows`). `after_layout`: the previous kernel on this
+    stream is the layout kernel of `lay`, so the launch may overlap its end (the kernel reads
+    only `x`, complete before that layout began, until the layout has finished)."""
     fmt, dequant, amax_epsilon = _wire(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_local",
                             [topk_idx.shape[1], cached, _index_type(topk_idx), fmt, dequant])
@@ -305,7 +307,7 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         recv_x.shape[1], a("num_recv_tokens_per_expert"), a("expert_row_start"),
         a("slot_rows"), x.data_ptr(), addr(x_scales), amax_epsilon, topk_idx.data_ptr(),
         addr(topk_weights), lay.address("pos_in_expert"), lay.address("token_slot_in_rank"),
-        x.shape[0], num_local), _stream(), signature=_LOCAL_SIG)
+        x.shape[0], num_local), _stream(), signature=_LOCAL_SIG, programmatic=after_layout)
 
 
 _COMBINE_SEND_SIG = Sig("p i pppp pp iiu q pp")

@@ -59,4 +59,19 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4* p) { return __ldcg(p); }
 
 __device__ __forceinline__ void st_v4(int4* p, const int4& v) { *p = v; }
 
+// Programmatic dependent launch (sm_90+). griddep_wait: blocks until the previous kernel on the
+// stream has finished and its writes are visible (returns at once after a normal launch).
+// griddep_launch_dependents: the next kernel, if launched programmatically, may start now.
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace mdeep

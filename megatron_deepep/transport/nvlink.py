@@ -204,7 +204,7 @@ class NVLinkTransport:
         if R == 1:  # nothing to exchange: no protocol
             ops.dispatch_local(recv_x, recv_scales, recv_weights, arena, x, x_scales,
                                topk_idx, topk_weights, layout, False, fp8, num_local,
-                               self.num_sms)
+                               self.num_sms, after_layout=local_recv is not None)
         else:
             ops.dispatch_recv(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx,
                               topk_weights, layout, False, fp8, num_local=num_local,
