@@ -1,0 +1,178 @@
+"""CPU tier: the NVLink transport's host path with the kernels replaced by recorders.
+
+No GPU: every launch is packed through its real `jit.Signature` (a wrong argument count or type
+fails here) and recorded, the notify result the host polls is written by the test. This checks
+what runs in which order (EP = 1: layout then the expand, no notify; the sync call's expand
+before or after its host wait), the shapes handed back, and that the handle's arrays are the
+ones the kernels were given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_deepep import jit, ops
+from megatron_deepep.transport import nvlink
+from megatron_deepep.transport.regions import BufferRegions
+
+
+class _Recorder:
+    """Stands in for `jit.get_kernel`: kernels that pack their arguments and log the launch."""
+
+    def __init__(self):
+        self.events = []
+
+    def get_kernel(self, source, name, template_args=()):
+        recorder = self
+
+        class _Kernel:
+            def launch(self, grid, block, args, stream, shared_mem=0, signature=None,
+                       programmatic=False):
+                assert signature is not None, f"{name} launched without a signature"
+                signature.params(args)  # raises on a mismatch
+                recorder.events.append(
+                    (name, dict(grid=grid, block=block, args=tuple(args),
+                                programmatic=programmatic, codes=signature.codes)))
+
+        return _Kernel()
+
+
+class _HostWords:
+    def __init__(self, n):
+        self.words = np.zeros(n, dtype=np.int32)
+        self.device_ptr = 0x1000
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(jit, "get_kernel", rec.get_kernel)
+    monkeypatch.setattr(jit, "current_raw_stream", lambda: jit.RawStream(7, 0))
+
+    class _Stream:
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    return rec
+
+
+def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify):
+    """An NVLinkTransport on the CPU (no IPC buffer); its host wait sees `rows_from_notify()`."""
+    t = nvlink.NVLinkTransport.__new__(nvlink.NVLinkTransport)
+    t.regions = BufferRegions(num_ranks, max_tokens, hidden, topk)
+    t.rank, t.num_ranks, t.device = 0, num_ranks, torch.device("cpu")
+    t.regions_dev = torch.zeros(16, dtype=torch.int64)
+    t.sym = type("Sym", (), {})()
+    t.sym.peer_bases, t.sym.ptr = torch.zeros(num_ranks, dtype=torch.int64), 0
+    t.num_sms, t.timeout_s, t.timeout_ns = 8, 5.0, 5 * 10**9
+    t.host_info = _HostWords(nvlink.HOST_INFO_WORDS)
+    t.error_record = _HostWords(64)
+    t.errors = ops.ErrorSink(0, 0)
+    t.notify_epoch = t.dispatch_epoch = t.combine_epoch = 0
+    t._broken = None
+
+    def wait(epoch):
+        rec.events.append(("host wait", {}))
+        t.host_info.words[0], t.host_info.words[1] = epoch, rows_from_notify()
+        return nvlink.NVLinkTransport._wait_host_info(t, epoch)
+
+    t._wait_host_info = wait
+    return t
+
+
+def _inputs(num_tokens, hidden, num_experts, topk, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    idx = torch.rand(num_tokens, num_experts, generator=g).topk(topk, dim=1).indices
+    return x, idx, torch.rand(num_tokens, topk, generator=g)
+
+
+def _names(rec):
+    return [name for name, _ in rec.events]
+
+
+def test_ep1_nosync_runs_layout_then_a_programmatic_expand(recorder):
+    t = _transport(recorder, 1, 64, 256, 4, lambda: 0)
+    x, idx, w = _inputs(64, 256, 16, 4)
+    recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, num_max_recv_rows=300)
+    assert _names(recorder) == ["layout_kernel", "dispatch_local"]
+    layout_args, expand = recorder.events[0][1]["args"], recorder.events[1][1]
+    assert expand["programmatic"] and expand["args"][3] == 300  # max_rows = the bound
+    assert recv_x.shape == (300, 256) and recv_w.shape == (300,)
+    assert handle.num_recv_rows == 300 and handle.tokens_per_expert_list is None
+    arena = handle.transport_state[1]
+    # The layout kernel writes the receive layout (EP = 1) into the handle's arena.
+    assert arena.address("num_recv_tokens_per_expert") in layout_args
+    assert layout_args[-3:] == (1, 300, 1)  # alignment, bound, notify epoch
+    assert handle.address("slot_rows") == arena.address("slot_rows") in expand["args"]
+    assert handle.layout.address("pos_in_expert") in expand["args"]
+
+
+def test_ep1_sync_launches_the_expand_before_the_wait_and_trims(recorder):
+    t = _transport(recorder, 1, 64, 256, 4, lambda: 250)
+    x, idx, w = _inputs(64, 256, 16, 4)
+    recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, expert_alignment=2)
+    assert _names(recorder) == ["layout_kernel", "dispatch_local", "host wait"]
+    assert recorder.events[1][1]["args"][3] == 64 * 4 + 16  # entries + padding bound
+    assert recv_x.shape == (250, 256) and recv_w.shape == (250,)
+    assert handle.num_recv_rows == 250 and len(handle.tokens_per_expert_list) == 16
+
+
+def test_ep1_sync_with_large_padding_waits_first(recorder):
+    t = _transport(recorder, 1, 64, 256, 4, lambda: 2048)
+    x, idx, w = _inputs(64, 256, 16, 4)
+    recv_x, _, handle = t.dispatch(x, idx, w, 16, expert_alignment=128)
+    assert _names(recorder) == ["layout_kernel", "host wait", "dispatch_local"]
+    assert recorder.events[2][1]["args"][3] == 2048 and recv_x.shape == (2048, 256)
+
+
+def test_ep1_given_layout_runs_notify_and_a_plain_expand(recorder):
+    t = _transport(recorder, 1, 64, 256, 4, lambda: 0)
+    x, idx, w = _inputs(64, 256, 16, 4)
+    layout = t.get_dispatch_layout(idx, 16)
+    recorder.events.clear()
+    t.dispatch(x, idx, w, 16, num_max_recv_rows=256, layout=layout)
+    assert _names(recorder) == ["notify_kernel", "dispatch_local"]
+    assert not recorder.events[1][1]["programmatic"]
+
+
+def test_ep1_cached_dispatch_and_combine_reuse_the_handle_arrays(recorder):
+    t = _transport(recorder, 1, 64, 256, 4, lambda: 0)
+    x, idx, w = _inputs(64, 256, 16, 4)
+    recv_x, _, handle = t.dispatch(x, idx, w, 16, num_max_recv_rows=256)
+    recorder.events.clear()
+    cached = t.cached_dispatch(x, handle)
+    out, out_w = t.combine(recv_x, handle, grad_row_weights=torch.zeros(256))
+    assert _names(recorder) == ["dispatch_local", "combine_local"]
+    assert cached.shape == (256, 256) and out.shape == (64, 256) and out_w.shape == (64, 4)
+    slot_rows = handle.address("slot_rows")
+    assert all(slot_rows in ev["args"] for _, ev in recorder.events)
+    assert not recorder.events[0][1]["programmatic"]  # x comes from the caller's kernels
+
+
+def test_ep2_runs_the_protocol_kernels(recorder):
+    t = _transport(recorder, 2, 64, 256, 4, lambda: 200)
+    x, idx, w = _inputs(64, 256, 16, 4)
+    recv_x, _, handle = t.dispatch(x, idx, w, 16)
+    assert _names(recorder) == ["layout_kernel", "notify_kernel", "dispatch_send",
+                                "host wait", "dispatch_recv"]
+    assert recv_x.shape == (200, 256) and handle.slot_rows.shape == (2, 64, 4)
+    recorder.events.clear()
+    t.cached_dispatch(x, handle)
+    t.combine(recv_x, handle)
+    assert _names(recorder) == ["dispatch_send", "dispatch_recv", "combine_send",
+                                "combine_reduce"]
+
+
+def test_rows_before_wait_bound():
+    t = nvlink.NVLinkTransport.__new__(nvlink.NVLinkTransport)
+    t.num_ranks = 1
+    assert t._rows_before_wait(100, 8, 256, 1) == 800
+    assert t._rows_before_wait(100, 8, 16, 4) == 800 + 16 * 3
+    assert t._rows_before_wait(100, 8, 256, 128) is None  # padding would exceed 1/8
+    assert t._rows_before_wait(0, 8, 16, 4) == 0
+    t.num_ranks = 2
+    assert t._rows_before_wait(100, 8, 16, 1) is None
