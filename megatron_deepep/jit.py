@@ -194,41 +194,19 @@ class _StreamRef:
         return (0, self.ptr)
 
 
-# Kernel arguments are numpy scalars; each travels in an 8-byte slot of one packed buffer.
-_SLOT_FORMATS = {np.int32: "i4x", np.uint32: "I4x", np.uint64: "Q", np.int64: "q",
-                 np.float32: "f4x"}
-
-
-class _ArgPacker:
-    """Packs one argument signature into a reused buffer with its `void*[]` parameter array."""
-
-    def __init__(self, types: tuple):
-        try:
-            fmt = "=" + "".join(_SLOT_FORMATS[t] for t in types)
-        except KeyError as exc:
-            raise TypeError(f"kernel arguments must be numpy scalars of {list(_SLOT_FORMATS)}, "
-                            f"got {exc}") from None
-        self.struct = struct.Struct(fmt)
-        self.buffer = ctypes.create_string_buffer(max(self.struct.size, 8))
-        base = ctypes.addressof(self.buffer)
-        self.params = (ctypes.c_void_p * max(len(types), 1))(
-            *[base + 8 * i for i in range(len(types))])
-
-
-_packers = threading.local()
-
-
 class Signature:
     """A kernel's argument types as letter codes, for `Kernel.launch(..., signature=...)`:
-    p (pointer: a Python int address), q (unsigned 64-bit), i (int32), u (uint32), f (float32).
-    Plain Python numbers then go straight into the 8-byte slots (no numpy scalar per argument).
+    p (pointer: a Python int address), q (unsigned 64-bit), l (signed 64-bit), i (int32),
+    u (uint32), f (float32). Each argument travels in an 8-byte slot of one packed buffer, so
+    plain Python numbers go straight in (no numpy scalar per argument).
 
     Args:
         codes: one letter per argument; spaces are ignored (group them for reading).
     """
 
-    _FORMATS = {"p": "Q", "q": "Q", "i": "i4x", "u": "I4x", "f": "f4x"}
-    _NUMPY = {"p": np.uint64, "q": np.uint64, "i": np.int32, "u": np.uint32, "f": np.float32}
+    _FORMATS = {"p": "Q", "q": "Q", "l": "q", "i": "i4x", "u": "I4x", "f": "f4x"}
+    _NUMPY = {"p": np.uint64, "q": np.uint64, "l": np.int64, "i": np.int32, "u": np.uint32,
+              "f": np.float32}
 
     def __init__(self, codes: str):
         self.codes = codes.replace(" ", "")
@@ -260,15 +238,23 @@ class Signature:
         return tuple(self._NUMPY[c](a) for c, a in zip(self.codes, args))
 
 
-def _packer(args: Sequence) -> _ArgPacker:
+# Launches that pass numpy scalars get the signature of their types, made once per type tuple.
+_CODE_OF_NUMPY_TYPE = {np.uint64: "q", np.int64: "l", np.int32: "i", np.uint32: "u",
+                       np.float32: "f"}
+_signatures_of_types: Dict[tuple, Signature] = {}
+
+
+def _signature_of(args: Sequence) -> Signature:
     types = tuple(map(type, args))
-    cache = getattr(_packers, "cache", None)
-    if cache is None:
-        cache = _packers.cache = {}
-    packer = cache.get(types)
-    if packer is None:
-        packer = cache[types] = _ArgPacker(types)
-    return packer
+    signature = _signatures_of_types.get(types)
+    if signature is None:
+        try:
+            codes = "".join(_CODE_OF_NUMPY_TYPE[t] for t in types)
+        except KeyError as exc:
+            raise TypeError(f"kernel arguments must be numpy scalars of "
+                            f"{list(_CODE_OF_NUMPY_TYPE)}, got {exc}") from None
+        signature = _signatures_of_types[types] = Signature(codes)
+    return signature
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -285,6 +271,7 @@ class _LaunchConfig(ctypes.Structure):
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_launch_configs = threading.local()
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,13 +287,13 @@ def _launch_ex():
 
 def _programmatic_config() -> _LaunchConfig:
     """A per-thread launch config carrying the programmatic-serialization attribute."""
-    config = getattr(_packers, "programmatic", None)
+    config = getattr(_launch_configs, "programmatic", None)
     if config is None:
         attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
         config = _LaunchConfig(num_attrs=1)
         config.attrs = ctypes.pointer(attr)
         config._attr = attr  # keep it alive
-        _packers.programmatic = config
+        _launch_configs.programmatic = config
     return config
 
 
@@ -390,12 +377,7 @@ class Kernel:
                 args = signature.as_numpy(args)
             self._launch_cupy(grid, block, args, stream, shared_mem)
             return
-        if signature is not None:
-            params = signature.params(args)
-        else:
-            packer = _packer(args)
-            packer.struct.pack_into(packer.buffer, 0, *args)
-            params = packer.params
+        params = (signature or _signature_of(args)).params(args)
         if programmatic and pdl_enabled():
             config = _programmatic_config()
             config.grid[0], config.grid[1], config.grid[2] = max(int(grid), 1), 1, 1
