@@ -12,6 +12,7 @@
 // the send (bf16 input) or copied (pre-quantized input). kDequant: the receiver expands FP8 rows
 // into bf16 rows; otherwise recv_x holds e4m3 rows and recv_scales their scales.
 #include "common/fp8_row.cuh"
+#include "common/host_info.cuh"
 #include "common/protocol.cuh"
 
 using namespace mdeep;
@@ -259,6 +260,8 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
 // dispatch_recv on one rank (the self source's offsets inside every expert are 0). One warp per
 // token, so the token's ids, positions and row starts are one round of parallel loads; blocks of
 // 1024 threads per budgeted SM for bf16 (the bare read-once-write-K kernel's warps per SM).
+// Given `host_info` (a synchronous call launched before its host wait), the last warp publishes
+// the layout kernel's receive layout to the host, off the layout's critical path.
 template <int kFmt>
 struct DispatchLocalThreads {
     static constexpr int value = kFmt == fp8::kWireBf16 ? 1024 : kDispatchThreads;
@@ -270,7 +273,8 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     const int* num_recv_tokens_per_expert, const int* expert_row_start, int* slot_rows,
     const u8* x, const u8* x_scales, float amax_epsilon, const IdxT* topk_idx,
     const float* topk_weights, const int* pos_in_expert, const int* token_slot_in_rank,
-    int num_tokens, int num_local) {
+    int num_tokens, int num_local, HostInfo* host_info, const int* tokens_per_expert,
+    u32 host_epoch) {
     static_assert(kTopk <= 32, "one lane per top-k entry");
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -289,6 +293,9 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
         load_chunk<false>(reinterpret_cast<const int4*>(x + warp * in_row_bytes), 0, hidden / 8,
                           lane, first);
     griddep_wait();
+    if (host_info != nullptr && warp == num_warps - 1)
+        warp_publish_host_info(host_info, tokens_per_expert, expert_row_start, num_local,
+                               host_epoch, lane);
 
     // Padding rows, one expert per warp from the last warp down: the first warps take tokens.
     for (int e = num_warps - 1 - warp; e >= 0 && e < num_local; e -= num_warps)

@@ -65,9 +65,9 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
         num_recv_tokens_per_expert[e] = running;
         padded = (running + alignment - 1) / alignment * alignment;
         tokens_per_expert[e] = padded;
-        host_info->tokens_per_expert[e] = padded;
+        if (host_info != nullptr) host_info->tokens_per_expert[e] = padded;
     }
-    __threadfence_system();
+    if (host_info != nullptr) __threadfence_system();  // null: no host wait reads it
     int num_rows;
     const int row_start = block_exclusive_scan(padded, scan_smem, &num_rows);
     if (e < num_local) expert_row_start[e] = row_start;
@@ -76,6 +76,6 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
         if (max_recv_rows >= 0 && num_rows > max_recv_rows)
             record_error(err, kErrRecvOverflow, rank, -1, kPhaseNotify, 0, max_recv_rows,
                          num_rows);
-        publish_host_info(host_info, num_rows, epoch);
+        if (host_info != nullptr) publish_host_info(host_info, num_rows, epoch);
     }
 }

@@ -67,7 +67,8 @@ class ErrorSink:
 # The layout kernel keeps per-chunk bitmaps in shared memory: this many 32-bit words of them.
 LAYOUT_BITMAP_WORDS = 8192
 LAYOUT_MAX_CHUNK_ENTRIES = 2 * LAYOUT_THREADS  # kEntriesPerThread in layout.cu
-LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS  # kCountsPerThread: experts plus ranks
+# Experts plus ranks: two shared-memory count arrays per block (8 ranks of 256 experts fit).
+LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS
 
 
 # Entries per block by default: scripts/probe_layout.py measured 512 fastest on H200 at the
@@ -129,7 +130,7 @@ def _layout_launch(num_tokens: int, num_topk: int, num_experts: int, num_ranks: 
                          f"{num_experts} experts and top-{num_topk}")
     num_chunks = max(1, -(-num_tokens // chunk_tokens))
     shared_words = (num_experts * (-(-chunk_tokens * num_topk // 32))
-                    + num_ranks * (-(-chunk_tokens // 32)) + num_experts + num_ranks)
+                    + num_ranks * (-(-chunk_tokens // 32)) + 2 * (num_experts + num_ranks))
     return chunk_tokens, num_chunks, 4 * shared_words
 
 
@@ -284,19 +285,22 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         _stream(), signature=_RECV_SIG)
 
 
-_LOCAL_SIG = Sig("ppp ii ppp ppf pppp ii")
+_LOCAL_SIG = Sig("ppp ii ppp ppf pppp ii ppu")
 
 
 def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
                    recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
                    x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
-                   fp8, num_local: int, num_sms: int, after_layout: bool = False) -> None:
+                   fp8, num_local: int, num_sms: int, after_layout: bool = False,
+                   host_info_ptr: int = 0, host_epoch: int = 0) -> None:
     """EP = 1: expands `x [N, H]` into the expert-major `recv_x` with no protocol; the same
     outputs as `dispatch_recv` on one rank (`recv_weights` and `recv`'s `slot_rows` written
     unless `cached`, which reads `slot_rows`). `after_layout`: the previous kernel on this
     stream is the layout kernel of `lay`, so the launch may overlap its end (the kernel reads
-    only `x`, complete before that layout began, until the layout has finished)."""
+    only `x`, complete before that layout began, until the layout has finished).
+    `host_info_ptr` (a synchronous call launched before its host wait): the kernel publishes
+    `recv`'s receive layout there with `host_epoch` once the layout has finished."""
     fmt, dequant, amax_epsilon = _wire(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_local",
                             [topk_idx.shape[1], cached, _index_type(topk_idx), fmt, dequant])
@@ -307,7 +311,8 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         recv_x.shape[1], a("num_recv_tokens_per_expert"), a("expert_row_start"),
         a("slot_rows"), x.data_ptr(), addr(x_scales), amax_epsilon, topk_idx.data_ptr(),
         addr(topk_weights), lay.address("pos_in_expert"), lay.address("token_slot_in_rank"),
-        x.shape[0], num_local), _stream(), signature=_LOCAL_SIG, programmatic=after_layout)
+        x.shape[0], num_local, host_info_ptr, a("tokens_per_expert"), host_epoch & 0xFFFFFFFF),
+        _stream(), signature=_LOCAL_SIG, programmatic=after_layout)
 
 
 _COMBINE_SEND_SIG = Sig("p i pppp pp iiu q pp")

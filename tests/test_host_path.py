@@ -107,6 +107,8 @@ def test_ep1_nosync_runs_layout_then_a_programmatic_expand(recorder):
     # The layout kernel writes the receive layout (EP = 1) into the handle's arena.
     assert arena.address("num_recv_tokens_per_expert") in layout_args
     assert layout_args[-3:] == (1, 300, 1)  # alignment, bound, notify epoch
+    # No host wait: nobody publishes the receive layout to the host (no system fences).
+    assert layout_args[-4] == 0 and expand["args"][-3] == 0
     assert handle.address("slot_rows") == arena.address("slot_rows") in expand["args"]
     assert handle.layout.address("pos_in_expert") in expand["args"]
 
@@ -117,6 +119,10 @@ def test_ep1_sync_launches_the_expand_before_the_wait_and_trims(recorder):
     recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, expert_alignment=2)
     assert _names(recorder) == ["layout_kernel", "dispatch_local", "host wait"]
     assert recorder.events[1][1]["args"][3] == 64 * 4 + 16  # entries + padding bound
+    # The expand publishes the receive layout to the host, not the layout kernel it follows.
+    assert recorder.events[0][1]["args"][-4] == 0
+    assert recorder.events[1][1]["args"][-3:] == (
+        t.host_info.device_ptr, handle.transport_state[1].address("tokens_per_expert"), 1)
     assert recv_x.shape == (250, 256) and recv_w.shape == (250,)
     assert handle.num_recv_rows == 250 and len(handle.tokens_per_expert_list) == 16
 
@@ -127,6 +133,9 @@ def test_ep1_sync_with_large_padding_waits_first(recorder):
     recv_x, _, handle = t.dispatch(x, idx, w, 16, expert_alignment=128)
     assert _names(recorder) == ["layout_kernel", "host wait", "dispatch_local"]
     assert recorder.events[2][1]["args"][3] == 2048 and recv_x.shape == (2048, 256)
+    # The host waits before the expand: the layout kernel publishes.
+    assert recorder.events[0][1]["args"][-4] == t.host_info.device_ptr
+    assert recorder.events[2][1]["args"][-3] == 0
 
 
 def test_ep1_given_layout_runs_notify_and_a_plain_expand(recorder):
@@ -160,6 +169,10 @@ def test_ep2_runs_the_protocol_kernels(recorder):
     assert _names(recorder) == ["layout_kernel", "notify_kernel", "dispatch_send",
                                 "host wait", "dispatch_recv"]
     assert recv_x.shape == (200, 256) and handle.slot_rows.shape == (2, 64, 4)
+    assert t.host_info.device_ptr in recorder.events[1][1]["args"]  # notify publishes
+    recorder.events.clear()
+    t.dispatch(x, idx, w, 16, num_max_recv_rows=256)
+    assert t.host_info.device_ptr not in recorder.events[1][1]["args"]  # no host wait
     recorder.events.clear()
     t.cached_dispatch(x, handle)
     t.combine(recv_x, handle)

@@ -22,4 +22,17 @@ __device__ __forceinline__ void publish_host_info(HostInfo* host_info, int num_r
     __threadfence_system();
 }
 
+// One warp: copies the padded rows per local expert and the row count (the last row start) to
+// the host, then publishes `epoch` (EP = 1 expand launched before the host's wait).
+__device__ __forceinline__ void warp_publish_host_info(HostInfo* host_info,
+                                                       const int* tokens_per_expert,
+                                                       const int* expert_row_start,
+                                                       int num_local, u32 epoch, int lane) {
+    for (int e = lane; e < num_local; e += 32)
+        host_info->tokens_per_expert[e] = tokens_per_expert[e];
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) publish_host_info(host_info, expert_row_start[num_local], epoch);
+}
+
 }  // namespace mdeep

@@ -174,37 +174,43 @@ class NVLinkTransport:
         self.notify_epoch += 1
         self.dispatch_epoch += 1
         bound = -1 if num_max_recv_rows is None else num_max_recv_rows
+        rows_before_wait = None
+        if num_max_recv_rows is None:
+            rows_before_wait = self._rows_before_wait(num_tokens, num_topk, num_local,
+                                                      expert_alignment)
+        # Who publishes the receive layout to the host: nobody without a host wait; the EP = 1
+        # expand when it starts before the wait; else the kernel that derives the layout.
+        host_info = self.host_info.device_ptr if num_max_recv_rows is None else 0
+        expand_publishes = R == 1 and layout is None and rows_before_wait is not None
         local_recv = None
         if layout is None:
             if R == 1:  # one rank: the layout kernel writes the receive layout, no notify
-                local_recv = ops.LocalRecv(arena, self.host_info.device_ptr, expert_alignment,
-                                           bound, self.notify_epoch)
+                local_recv = ops.LocalRecv(arena, 0 if expand_publishes else host_info,
+                                           expert_alignment, bound, self.notify_epoch)
             layout = ops.layout(topk_idx, num_experts, R, self.rank, self.errors,
                                 timeout_ns=self.timeout_ns, arena=arena, local_recv=local_recv)
         if local_recv is None:
             ops.notify(self.sym.peer_bases, self.rank, R, self.notify_epoch, layout, num_local,
-                       hidden, num_topk, expert_alignment, bound, arena,
-                       self.host_info.device_ptr, self.timeout_ns, self.errors)
+                       hidden, num_topk, expert_alignment, bound, arena, host_info,
+                       self.timeout_ns, self.errors)
         if R > 1:
             ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, False, fp8,
                               num_local=num_local,
                               epoch=self.dispatch_epoch, num_sms=self.num_sms,
                               timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
-        rows_before_wait = None
         if num_max_recv_rows is not None:
             num_rows = num_max_recv_rows
-        else:
-            rows_before_wait = self._rows_before_wait(num_tokens, num_topk, num_local,
-                                                      expert_alignment)
-            if rows_before_wait is None:
-                num_rows = self._wait_host_info(self.notify_epoch)
+        elif rows_before_wait is None:
+            num_rows = self._wait_host_info(self.notify_epoch)
         alloc_rows = num_rows if rows_before_wait is None else rows_before_wait
         recv_x, recv_scales = self._empty_recv(alloc_rows, hidden, fp8, dev)
         recv_weights = torch.empty(alloc_rows, dtype=torch.float32, device=dev)
         if R == 1:  # nothing to exchange: no protocol
             ops.dispatch_local(recv_x, recv_scales, recv_weights, arena, x, x_scales,
                                topk_idx, topk_weights, layout, False, fp8, num_local,
-                               self.num_sms, after_layout=local_recv is not None)
+                               self.num_sms, after_layout=local_recv is not None,
+                               host_info_ptr=host_info if expand_publishes else 0,
+                               host_epoch=self.notify_epoch)
         else:
             ops.dispatch_recv(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx,
                               topk_weights, layout, False, fp8, num_local=num_local,
