@@ -3,9 +3,8 @@
 //   1. A block marks its chunk in shared-memory bitmaps (per expert: the chunk's entries naming
 //      it; per rank: the chunk's tokens with an expert there) and counts the set bits.
 //   2. It publishes the counts, adds those of every earlier chunk (decoupled look-back: the
-//      nearest earlier chunk that has published its inclusive totals ends the walk; all the
-//      block's threads share a window's (chunk, count) loads) and publishes its own inclusive
-//      totals.
+//      nearest earlier chunk that has published its inclusive totals ends the walk) and
+//      publishes its own inclusive totals.
 //   3. pos_in_expert and token_slot_in_rank are the earlier chunks' count plus the set bits
 //      before the entry (token) in its bitmap, i.e. (n, k) and token order as layout.py defines.
 //      The last chunk writes num_tokens_per_expert and num_tokens_per_rank.
@@ -25,7 +24,8 @@ using namespace mdeep;
 
 constexpr int kLayoutThreads = 512;
 constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
-constexpr int kLookBackLoads = 16;    // per thread in flight: a window is up to 32 chunks
+constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
+constexpr int kLookBackLoads = 8;
 
 // Set bits of `bits[0 .. index)` (index in bits).
 __device__ __forceinline__ int bits_before(const u32* bits, int index) {
@@ -114,7 +114,6 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     u32* expert_bits = smem;                                    // [E][expert_words]
     u32* rank_bits = expert_bits + num_experts * expert_words;  // [R][token_words]
     int* counts = reinterpret_cast<int*>(rank_bits + num_ranks * token_words);  // [E + R]
-    int* earlier = counts + num_counts;  // [E + R]: the counts of every earlier chunk
     const int num_local = num_experts / num_ranks;
     const int c = blockIdx.x;
     const int first_token = c * chunk_tokens;
@@ -133,7 +132,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         const int j = threadIdx.x + u * kLayoutThreads;
         ids[u] = j < num_entries ? chunk_idx[j] : (IdxT)-1;
     }
-    const int smem_words = num_experts * expert_words + num_ranks * token_words + 2 * num_counts;
+    const int smem_words = num_experts * expert_words + num_ranks * token_words + num_counts;
     for (int i = threadIdx.x; i < smem_words; i += kLayoutThreads) smem[i] = 0;
     __syncthreads();
 #pragma unroll
@@ -165,6 +164,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     __syncthreads();  // thread 0's release then covers the block's stores (cumulativity)
     if (threadIdx.x == 0) st_release_gpu(chunk_status + c, c == 0 ? inclusive : published);
 
+    int earlier[kCountsPerThread] = {};
     for (int end = c; end > 0;) {
         if (threadIdx.x < 32) {  // warp 0 reads a window of up to 32 earlier chunks
             const int p = end - 1 - (int)threadIdx.x;
@@ -179,38 +179,39 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         __syncthreads();
         const int first = window_first;
         const bool has_inclusive = window_inclusive;
-        // Item q of the window is count q % num_counts of chunk first + q / num_counts (its
-        // inclusive half for the window's first chunk when that one has published it): the
-        // loads are coalesced and kLookBackLoads of them in flight per thread.
-        const int num_items = (end - first) * num_counts;
-        for (int q0 = threadIdx.x; q0 < num_items; q0 += kLayoutThreads * kLookBackLoads) {
-            int value[kLookBackLoads], index[kLookBackLoads];
 #pragma unroll
-            for (int u = 0; u < kLookBackLoads; ++u) {
-                const int q = q0 + u * kLayoutThreads;
-                const int p = q / num_counts;
-                index[u] = q - p * num_counts;
-                const int half = p == 0 && has_inclusive ? num_counts : 0;
-                value[u] = q < num_items
-                               ? __ldcg(chunk_counts + (i64)(first + p) * 2 * num_counts + half +
-                                        index[u])
-                               : 0;
+        for (int v = 0; v < kCountsPerThread; ++v) {
+            const int i = threadIdx.x + v * kLayoutThreads;
+            if (i >= num_counts) continue;
+            // kLookBackLoads independent loads in flight: a window is up to 32 L2 reads.
+            for (int p0 = first; p0 < end; p0 += kLookBackLoads) {
+                int value[kLookBackLoads];
+#pragma unroll
+                for (int q = 0; q < kLookBackLoads; ++q) {
+                    const int p = p0 + q;
+                    const int half = p == first && has_inclusive ? num_counts : 0;
+                    value[q] = p < end ? __ldcg(chunk_counts + (i64)p * 2 * num_counts + half + i)
+                                       : 0;
+                }
+#pragma unroll
+                for (int q = 0; q < kLookBackLoads; ++q) earlier[v] += value[q];
             }
-#pragma unroll
-            for (int u = 0; u < kLookBackLoads; ++u)
-                if (value[u] != 0) atomicAdd(&earlier[index[u]], value[u]);
         }
         end = has_inclusive ? 0 : first;
-        __syncthreads();  // window_* are rewritten by the next step; earlier[] is complete
+        __syncthreads();  // window_* are rewritten by the next step
     }
     const bool is_last = c == (int)gridDim.x - 1;
-    for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads) {
-        const int total = earlier[i] + counts[i];
+#pragma unroll
+    for (int v = 0; v < kCountsPerThread; ++v) {
+        const int i = threadIdx.x + v * kLayoutThreads;
+        if (i >= num_counts) continue;
+        const int total = earlier[v] + counts[i];
         if (c > 0) my_counts[num_counts + i] = total;
         if (is_last) {
             if (i < num_experts) num_tokens_per_expert[i] = total;
             else num_tokens_per_rank[i - num_experts] = total;
         }
+        counts[i] = earlier[v];  // from here on: the offset of this chunk's first bit
     }
     __syncthreads();
     if (threadIdx.x == 0 && c > 0) st_release_gpu(chunk_status + c, inclusive);
@@ -222,14 +223,14 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         if (j >= num_entries || ids[u] < 0) continue;
         const int e = (int)ids[u];
         pos_in_expert[(i64)first_token * kTopk + j] =
-            earlier[e] + bits_before(expert_bits + e * expert_words, j);
+            counts[e] + bits_before(expert_bits + e * expert_words, j);
     }
     for (int t = threadIdx.x; t * kTopk < num_entries; t += kLayoutThreads) {
         const int n = first_token + t;
         for (int r = 0; r < num_ranks; ++r) {
             const u32* bits = rank_bits + r * token_words;
             const bool in_rank = (bits[t >> 5] >> (t & 31)) & 1u;
-            const int slot = in_rank ? earlier[num_experts + r] + bits_before(bits, t) : -1;
+            const int slot = in_rank ? counts[num_experts + r] + bits_before(bits, t) : -1;
             is_token_in_rank[(i64)n * num_ranks + r] = in_rank ? 1 : 0;
             token_slot_in_rank[(i64)n * num_ranks + r] = slot;
             if (in_rank) slot_token[(i64)r * num_tokens + slot] = n;

@@ -67,8 +67,7 @@ class ErrorSink:
 # The layout kernel keeps per-chunk bitmaps in shared memory: this many 32-bit words of them.
 LAYOUT_BITMAP_WORDS = 8192
 LAYOUT_MAX_CHUNK_ENTRIES = 2 * LAYOUT_THREADS  # kEntriesPerThread in layout.cu
-# Experts plus ranks: two shared-memory count arrays per block (8 ranks of 256 experts fit).
-LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS
+LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS  # kCountsPerThread: experts plus ranks
 
 
 # Entries per block by default: scripts/probe_layout.py measured 512 fastest on H200 at the
@@ -130,7 +129,7 @@ def _layout_launch(num_tokens: int, num_topk: int, num_experts: int, num_ranks: 
                          f"{num_experts} experts and top-{num_topk}")
     num_chunks = max(1, -(-num_tokens // chunk_tokens))
     shared_words = (num_experts * (-(-chunk_tokens * num_topk // 32))
-                    + num_ranks * (-(-chunk_tokens // 32)) + 2 * (num_experts + num_ranks))
+                    + num_ranks * (-(-chunk_tokens // 32)) + num_experts + num_ranks)
     return chunk_tokens, num_chunks, 4 * shared_words
 
 
