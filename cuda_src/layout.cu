@@ -16,9 +16,8 @@
 // the receive layout that notify would (nothing to exchange with one rank), so no notify runs;
 // it publishes it to the host only when given `host_info` (a synchronous call that waits
 // before its expand: otherwise the expand publishes, or nobody reads it).
-#include "common/error.cuh"
-#include "common/host_info.cuh"
-#include "common/warp.cuh"
+#include "common/chunk_bits.cuh"
+#include "common/local_recv.cuh"
 
 using namespace mdeep;
 
@@ -26,75 +25,6 @@ constexpr int kLayoutThreads = 512;
 constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
 constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
 constexpr int kLookBackLoads = 8;
-
-// Set bits of `bits[0 .. index)` (index in bits).
-__device__ __forceinline__ int bits_before(const u32* bits, int index) {
-    int count = __popc(bits[index >> 5] & ((1u << (index & 31)) - 1u));
-    for (int w = 0; w < (index >> 5); ++w) count += __popc(bits[w]);
-    return count;
-}
-
-// Thread `lane` of warp 0 waits for chunk `p`'s counts (2 * epoch); true once its inclusive
-// totals are out too. A chunk that never publishes is a scheduling fault: recorded, and the
-// walk ends (the result is wrong, the error record says so).
-__device__ __forceinline__ bool wait_chunk(const u32* status, int p, u32 published,
-                                           u64 timeout_ns, const ErrorState& err, int rank) {
-    const u64 start = global_timer_ns();
-    for (u32 iter = 0;; ++iter) {
-        const u32 seen = ld_acquire_gpu(status + p);
-        if ((int)(seen - published) >= 0) return seen != published;
-        if ((iter & 255u) == 255u &&
-            (has_error(err) || global_timer_ns() - start > timeout_ns)) {
-            if (!has_error(err))
-                record_error(err, kErrTimeout, rank, rank, kPhaseLayout, p, (i64)published,
-                             (i64)seen);
-            return true;
-        }
-    }
-}
-
-// EP = 1's receive layout: where the layout kernel writes what notify writes for R ranks
-// (the kernel's last arguments; a null first pointer: EP > 1, notify derives the layout).
-struct LocalRecv {
-    int* num_recv_tokens_per_expert;  // [E]
-    int* tokens_per_expert;           // [E], padded to `alignment`
-    int* expert_row_start;            // [E + 1]
-    int* src_expert_offset;           // [E], all 0 (one source)
-    int* num_recv_tokens_per_rank;    // [1]
-    HostInfo* host_info;              // null: not published to the host
-    int alignment, max_recv_rows;     // max_recv_rows < 0: no bound
-    u32 host_epoch;
-};
-
-// Called by every thread of the last block to finish, once all counts are final: the receive
-// layout from `num_tokens_per_expert` and `num_tokens_per_rank` (one thread per expert).
-__device__ __forceinline__ void write_local_recv(const LocalRecv& out, const int* num_per_expert,
-                                                 const int* num_per_rank, int num_experts,
-                                                 const ErrorState& err, int rank) {
-    __shared__ int scan_smem[33];
-    const int e = threadIdx.x;
-    int padded = 0;
-    if (e < num_experts) {
-        const int count = __ldcg(num_per_expert + e);  // written by another block
-        padded = (count + out.alignment - 1) / out.alignment * out.alignment;
-        out.num_recv_tokens_per_expert[e] = count;
-        out.tokens_per_expert[e] = padded;
-        out.src_expert_offset[e] = 0;
-        if (out.host_info != nullptr) out.host_info->tokens_per_expert[e] = padded;
-    }
-    if (out.host_info != nullptr) __threadfence_system();
-    int num_rows;
-    const int row_start = block_exclusive_scan(padded, scan_smem, &num_rows);
-    if (e < num_experts) out.expert_row_start[e] = row_start;
-    if (threadIdx.x == 0) {
-        out.expert_row_start[num_experts] = num_rows;
-        out.num_recv_tokens_per_rank[0] = __ldcg(num_per_rank);
-        if (out.max_recv_rows >= 0 && num_rows > out.max_recv_rows)
-            record_error(err, kErrRecvOverflow, rank, -1, kPhaseNotify, 0, out.max_recv_rows,
-                         num_rows);
-        if (out.host_info != nullptr) publish_host_info(out.host_info, num_rows, out.host_epoch);
-    }
-}
 
 template <typename IdxT, int kTopk>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
@@ -109,11 +39,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     __shared__ int window_first, window_inclusive;
     const ErrorState err{error_claim, error_record};
     const int num_counts = num_experts + num_ranks;  // experts first, then ranks
-    const int expert_words = (chunk_tokens * kTopk + 31) >> 5;
-    const int token_words = (chunk_tokens + 31) >> 5;
-    u32* expert_bits = smem;                                    // [E][expert_words]
-    u32* rank_bits = expert_bits + num_experts * expert_words;  // [R][token_words]
-    int* counts = reinterpret_cast<int*>(rank_bits + num_ranks * token_words);  // [E + R]
+    const ChunkBits bits(smem, chunk_tokens, kTopk, num_experts, num_ranks);
+    int* counts = bits.counts;  // [E + R]
     const int num_local = num_experts / num_ranks;
     const int c = blockIdx.x;
     const int first_token = c * chunk_tokens;
@@ -132,28 +59,17 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         const int j = threadIdx.x + u * kLayoutThreads;
         ids[u] = j < num_entries ? chunk_idx[j] : (IdxT)-1;
     }
-    const int smem_words = num_experts * expert_words + num_ranks * token_words + num_counts;
+    const int smem_words = bits.words(num_experts, num_ranks);
     for (int i = threadIdx.x; i < smem_words; i += kLayoutThreads) smem[i] = 0;
     __syncthreads();
 #pragma unroll
     for (int u = 0; u < kEntriesPerThread; ++u) {
         const int j = threadIdx.x + u * kLayoutThreads;
-        if (j >= num_entries) continue;
-        const IdxT id = ids[u];
-        if (id < 0 || id >= num_experts) {
-            if (id != -1)
-                record_error(err, kErrBadExpertId, rank, -1, kPhaseLayout,
-                             first_token + j / kTopk, (i64)num_experts, (i64)id);
+        if (j < num_entries && !bits.mark<kTopk>(j, ids[u], num_experts, num_local, first_token,
+                                                 err, rank)) {
             pos_in_expert[(i64)first_token * kTopk + j] = -1;
             ids[u] = -1;
-            continue;
         }
-        atomicOr(&expert_bits[(int)id * expert_words + (j >> 5)], 1u << (j & 31));
-        atomicAdd(&counts[id], 1);
-        const int t = j / kTopk, r = (int)id / num_local;
-        const u32 bit = 1u << (t & 31);
-        if (!(atomicOr(&rank_bits[r * token_words + (t >> 5)], bit) & bit))
-            atomicAdd(&counts[num_experts + r], 1);  // the token's first expert on rank r
     }
     __syncthreads();
 
@@ -222,15 +138,13 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         const int j = threadIdx.x + u * kLayoutThreads;
         if (j >= num_entries || ids[u] < 0) continue;
         const int e = (int)ids[u];
-        pos_in_expert[(i64)first_token * kTopk + j] =
-            counts[e] + bits_before(expert_bits + e * expert_words, j);
+        pos_in_expert[(i64)first_token * kTopk + j] = counts[e] + bits.entry_pos(e, j);
     }
     for (int t = threadIdx.x; t * kTopk < num_entries; t += kLayoutThreads) {
         const int n = first_token + t;
         for (int r = 0; r < num_ranks; ++r) {
-            const u32* bits = rank_bits + r * token_words;
-            const bool in_rank = (bits[t >> 5] >> (t & 31)) & 1u;
-            const int slot = in_rank ? counts[num_experts + r] + bits_before(bits, t) : -1;
+            const bool in_rank = bits.token_in_rank(r, t);
+            const int slot = in_rank ? counts[num_experts + r] + bits.token_pos(r, t) : -1;
             is_token_in_rank[(i64)n * num_ranks + r] = in_rank ? 1 : 0;
             token_slot_in_rank[(i64)n * num_ranks + r] = slot;
             if (in_rank) slot_token[(i64)r * num_tokens + slot] = n;
@@ -250,7 +164,13 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         const LocalRecv out{recv_tokens_per_expert, recv_padded,   recv_row_start,
                             recv_src_offset,        recv_tokens_per_rank, host_info,
                             alignment,              max_recv_rows, host_epoch};
-        write_local_recv(out, num_tokens_per_expert, num_tokens_per_rank, num_experts, err, rank);
+        // Written by other blocks: read past L1.
+        const int count = threadIdx.x < num_experts ? __ldcg(num_tokens_per_expert + threadIdx.x)
+                                                    : 0;
+        int num_rows;
+        const int row_start = local_row_start(out, count, &num_rows);
+        write_local_recv(out, count, row_start, num_rows, __ldcg(num_tokens_per_rank),
+                         num_experts, err, rank);
     }
     if (threadIdx.x == 0) {
         state[1] = 0;
