@@ -318,18 +318,6 @@ def _driver():
     return launch, error_name
 
 
-_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-
-
-@functools.lru_cache(maxsize=None)
-def _set_function_attribute():
-    """libcuda's cuFuncSetAttribute through ctypes."""
-    set_attribute = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute
-    set_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    set_attribute.restype = ctypes.c_int
-    return set_attribute
-
-
 def _cuda_error_name(code: int) -> str:
     name = ctypes.c_char_p()
     _driver()[1](code, ctypes.byref(name))
@@ -366,8 +354,6 @@ class Kernel:
 
     name: str
     function: object
-    # Dynamic shared memory a launch may use without opting in; raised by `launch` on demand.
-    shared_mem_allowed: int = 48 * 1024
 
     @functools.cached_property
     def function_ptr(self) -> int:
@@ -386,8 +372,6 @@ class Kernel:
             RuntimeError: the launch failed (the CUDA error name and the kernel).
             TypeError: `args` do not match `signature`.
         """
-        if shared_mem > self.shared_mem_allowed:
-            self._allow_shared_mem(shared_mem)
         if _launch_via_cupy():
             if signature is not None:
                 args = signature.as_numpy(args)
@@ -406,15 +390,6 @@ class Kernel:
         if code != 0:
             raise RuntimeError(f"launching {self.name} (grid {grid}, block {block}) failed: "
                                f"{_cuda_error_name(code)}")
-
-    def _allow_shared_mem(self, shared_mem: int) -> None:
-        """Opts the kernel into `shared_mem` bytes of dynamic shared memory (over 48 KB)."""
-        code = _set_function_attribute()(self.function_ptr, _MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                         int(shared_mem))
-        if code != 0:
-            raise RuntimeError(f"{self.name}: {shared_mem} bytes of dynamic shared memory were "
-                               f"refused: {_cuda_error_name(code)}")
-        self.shared_mem_allowed = int(shared_mem)
 
     def _launch_cupy(self, grid, block, args, stream, shared_mem) -> None:
         index = stream.device_index if isinstance(stream, RawStream) else stream.device.index

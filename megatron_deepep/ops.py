@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import threading
 from typing import Optional, Tuple
 
@@ -19,7 +18,6 @@ import torch
 from megatron_deepep import jit
 from megatron_deepep.arena import Arena, ArenaPlan
 from megatron_deepep.layout import DispatchLayout, layout_fields
-from megatron_deepep.validate import MAX_LOCAL_EXPERTS
 
 LAYOUT_THREADS = 512
 NOTIFY_THREADS = 256
@@ -316,77 +314,6 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         _stream(), signature=_LOCAL_SIG, programmatic=after_layout)
 
 
-# layout_dispatch.cu: EP = 1 layout and expand in one kernel (bf16).
-FUSED_THREADS = 1024
-FUSED_MAX_CHUNK_ENTRIES = 2 * FUSED_THREADS  # kFusedEntriesPerThread
-FUSED_MAX_SHARED_BYTES = 200 * 1024          # of an SM's 227 KB opt-in, with room for statics
-
-
-@functools.lru_cache(maxsize=None)
-def fused_layout_enabled() -> bool:
-    """EP = 1 dispatch computes its layout inside the expand (`layout_dispatch_local`);
-    MEGATRON_DEEPEP_FUSED_LAYOUT=0 runs the layout kernel then `dispatch_local` instead."""
-    return os.environ.get(jit.ENV_PREFIX + "FUSED_LAYOUT", "1") not in ("0", "false", "False")
-
-
-@functools.lru_cache(maxsize=64)
-def usable_sms(num_sms: int, device: torch.device) -> int:
-    """`num_sms` capped at the device's SM count (a grid-wide wait needs every block resident).
-    """
-    if device.type != "cuda":
-        return num_sms
-    return min(num_sms, torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-@functools.lru_cache(maxsize=256)
-def fused_layout_launch(num_tokens: int, num_topk: int, num_experts: int, num_sms: int
-                        ) -> Optional[Tuple[int, int, int]]:
-    """(tokens per block, blocks, shared-memory bytes) of `layout_dispatch_local`, or None when
-    the shape does not fit it: no tokens, more than FUSED_MAX_CHUNK_ENTRIES entries per block
-    over `num_sms` blocks, or bitmaps over FUSED_MAX_SHARED_BYTES."""
-    if num_tokens == 0 or num_experts > MAX_LOCAL_EXPERTS or num_topk > 32:
-        return None
-    chunk_tokens = -(-num_tokens // max(1, min(num_sms, num_tokens)))
-    entries = chunk_tokens * num_topk
-    words = (num_experts * (-(-entries // 32)) + (-(-chunk_tokens // 32))
-             + 4 * (num_experts + 1) + entries)  # bitmaps, counts, offsets, totals, rows
-    if entries > FUSED_MAX_CHUNK_ENTRIES or 4 * words > FUSED_MAX_SHARED_BYTES:
-        return None
-    return chunk_tokens, -(-num_tokens // chunk_tokens), 4 * words
-
-
-_FUSED_SIG = Sig("p i pp iii pp i pppppp p ppppp p iiu ppp q pp")
-
-
-def layout_dispatch_local(recv_x: torch.Tensor, recv_weights: torch.Tensor, arena: Arena,
-                          x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                          num_experts: int, local_recv: LocalRecv, launch: Tuple[int, int, int],
-                          errors: ErrorSink, timeout_ns: int) -> DispatchLayout:
-    """EP = 1, bf16: the layout of `topk_idx [N, K]`, its receive layout and the expand of
-    `x [N, H]` into `recv_x [rows, H]` in one kernel; the same arrays and rows as `layout`
-    (with `local_recv`) followed by `dispatch_local`. `arena` holds the layout and receive
-    fields; `launch` is `fused_layout_launch`'s (it must not be None)."""
-    num_tokens, num_topk = topk_idx.shape
-    chunk_tokens, num_blocks, shared_bytes = launch
-    dev = topk_idx.device
-    stream = _stream()
-    workspace = _layout_workspaces.get((dev.index, stream.cuda_stream))
-    if workspace is None:
-        workspace = _layout_workspaces[(dev.index, stream.cuda_stream)] = _LayoutWorkspace()
-    state, status, counts = workspace.get(num_blocks, num_experts + 1, dev)
-    a = arena.address
-    kernel = jit.get_kernel("layout_dispatch.cu", "layout_dispatch_local",
-                            [num_topk, _index_type(topk_idx)])
-    kernel.launch(num_blocks, FUSED_THREADS, (
-        x.data_ptr(), x.shape[1] * 2 // 16, topk_idx.data_ptr(), topk_weights.data_ptr(),
-        num_tokens, num_experts, chunk_tokens, recv_x.data_ptr(), recv_weights.data_ptr(),
-        recv_x.shape[0], a("num_tokens_per_expert"), a("pos_in_expert"),
-        a("num_tokens_per_rank"), a("is_token_in_rank"), a("token_slot_in_rank"),
-        a("slot_token"), a("slot_rows"), *local_recv.args(), state, status, counts, timeout_ns,
-        errors.claim, errors.record), stream, shared_mem=shared_bytes, signature=_FUSED_SIG)
-    return DispatchLayout.from_arena(arena)
-
-
 _COMBINE_SEND_SIG = Sig("p i pppp pp iiu q pp")
 
 
@@ -447,7 +374,6 @@ KERNEL_SIGNATURES = {
     ("layout.cu", "layout_kernel"): _LAYOUT_SIG, ("notify.cu", "notify_kernel"): _NOTIFY_SIG,
     ("dispatch.cu", "dispatch_send"): _SEND_SIG, ("dispatch.cu", "dispatch_recv"): _RECV_SIG,
     ("dispatch.cu", "dispatch_local"): _LOCAL_SIG,
-    ("layout_dispatch.cu", "layout_dispatch_local"): _FUSED_SIG,
     ("combine.cu", "combine_send"): _COMBINE_SEND_SIG,
     ("combine.cu", "combine_reduce"): _COMBINE_REDUCE_SIG,
     ("combine.cu", "combine_local"): _COMBINE_LOCAL_SIG,
@@ -465,12 +391,11 @@ def kernel_names(num_topk: int, fp8: bool = False) -> dict:
         fp8: list the FP8 dispatch variants instead of the bf16 ones for dispatch.cu.
     """
     names = {"layout.cu": [], "notify.cu": ["notify_kernel"], "dispatch.cu": [],
-             "combine.cu": [], "layout_dispatch.cu": []}
+             "combine.cu": []}
     send_fmts = (1, 2, 3) if fp8 else (0,)
     recv_variants = FP8_RECV_VARIANTS if fp8 else [(0, False)]
     for index_type in ("long long", "int"):
         names["layout.cu"].append(f"layout_kernel<{index_type}, {num_topk}>")
-        names["layout_dispatch.cu"].append(f"layout_dispatch_local<{num_topk}, {index_type}>")
         for cached in ("false", "true"):
             prefix = f"{num_topk}, {cached}, {index_type}"
             names["dispatch.cu"] += [f"dispatch_send<{prefix}, {fmt}>" for fmt in send_fmts]

@@ -94,13 +94,7 @@ def _names(rec):
     return [name for name, _ in rec.events]
 
 
-@pytest.fixture
-def unfused(monkeypatch):
-    """The layout kernel and the expand as two launches (MEGATRON_DEEPEP_FUSED_LAYOUT=0)."""
-    monkeypatch.setattr(ops, "fused_layout_enabled", lambda: False)
-
-
-def test_ep1_nosync_runs_layout_then_a_programmatic_expand(recorder, unfused):
+def test_ep1_nosync_runs_layout_then_a_programmatic_expand(recorder):
     t = _transport(recorder, 1, 64, 256, 4, lambda: 0)
     x, idx, w = _inputs(64, 256, 16, 4)
     recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, num_max_recv_rows=300)
@@ -119,7 +113,7 @@ def test_ep1_nosync_runs_layout_then_a_programmatic_expand(recorder, unfused):
     assert handle.layout.address("pos_in_expert") in expand["args"]
 
 
-def test_ep1_sync_launches_the_expand_before_the_wait_and_trims(recorder, unfused):
+def test_ep1_sync_launches_the_expand_before_the_wait_and_trims(recorder):
     t = _transport(recorder, 1, 64, 256, 4, lambda: 250)
     x, idx, w = _inputs(64, 256, 16, 4)
     recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, expert_alignment=2)
@@ -142,58 +136,6 @@ def test_ep1_sync_with_large_padding_waits_first(recorder):
     # The host waits before the expand: the layout kernel publishes.
     assert recorder.events[0][1]["args"][-4] == t.host_info.device_ptr
     assert recorder.events[2][1]["args"][-3] == 0
-
-
-def _fused_args(event) -> dict:
-    """layout_dispatch_local's arguments by name (the order of its CUDA parameter list)."""
-    names = ("x hidden_int4 topk_idx topk_weights num_tokens num_experts chunk_tokens recv_x "
-             "recv_weights max_rows num_tokens_per_expert pos_in_expert num_tokens_per_rank "
-             "is_token_in_rank token_slot_in_rank slot_token slot_rows recv_tokens_per_expert "
-             "recv_padded recv_row_start recv_src_offset recv_tokens_per_rank host_info "
-             "alignment max_recv_rows host_epoch state chunk_status chunk_counts timeout_ns "
-             "error_claim error_record").split()
-    args = event["args"]
-    assert len(args) == len(names)
-    return dict(zip(names, args))
-
-
-def test_ep1_nosync_fuses_layout_and_expand(recorder):
-    t = _transport(recorder, 1, 64, 256, 4, lambda: 0)
-    x, idx, w = _inputs(64, 256, 16, 4)
-    recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, num_max_recv_rows=300)
-    assert _names(recorder) == ["layout_dispatch_local"]
-    event = recorder.events[0][1]
-    args = _fused_args(event)
-    # 8 SMs: chunks of 8 tokens, one block each; rows bounded by the caller's 300.
-    assert event["grid"] == 8 and args["chunk_tokens"] == 8 and args["max_rows"] == 300
-    assert args["host_info"] == 0 and args["max_recv_rows"] == 300  # no host wait
-    assert recv_x.shape == (300, 256) and handle.num_recv_rows == 300
-    arena = handle.transport_state[1]
-    assert args["slot_rows"] == arena.address("slot_rows") == handle.address("slot_rows")
-    assert args["pos_in_expert"] == handle.layout.address("pos_in_expert")
-    assert args["recv_row_start"] == handle.recv.address("expert_row_start")
-
-
-def test_ep1_sync_fused_publishes_to_the_host_and_trims(recorder):
-    t = _transport(recorder, 1, 64, 256, 4, lambda: 250)
-    x, idx, w = _inputs(64, 256, 16, 4)
-    recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, expert_alignment=2)
-    assert _names(recorder) == ["layout_dispatch_local", "host wait"]
-    args = _fused_args(recorder.events[0][1])
-    assert args["max_rows"] == 64 * 4 + 16 and args["max_recv_rows"] == -1
-    assert args["host_info"] == t.host_info.device_ptr and args["host_epoch"] == 1
-    assert recv_x.shape == (250, 256) and handle.num_recv_rows == 250
-
-
-def test_ep1_shapes_the_fused_kernel_cannot_take_use_two_kernels(recorder):
-    t = _transport(recorder, 1, 4096, 256, 16, lambda: 0)
-    x, idx, w = _inputs(4096, 256, 16, 16)  # 512 tokens of top-16 per block: over 2048
-    t.dispatch(x, idx, w, 16, num_max_recv_rows=4096 * 16)
-    assert _names(recorder) == ["layout_kernel", "dispatch_local"]
-    assert ops.fused_layout_launch(4096, 16, 16, 8) is None
-    assert ops.fused_layout_launch(4096, 8, 256, 132) == (32, 128, 4 * (256 * 8 + 1 + 4 * 257
-                                                                         + 256))
-    assert ops.fused_layout_launch(0, 8, 256, 132) is None
 
 
 def test_ep1_given_layout_runs_notify_and_a_plain_expand(recorder):

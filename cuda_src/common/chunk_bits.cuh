@@ -1,9 +1,9 @@
-// One chunk of tokens' routing in shared-memory bitmaps, the first step of both layout kernels
-// (layout.cu, and layout_dispatch.cu at EP = 1): per expert, the chunk's (n, k) entries naming
-// it; per rank, the chunk's tokens with an expert there; and their counts. An entry's position
-// among its expert's entries (a token's among its rank's tokens) is then a popcount.
-// Chunks publish to a per-chunk status word: 2 * epoch once their counts are out (layout.cu
-// adds 1 once its inclusive totals are), so epochs advance with no zeroing between launches.
+// One chunk of tokens' routing in shared-memory bitmaps, the first step of the layout kernel
+// (layout.cu): per expert, the chunk's (n, k) entries naming it; per rank, the chunk's tokens
+// with an expert there; and their counts. An entry's position among its expert's entries (a
+// token's among its rank's tokens) is then a popcount.
+// Chunks publish to a per-chunk status word: 2 * epoch once their counts are out, 2 * epoch + 1
+// once their inclusive totals are, so epochs advance with no zeroing between launches.
 #pragma once
 #include "common/error.cuh"
 

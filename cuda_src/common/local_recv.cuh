@@ -1,5 +1,5 @@
-// EP = 1's receive layout, written by the kernel that computes the dispatch layout (layout.cu,
-// layout_dispatch.cu): what notify writes for R ranks, with nothing to exchange for one.
+// EP = 1's receive layout, written by the layout kernel's last block (layout.cu): what notify
+// writes for R ranks, with nothing to exchange for one.
 #pragma once
 #include "common/error.cuh"
 #include "common/host_info.cuh"

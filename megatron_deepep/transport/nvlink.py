@@ -174,57 +174,13 @@ class NVLinkTransport:
         self.notify_epoch += 1
         self.dispatch_epoch += 1
         bound = -1 if num_max_recv_rows is None else num_max_recv_rows
-        # Rows of recv_x before the host knows the count: the caller's bound, or at EP = 1 a
-        # bound from the entries (the result is then a view); None: wait for the count first.
-        rows_before_wait = (num_max_recv_rows if num_max_recv_rows is not None else
-                            self._rows_before_wait(num_tokens, num_topk, num_local,
-                                                   expert_alignment))
-        # The host reads the receive layout only when it waits (no bound given).
+        rows_before_wait = None
+        if num_max_recv_rows is None:
+            rows_before_wait = self._rows_before_wait(num_tokens, num_topk, num_local,
+                                                      expert_alignment)
+        # Who publishes the receive layout to the host: nobody without a host wait; the EP = 1
+        # expand when it starts before the wait; else the kernel that derives the layout.
         host_info = self.host_info.device_ptr if num_max_recv_rows is None else 0
-        fused = None
-        if (R == 1 and layout is None and fp8 is None and x_scales is None
-                and rows_before_wait is not None and ops.fused_layout_enabled()):
-            fused = ops.fused_layout_launch(num_tokens, num_topk, num_experts,
-                                            ops.usable_sms(self.num_sms, dev))
-        if fused is not None:  # EP = 1: the layout and the expand in one kernel
-            recv_x, recv_scales = self._empty_recv(rows_before_wait, hidden, None, dev)
-            recv_weights = torch.empty(rows_before_wait, dtype=torch.float32, device=dev)
-            layout = ops.layout_dispatch_local(
-                recv_x, recv_weights, arena, x, topk_idx, topk_weights, num_experts,
-                ops.LocalRecv(arena, host_info, expert_alignment, bound, self.notify_epoch),
-                fused, self.errors, self.timeout_ns)
-        else:
-            layout, recv_x, recv_scales, recv_weights = self._layout_then_expand(
-                x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment, bound,
-                layout, fp8, arena, host_info, rows_before_wait)
-        num_rows = recv_weights.shape[0]
-        tokens_per_expert_list = None
-        if num_max_recv_rows is None:  # read after the launch: off the wait's critical path
-            if rows_before_wait is not None:
-                num_rows = self._wait_host_info(self.notify_epoch)
-                if num_rows < rows_before_wait:  # the exact size: a view of the first rows
-                    recv_x, recv_weights = recv_x[:num_rows], recv_weights[:num_rows]
-                    recv_scales = None if recv_scales is None else recv_scales[:num_rows]
-            tokens_per_expert_list = self._host_tokens_per_expert(num_local)
-        handle = DispatchHandle.from_arena(
-            arena, layout=layout, recv=RecvLayout.from_arena(arena), recv_weights=recv_weights,
-            num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-            expert_alignment=expert_alignment, num_recv_rows=num_rows,
-            tokens_per_expert_list=tokens_per_expert_list, transport_state=(topk_idx, arena))
-        return (recv_x if recv_scales is None else (recv_x, recv_scales)), recv_weights, handle
-
-    def _layout_then_expand(self, x, x_scales, topk_idx, topk_weights, num_experts: int,
-                            expert_alignment: int, bound: int,
-                            layout: Optional[DispatchLayout], fp8, arena, host_info: int,
-                            rows_before_wait: Optional[int]):
-        """The dispatch's kernels, each on its own: layout (unless given), notify (not at
-        EP = 1 after our layout), send (EP > 1), the host wait when `rows_before_wait` is None,
-        then the expand. Returns (layout, recv_x, recv_scales, recv_weights)."""
-        dev, R = x.device, self.num_ranks
-        num_local = num_experts // R
-        num_topk, hidden = topk_idx.shape[1], x.shape[1]
-        # Who publishes the receive layout to the host: the EP = 1 expand when it starts
-        # before the wait; else the kernel that derives the layout.
         expand_publishes = R == 1 and layout is None and rows_before_wait is not None
         local_recv = None
         if layout is None:
@@ -242,9 +198,11 @@ class NVLinkTransport:
                               num_local=num_local,
                               epoch=self.dispatch_epoch, num_sms=self.num_sms,
                               timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
-        alloc_rows = rows_before_wait
-        if alloc_rows is None:
-            alloc_rows = self._wait_host_info(self.notify_epoch)
+        if num_max_recv_rows is not None:
+            num_rows = num_max_recv_rows
+        elif rows_before_wait is None:
+            num_rows = self._wait_host_info(self.notify_epoch)
+        alloc_rows = num_rows if rows_before_wait is None else rows_before_wait
         recv_x, recv_scales = self._empty_recv(alloc_rows, hidden, fp8, dev)
         recv_weights = torch.empty(alloc_rows, dtype=torch.float32, device=dev)
         if R == 1:  # nothing to exchange: no protocol
@@ -258,7 +216,20 @@ class NVLinkTransport:
                               topk_weights, layout, False, fp8, num_local=num_local,
                               epoch=self.dispatch_epoch, num_sms=self.num_sms,
                               timeout_ns=self.timeout_ns, errors=self.errors, **self._common())
-        return layout, recv_x, recv_scales, recv_weights
+        tokens_per_expert_list = None
+        if num_max_recv_rows is None:  # read after the launch: off the wait's critical path
+            if rows_before_wait is not None:
+                num_rows = self._wait_host_info(self.notify_epoch)
+                if num_rows < alloc_rows:  # the exact size: a view of the first rows
+                    recv_x, recv_weights = recv_x[:num_rows], recv_weights[:num_rows]
+                    recv_scales = None if recv_scales is None else recv_scales[:num_rows]
+            tokens_per_expert_list = self._host_tokens_per_expert(num_local)
+        handle = DispatchHandle.from_arena(
+            arena, layout=layout, recv=RecvLayout.from_arena(arena), recv_weights=recv_weights,
+            num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+            expert_alignment=expert_alignment, num_recv_rows=num_rows,
+            tokens_per_expert_list=tokens_per_expert_list, transport_state=(topk_idx, arena))
+        return (recv_x if recv_scales is None else (recv_x, recv_scales)), recv_weights, handle
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8=None,
                         x_scales: Optional[torch.Tensor] = None):
