@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 from typing import Optional, Tuple
 
@@ -70,9 +71,23 @@ LAYOUT_MAX_CHUNK_ENTRIES = 2 * LAYOUT_THREADS  # kEntriesPerThread in layout.cu
 LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS  # kCountsPerThread: experts plus ranks
 
 
-# Entries per block by default: scripts/probe_layout.py measured 512 fastest on H200 at the
-# bench shapes (9.9 / 11.0 / 7.9 µs against 15.8 / 15.3 / 14.1 µs at 1024).
-LAYOUT_CHUNK_ENTRIES = LAYOUT_THREADS
+
+
+def _layout_chunk_entries() -> int:
+    """Entries per layout block: MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES (a multiple of 32 up to
+    LAYOUT_MAX_CHUNK_ENTRIES), else 512, which scripts/probe_layout.py measured fastest on H200
+    at the bench shapes (9.9 / 11.0 / 7.9 µs against 15.8 / 15.3 / 14.1 µs at 1024)."""
+    text = os.environ.get(jit.ENV_PREFIX + "LAYOUT_CHUNK_ENTRIES", "")
+    if not text:
+        return LAYOUT_THREADS
+    entries = int(text)
+    if entries % 32 or not 32 <= entries <= LAYOUT_MAX_CHUNK_ENTRIES:
+        raise ValueError(f"{jit.ENV_PREFIX}LAYOUT_CHUNK_ENTRIES={text} must be a multiple of 32 "
+                         f"in [32, {LAYOUT_MAX_CHUNK_ENTRIES}]")
+    return entries
+
+
+LAYOUT_CHUNK_ENTRIES = _layout_chunk_entries()
 
 
 def layout_chunk_tokens(num_experts: int, num_topk: int,

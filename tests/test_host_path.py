@@ -189,3 +189,14 @@ def test_rows_before_wait_bound():
     assert t._rows_before_wait(0, 8, 16, 4) == 0
     t.num_ranks = 2
     assert t._rows_before_wait(100, 8, 16, 1) is None
+
+
+def test_layout_chunk_entries_knob(monkeypatch):
+    monkeypatch.setenv("MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES", "1024")
+    assert ops._layout_chunk_entries() == 1024
+    monkeypatch.setenv("MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES", "")
+    assert ops._layout_chunk_entries() == ops.LAYOUT_THREADS
+    for bad in ("100", "2048", "0"):
+        monkeypatch.setenv("MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES", bad)
+        with pytest.raises(ValueError, match="multiple of 32 in \\[32, 1024\\]"):
+            ops._layout_chunk_entries()
