@@ -71,8 +71,6 @@ LAYOUT_MAX_CHUNK_ENTRIES = 2 * LAYOUT_THREADS  # kEntriesPerThread in layout.cu
 LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS  # kCountsPerThread: experts plus ranks
 
 
-
-
 def _layout_chunk_entries() -> int:
     """Entries per layout block: MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES (a multiple of 32 up to
     LAYOUT_MAX_CHUNK_ENTRIES), else 512, which scripts/probe_layout.py measured fastest on H200
