@@ -14,6 +14,7 @@
 #include "common/fp8_row.cuh"
 #include "common/host_info.cuh"
 #include "common/protocol.cuh"
+#include "common/stamps.cuh"
 
 using namespace mdeep;
 
@@ -21,6 +22,9 @@ constexpr int kDispatchThreads = 512;
 
 #ifndef MDEEP_DISPATCH_PRELOAD  // 0: dispatch_local loads a row only after its bookkeeping
 #define MDEEP_DISPATCH_PRELOAD 1
+#endif
+#ifndef MDEEP_DISPATCH_PREFETCH  // dispatch_local before its wait: 0 no L2 prefetch, 1 plain,
+#define MDEEP_DISPATCH_PREFETCH 1  // 2 evict-last
 #endif
 
 // Bytes of one output row of recv_x: bf16 unless the rows stay in FP8.
@@ -283,16 +287,25 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     const RowBytes<kFmt, kDequant> sizes(hidden, x_scales != nullptr);
     const i64 row_bytes = sizes.out_row, in_row_bytes = sizes.in_row;
     const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
+    PhaseStamps stamps;  // 0 start, 1 wait over, 2 block done
+    stamps.mark(0);
 
     // bf16: a token's first chunk is in flight while its ids and rows are loaded; the first
     // token's even before the wait for the layout kernel (launched programmatically after it,
     // this kernel may start while the layout still runs; x was complete before the layout).
     constexpr bool kPreload = kFmt == fp8::kWireBf16 && MDEEP_DISPATCH_PRELOAD;
     int4 first[kCopyUnroll];
-    if (kPreload && warp < num_tokens)
-        load_chunk<false>(reinterpret_cast<const int4*>(x + warp * in_row_bytes), 0, hidden / 8,
-                          lane, first);
+    if (kPreload && warp < num_tokens) {
+        const int4* row = reinterpret_cast<const int4*>(x + warp * in_row_bytes);
+        load_chunk<false>(row, 0, hidden / 8, lane, first);
+        // The rest of the row into L2 while the layout runs (HBM is idle until it ends).
+        // Not for a cached dispatch: launched plainly, it copies the row at once.
+        if (!kCached && MDEEP_DISPATCH_PREFETCH)
+            warp_prefetch_row_l2<MDEEP_DISPATCH_PREFETCH == 2>(row, 32 * kCopyUnroll,
+                                                              hidden / 8, lane);
+    }
     griddep_wait();
+    stamps.mark(1);
     if (host_info != nullptr && warp == num_warps - 1)
         warp_publish_host_info(host_info, tokens_per_expert, expert_row_start, num_local,
                                host_epoch, lane);
@@ -343,5 +356,10 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             write_row<kFmt, kDequant, kTopk, false>(
                 x + n * in_row_bytes, x_scales ? x_scales + (i64)n * in_scale_bytes : nullptr,
                 hidden, dst, dst_scales, num_dst, amax_epsilon, lane);
+    }
+    if (MDEEP_STAMPS) {
+        __syncthreads();  // the block's last warp done
+        stamps.mark(2);
+        stamps.print("expand");
     }
 }

@@ -18,6 +18,7 @@
 // before its expand: otherwise the expand publishes, or nobody reads it).
 #include "common/chunk_bits.cuh"
 #include "common/local_recv.cuh"
+#include "common/stamps.cuh"
 
 using namespace mdeep;
 
@@ -38,6 +39,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     extern __shared__ u32 smem[];
     __shared__ int window_first, window_inclusive;
     const ErrorState err{error_claim, error_record};
+    PhaseStamps stamps;  // 0 start, 1 marked, 2 looked back, 3 positions, 4 tail
+    stamps.mark(0);
     const int num_counts = num_experts + num_ranks;  // experts first, then ranks
     const ChunkBits bits(smem, chunk_tokens, kTopk, num_experts, num_ranks);
     int* counts = bits.counts;  // [E + R]
@@ -72,6 +75,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         }
     }
     __syncthreads();
+    stamps.mark(1);
 
     // 2. Publish the counts (chunk 0's are its inclusive totals), look back, publish totals.
     int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
@@ -116,6 +120,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         end = has_inclusive ? 0 : first;
         __syncthreads();  // window_* are rewritten by the next step
     }
+    stamps.mark(2);
     const bool is_last = c == (int)gridDim.x - 1;
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
@@ -154,12 +159,16 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     // epoch, after the EP = 1 receive layout when asked.
     __shared__ bool is_last_done;
     __syncthreads();
+    stamps.mark(3);
     if (threadIdx.x == 0) {
         __threadfence();
         is_last_done = atomicAdd(state + 1, 1u) == gridDim.x - 1;
     }
     __syncthreads();
-    if (!is_last_done) return;
+    if (!is_last_done) {
+        stamps.print("layout");
+        return;
+    }
     if (recv_tokens_per_expert != nullptr) {
         const LocalRecv out{recv_tokens_per_expert, recv_padded,   recv_row_start,
                             recv_src_offset,        recv_tokens_per_rank, host_info,
@@ -167,13 +176,12 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         // Written by other blocks: read past L1.
         const int count = threadIdx.x < num_experts ? __ldcg(num_tokens_per_expert + threadIdx.x)
                                                     : 0;
-        int num_rows;
-        const int row_start = local_row_start(out, count, &num_rows);
-        write_local_recv(out, count, row_start, num_rows, __ldcg(num_tokens_per_rank),
-                         num_experts, err, rank);
+        write_local_recv(out, count, __ldcg(num_tokens_per_rank), num_experts, err, rank);
     }
     if (threadIdx.x == 0) {
         state[1] = 0;
         st_release_gpu(state, epoch);
     }
+    stamps.mark(4);
+    stamps.print("layout");
 }

@@ -22,20 +22,15 @@ struct LocalRecv {
     }
 };
 
-// Every thread of the block: thread e < num_experts passes expert e's final count (others 0)
-// and gets the expert's first row (the exclusive prefix of the padded counts); `num_rows` is
-// the total.
-__device__ __forceinline__ int local_row_start(const LocalRecv& out, int count, int* num_rows) {
+// Every thread of one block: thread e < num_experts passes expert e's final count (others 0).
+// Writes the receive layout (an expert's first row is the exclusive prefix of the padded
+// counts), records a row overflow, and publishes to the host when asked.
+__device__ __forceinline__ void write_local_recv(const LocalRecv& out, int count,
+                                                 int tokens_in_rank, int num_experts,
+                                                 const ErrorState& err, int rank) {
     __shared__ int scan_smem[33];
-    return block_exclusive_scan(out.padded(count), scan_smem, num_rows);
-}
-
-// Every thread of one block, with `local_row_start`'s results: writes the receive layout,
-// records a row overflow, and publishes to the host when asked.
-__device__ __forceinline__ void write_local_recv(const LocalRecv& out, int count, int row_start,
-                                                 int num_rows, int tokens_in_rank,
-                                                 int num_experts, const ErrorState& err,
-                                                 int rank) {
+    int num_rows;
+    const int row_start = block_exclusive_scan(out.padded(count), scan_smem, &num_rows);
     const int e = threadIdx.x;
     if (e < num_experts) {
         out.num_recv_tokens_per_expert[e] = count;

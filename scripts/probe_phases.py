@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Phase probe: where the EP = 1 dispatch's time goes between the layout kernel and the expand.
+
+Builds the kernels with `MDEEP_STAMPS=1` (cuda_src/common/stamps.cuh: thread 0 of each block
+prints globaltimer stamps at its phase ends), runs no-sync and cached dispatches, and reports,
+in µs from the layout's first block start (median over calls):
+  layout: last block marked its chunk, looked back, wrote positions, finished the tail;
+  expand: first block started, first and last block past `griddepcontrol.wait`, last block done.
+The stamps cost a little (a printf per block at its end): compare phases, not totals, with the
+benchmark.
+
+    python scripts/probe_phases.py [--shapes "4096,7168,256,8;8192,4096,64,6"]
+
+Needs a GPU; a measurement script, not part of the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import tempfile
+from collections import defaultdict
+from typing import Callable, Dict, List
+
+LAYOUT_PHASES = ("marked", "looked back", "positions", "tail")
+EXPAND_PHASES = ("start", "wait over", "done")
+
+
+def _enable_stamps() -> None:
+    defines = os.environ.get("MEGATRON_DEEPEP_JIT_DEFINES", "")
+    os.environ["MEGATRON_DEEPEP_JIT_DEFINES"] = ",".join(d for d in (defines, "MDEEP_STAMPS=1")
+                                                         if d)
+
+
+def captured_stdout(fn: Callable[[], None]) -> str:
+    """What the kernels launched by `fn` printf'd (the process's fd 1 during fn and a sync)."""
+    import torch
+
+    torch.cuda.synchronize()
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        saved = os.dup(1)
+        os.dup2(tmp.fileno(), 1)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ctypes.CDLL(None).fflush(None)  # the driver prints through C stdio's buffer
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        return tmp.read().decode(errors="replace")
+
+
+def parse_stamps(text: str) -> Dict[str, List[List[int]]]:
+    """`{kernel: [[ns 0..5] per block]}` from the stamp lines."""
+    out = defaultdict(list)
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 9 and parts[0] == "mdeep-stamps":
+            out[parts[1]].append([int(v) for v in parts[3:]])
+    return out
+
+
+def phases_us(stamps: Dict[str, List[List[int]]]) -> Dict[str, float]:
+    """One call's phase ends in µs from the earliest stamp of the call."""
+    layout, expand = stamps.get("layout", []), stamps["expand"]
+    origin = min(b[0] for b in (layout or expand))
+
+    def us(ns: int) -> float:
+        return (ns - origin) / 1e3
+
+    out = {}
+    for i, name in enumerate(LAYOUT_PHASES):
+        seen = [b[i + 1] for b in layout if b[i + 1]]
+        if seen:
+            out[f"layout {name} (last block)"] = us(max(seen))
+    out["expand first start"] = us(min(b[0] for b in expand))
+    out["expand last start"] = us(max(b[0] for b in expand))
+    out["expand first wait over"] = us(min(b[1] for b in expand))
+    out["expand last wait over"] = us(max(b[1] for b in expand))
+    out["expand done (last block)"] = us(max(b[2] for b in expand))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="4096,7168,256,8;8192,4096,64,6",
+                        help="semicolon-separated N,H,E,K tuples")
+    parser.add_argument("--calls", type=int, default=15)
+    args = parser.parse_args()
+    _enable_stamps()
+    import torch
+    import torch.distributed as dist
+
+    from megatron_deepep.bench import make_routing
+    from megatron_deepep.buffer import Buffer
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29541"))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    table = []
+    for text in args.shapes.split(";"):
+        num_tokens, hidden, num_experts, num_topk = (int(v) for v in text.split(","))
+        x = torch.randn(num_tokens, hidden, device="cuda").to(torch.bfloat16)
+        idx, w = make_routing(num_tokens, num_experts, num_topk, 17)
+        buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, transport="nvlink",
+                     num_sms=num_sms)
+        bound = num_tokens * num_topk
+        state = {}
+
+        def nosync():
+            state["res"] = buf.dispatch(x, idx, w, num_experts=num_experts,
+                                        num_max_recv_rows=bound)
+
+        def cached():
+            buf.dispatch(x, handle=state["res"][2])
+
+        for name, fn in (("no-sync", nosync), ("cached", cached)):
+            for _ in range(3):
+                captured_stdout(fn)  # warm-up (and compiles), stamps dropped
+            per_call = defaultdict(list)
+            for _ in range(args.calls):
+                for key, value in phases_us(parse_stamps(captured_stdout(fn))).items():
+                    per_call[key].append(value)
+            for key, values in per_call.items():
+                table.append((text, name, key, statistics.median(values)))
+                print(f"{text} {name}: {key} {statistics.median(values):.2f} µs", flush=True)
+        buf.destroy()
+    print("\n| shape | dispatch | phase end | µs from first stamp |")
+    print("|---|---|---|---|")
+    for text, name, key, value in table:
+        print(f"| {text} | {name} | {key} | {value:.2f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
