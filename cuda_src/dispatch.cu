@@ -23,9 +23,6 @@ constexpr int kDispatchThreads = 512;
 #ifndef MDEEP_DISPATCH_PRELOAD  // 0: dispatch_local loads a row only after its bookkeeping
 #define MDEEP_DISPATCH_PRELOAD 1
 #endif
-#ifndef MDEEP_DISPATCH_PREFETCH  // dispatch_local before its wait: 0 no L2 prefetch, 1 plain,
-#define MDEEP_DISPATCH_PREFETCH 1  // 2 evict-last
-#endif
 
 // Bytes of one output row of recv_x: bf16 unless the rows stay in FP8.
 template <int kFmt, bool kDequant>
@@ -295,15 +292,9 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     // this kernel may start while the layout still runs; x was complete before the layout).
     constexpr bool kPreload = kFmt == fp8::kWireBf16 && MDEEP_DISPATCH_PRELOAD;
     int4 first[kCopyUnroll];
-    if (kPreload && warp < num_tokens) {
-        const int4* row = reinterpret_cast<const int4*>(x + warp * in_row_bytes);
-        load_chunk<false>(row, 0, hidden / 8, lane, first);
-        // The rest of the row into L2 while the layout runs (HBM is idle until it ends).
-        // Not for a cached dispatch: launched plainly, it copies the row at once.
-        if (!kCached && MDEEP_DISPATCH_PREFETCH)
-            warp_prefetch_row_l2<MDEEP_DISPATCH_PREFETCH == 2>(row, 32 * kCopyUnroll,
-                                                              hidden / 8, lane);
-    }
+    if (kPreload && warp < num_tokens)
+        load_chunk<false>(reinterpret_cast<const int4*>(x + warp * in_row_bytes), 0, hidden / 8,
+                          lane, first);
     griddep_wait();
     stamps.mark(1);
     if (host_info != nullptr && warp == num_warps - 1)

@@ -26,6 +26,10 @@ constexpr int kLayoutThreads = 512;
 constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
 constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
 constexpr int kLookBackLoads = 8;
+constexpr int kFlatLoads = 32;
+#ifndef MDEEP_LAYOUT_FLAT  // 0: the decoupled look-back walk (A/B)
+#define MDEEP_LAYOUT_FLAT 1
+#endif
 
 template <typename IdxT, int kTopk>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
@@ -77,6 +81,51 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     __syncthreads();
     stamps.mark(1);
 
+#if MDEEP_LAYOUT_FLAT
+    // 2. Publish the counts, then add every earlier chunk's: their (chunk, count) pairs spread
+    // over the block with kFlatLoads loads per thread in flight, so the sums take one or two
+    // rounds of L2 reads whatever the number of chunks, added up by shared atomics.
+    for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
+        chunk_counts[(i64)c * num_counts + i] = counts[i];  // [chunks][num_counts]
+    __syncthreads();  // thread 0's release then covers the block's stores (cumulativity)
+    if (threadIdx.x == 0) st_release_gpu(chunk_status + c, published);
+    int own[kCountsPerThread];
+#pragma unroll
+    for (int v = 0; v < kCountsPerThread; ++v) {
+        const int i = threadIdx.x + v * kLayoutThreads;
+        own[v] = i < num_counts ? counts[i] : 0;
+    }
+    for (int p = threadIdx.x; p < c; p += kLayoutThreads)
+        wait_chunk(chunk_status, p, published, timeout_ns, err, rank);
+    __syncthreads();  // every earlier chunk's counts are out; own[] is read
+    const int num_loads = c * num_counts;
+    for (int q0 = threadIdx.x; q0 < num_loads; q0 += kLayoutThreads * kFlatLoads) {
+        int value[kFlatLoads];
+#pragma unroll
+        for (int u = 0; u < kFlatLoads; ++u) {
+            const int q = q0 + u * kLayoutThreads;
+            value[u] = q < num_loads ? __ldcg(chunk_counts + q) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < kFlatLoads; ++u)
+            if (value[u] != 0) atomicAdd(&counts[(q0 + u * kLayoutThreads) % num_counts], value[u]);
+    }
+    __syncthreads();
+    stamps.mark(2);
+    const bool is_last = c == (int)gridDim.x - 1;
+#pragma unroll
+    for (int v = 0; v < kCountsPerThread; ++v) {
+        const int i = threadIdx.x + v * kLayoutThreads;
+        if (i >= num_counts) continue;
+        const int total = counts[i];  // this chunk's and every earlier one's
+        if (is_last) {
+            if (i < num_experts) num_tokens_per_expert[i] = total;
+            else num_tokens_per_rank[i - num_experts] = total;
+        }
+        counts[i] = total - own[v];  // from here on: the offset of this chunk's first bit
+    }
+    __syncthreads();
+#else
     // 2. Publish the counts (chunk 0's are its inclusive totals), look back, publish totals.
     int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
     for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
@@ -136,6 +185,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     }
     __syncthreads();
     if (threadIdx.x == 0 && c > 0) st_release_gpu(chunk_status + c, inclusive);
+
+#endif
 
     // 3. Positions: earlier chunks' count plus the bits before this one.
 #pragma unroll

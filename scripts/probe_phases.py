@@ -2,8 +2,8 @@
 """Phase probe: where the EP = 1 dispatch's time goes between the layout kernel and the expand.
 
 Builds the kernels with `MDEEP_STAMPS=1` (cuda_src/common/stamps.cuh: thread 0 of each block
-prints globaltimer stamps at its phase ends), runs no-sync and cached dispatches, and reports,
-in µs from the layout's first block start (median over calls):
+prints globaltimer stamps at its phase ends), runs no-sync and cached dispatches back to back, and
+reports, in µs from the layout's first block start (median over calls, the first dropped):
   layout: last block marked its chunk, looked back, wrote positions, finished the tail;
   expand: first block started, first and last block past `griddepcontrol.wait`, last block done.
 The stamps cost a little (a printf per block at its end): compare phases, not totals, with the
@@ -53,14 +53,25 @@ def captured_stdout(fn: Callable[[], None]) -> str:
         return tmp.read().decode(errors="replace")
 
 
-def parse_stamps(text: str) -> Dict[str, List[List[int]]]:
-    """`{kernel: [[ns 0..5] per block]}` from the stamp lines."""
-    out = defaultdict(list)
+def parse_calls(text: str, num_calls: int) -> List[Dict[str, List[List[int]]]]:
+    """The stamp lines of `num_calls` back-to-back calls, split per call: `[{kernel: [[ns 0..5]
+    per block]}]`. A kernel's blocks of call i all start before those of call i + 1 (stream
+    order), so each kernel's blocks sorted by start split into equal groups."""
+    blocks = defaultdict(list)
     for line in text.splitlines():
         parts = line.split()
         if len(parts) == 9 and parts[0] == "mdeep-stamps":
-            out[parts[1]].append([int(v) for v in parts[3:]])
-    return out
+            blocks[parts[1]].append([int(v) for v in parts[3:]])
+    calls = [dict() for _ in range(num_calls)]
+    for kernel, stamps in blocks.items():
+        if len(stamps) % num_calls:
+            raise RuntimeError(f"{len(stamps)} {kernel} stamp lines for {num_calls} calls "
+                               f"(the printf buffer overflowed?)")
+        per_call = len(stamps) // num_calls
+        stamps.sort()
+        for i in range(num_calls):
+            calls[i][kernel] = stamps[i * per_call:(i + 1) * per_call]
+    return calls
 
 
 def phases_us(stamps: Dict[str, List[List[int]]]) -> Dict[str, float]:
@@ -88,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="4096,7168,256,8;8192,4096,64,6",
                         help="semicolon-separated N,H,E,K tuples")
-    parser.add_argument("--calls", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=12, help="back-to-back calls per kind")
     args = parser.parse_args()
     _enable_stamps()
     import torch
@@ -120,11 +131,15 @@ def main() -> None:
             buf.dispatch(x, handle=state["res"][2])
 
         for name, fn in (("no-sync", nosync), ("cached", cached)):
-            for _ in range(3):
-                captured_stdout(fn)  # warm-up (and compiles), stamps dropped
+            captured_stdout(fn)  # warm-up (and compiles), stamps dropped
+
+            def back_to_back():
+                for _ in range(args.calls):
+                    fn()
+
             per_call = defaultdict(list)
-            for _ in range(args.calls):
-                for key, value in phases_us(parse_stamps(captured_stdout(fn))).items():
+            for stamps in parse_calls(captured_stdout(back_to_back), args.calls)[1:]:
+                for key, value in phases_us(stamps).items():
                     per_call[key].append(value)
             for key, values in per_call.items():
                 table.append((text, name, key, statistics.median(values)))

@@ -76,16 +76,6 @@ __device__ __forceinline__ void warp_copy_row_to_lane_rows(const int4* src, int4
     }
 }
 
-// Asks L2 for the 128-byte lines of words [first_int4, num_int4) of `src`, one line per lane
-// per round: the row then reads from L2 when the warp copies it.
-template <bool kEvictLast>
-__device__ __forceinline__ void warp_prefetch_row_l2(const int4* src, int first_int4,
-                                                     int num_int4, int lane) {
-    constexpr int kInt4PerLine = 8;
-    for (int i = first_int4 + lane * kInt4PerLine; i < num_int4; i += 32 * kInt4PerLine)
-        prefetch_l2<kEvictLast>(src + i);
-}
-
 // Zeroes `num_int4` 16-byte words at `dst` with the whole warp.
 __device__ __forceinline__ void warp_zero_row(int4* dst, int num_int4, int lane) {
     const int4 zero = make_int4(0, 0, 0, 0);

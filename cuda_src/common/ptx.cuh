@@ -59,14 +59,6 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4* p) { return __ldcg(p); }
 
 __device__ __forceinline__ void st_v4(int4* p, const int4& v) { *p = v; }
 
-// Asks L2 to fetch the 128-byte line holding `p` (no register result, no wait); kEvictLast:
-// with the evict-last priority, so later streaming stores do not push it out first.
-template <bool kEvictLast>
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    if (kEvictLast) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
-    else asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Programmatic dependent launch (sm_90+). griddep_wait: blocks until the previous kernel on the
 // stream has finished and its writes are visible (returns at once after a normal launch).
 // griddep_launch_dependents: the next kernel, if launched programmatically, may start now.
