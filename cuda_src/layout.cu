@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     extern __shared__ u32 smem[];
     __shared__ int window_first, window_inclusive;
     const ErrorState err{error_claim, error_record};
-    PhaseStamps stamps;  // 0 start, 1 marked, 2 looked back, 3 positions, 4 tail
+    PhaseStamps stamps;  // 0 start, 1 marked, 2 published, 3 waited, 4 looked back, 5 positions,
+    // 6 tail
     stamps.mark(0);
     const int num_counts = num_experts + num_ranks;  // experts first, then ranks
     const ChunkBits bits(smem, chunk_tokens, kTopk, num_experts, num_ranks);
@@ -89,6 +90,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         chunk_counts[(i64)c * num_counts + i] = counts[i];  // [chunks][num_counts]
     __syncthreads();  // thread 0's release then covers the block's stores (cumulativity)
     if (threadIdx.x == 0) st_release_gpu(chunk_status + c, published);
+    stamps.mark(2);
     int own[kCountsPerThread];
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
@@ -98,6 +100,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     for (int p = threadIdx.x; p < c; p += kLayoutThreads)
         wait_chunk(chunk_status, p, published, timeout_ns, err, rank);
     __syncthreads();  // every earlier chunk's counts are out; own[] is read
+    stamps.mark(3);
     const int num_loads = c * num_counts;
     for (int q0 = threadIdx.x; q0 < num_loads; q0 += kLayoutThreads * kFlatLoads) {
         int value[kFlatLoads];
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
             if (value[u] != 0) atomicAdd(&counts[(q0 + u * kLayoutThreads) % num_counts], value[u]);
     }
     __syncthreads();
-    stamps.mark(2);
+    stamps.mark(4);
     const bool is_last = c == (int)gridDim.x - 1;
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
@@ -169,7 +172,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         end = has_inclusive ? 0 : first;
         __syncthreads();  // window_* are rewritten by the next step
     }
-    stamps.mark(2);
+    stamps.mark(4);
     const bool is_last = c == (int)gridDim.x - 1;
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
@@ -210,7 +213,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     // epoch, after the EP = 1 receive layout when asked.
     __shared__ bool is_last_done;
     __syncthreads();
-    stamps.mark(3);
+    stamps.mark(5);
     if (threadIdx.x == 0) {
         __threadfence();
         is_last_done = atomicAdd(state + 1, 1u) == gridDim.x - 1;
@@ -233,6 +236,6 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         state[1] = 0;
         st_release_gpu(state, epoch);
     }
-    stamps.mark(4);
+    stamps.mark(6);
     stamps.print("layout");
 }

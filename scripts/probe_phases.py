@@ -3,11 +3,13 @@
 
 Builds the kernels with `MDEEP_STAMPS=1` (cuda_src/common/stamps.cuh: thread 0 of each block
 prints globaltimer stamps at its phase ends), runs no-sync and cached dispatches back to back, and
-reports, in µs from the layout's first block start (median over calls, the first dropped):
-  layout: last block marked its chunk, looked back, wrote positions, finished the tail;
-  expand: first block started, first and last block past `griddepcontrol.wait`, last block done.
-The stamps cost a little (a printf per block at its end): compare phases, not totals, with the
-benchmark.
+reports, in µs from the call's first stamp (median over calls, the first dropped), when the
+first and the last block ended each phase:
+  layout: marked its chunk, published its counts, saw every earlier chunk's, summed them,
+  wrote positions, finished (the tail: the last block's receive layout);
+  expand: started, passed `griddepcontrol.wait`, finished.
+The stamps cost something (a printf per block at its end, which also seems to delay the
+expand's wait): compare phases within a kernel, not totals, with the benchmark.
 
     python scripts/probe_phases.py [--shapes "4096,7168,256,8;8192,4096,64,6"]
 
@@ -24,7 +26,7 @@ import tempfile
 from collections import defaultdict
 from typing import Callable, Dict, List
 
-LAYOUT_PHASES = ("marked", "looked back", "positions", "tail")
+LAYOUT_PHASES = ("marked", "published", "waited", "looked back", "positions", "tail")
 EXPAND_PHASES = ("start", "wait over", "done")
 
 
@@ -54,13 +56,13 @@ def captured_stdout(fn: Callable[[], None]) -> str:
 
 
 def parse_calls(text: str, num_calls: int) -> List[Dict[str, List[List[int]]]]:
-    """The stamp lines of `num_calls` back-to-back calls, split per call: `[{kernel: [[ns 0..5]
+    """The stamp lines of `num_calls` back-to-back calls, split per call: `[{kernel: [[ns 0..7]
     per block]}]`. A kernel's blocks of call i all start before those of call i + 1 (stream
     order), so each kernel's blocks sorted by start split into equal groups."""
     blocks = defaultdict(list)
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 9 and parts[0] == "mdeep-stamps":
+        if len(parts) == 11 and parts[0] == "mdeep-stamps":
             blocks[parts[1]].append([int(v) for v in parts[3:]])
     calls = [dict() for _ in range(num_calls)]
     for kernel, stamps in blocks.items():
@@ -74,8 +76,8 @@ def parse_calls(text: str, num_calls: int) -> List[Dict[str, List[List[int]]]]:
     return calls
 
 
-def phases_us(stamps: Dict[str, List[List[int]]]) -> Dict[str, float]:
-    """One call's phase ends in µs from the earliest stamp of the call."""
+def phases_us(stamps: Dict[str, List[List[int]]]) -> Dict[str, tuple]:
+    """One call's phase ends, (first, last) over blocks, in µs from the call's earliest stamp."""
     layout, expand = stamps.get("layout", []), stamps["expand"]
     origin = min(b[0] for b in (layout or expand))
 
@@ -86,12 +88,10 @@ def phases_us(stamps: Dict[str, List[List[int]]]) -> Dict[str, float]:
     for i, name in enumerate(LAYOUT_PHASES):
         seen = [b[i + 1] for b in layout if b[i + 1]]
         if seen:
-            out[f"layout {name} (last block)"] = us(max(seen))
-    out["expand first start"] = us(min(b[0] for b in expand))
-    out["expand last start"] = us(max(b[0] for b in expand))
-    out["expand first wait over"] = us(min(b[1] for b in expand))
-    out["expand last wait over"] = us(max(b[1] for b in expand))
-    out["expand done (last block)"] = us(max(b[2] for b in expand))
+            out[f"layout {name} (first / last block)"] = (us(min(seen)), us(max(seen)))
+    for i, name in enumerate(EXPAND_PHASES):
+        out[f"expand {name} (first / last block)"] = (us(min(b[i] for b in expand)),
+                                                      us(max(b[i] for b in expand)))
     return out
 
 
@@ -142,13 +142,13 @@ def main() -> None:
                 for key, value in phases_us(stamps).items():
                     per_call[key].append(value)
             for key, values in per_call.items():
-                table.append((text, name, key, statistics.median(values)))
-                print(f"{text} {name}: {key} {statistics.median(values):.2f} µs", flush=True)
+                first, last = (statistics.median(v[j] for v in values) for j in (0, 1))
+                table.append((text, name, key, first, last))
         buf.destroy()
-    print("\n| shape | dispatch | phase end | µs from first stamp |")
+    print("\n| shape | dispatch | phase end | µs from the call's start: first / last block |")
     print("|---|---|---|---|")
-    for text, name, key, value in table:
-        print(f"| {text} | {name} | {key} | {value:.2f} |")
+    for text, name, key, first, last in table:
+        print(f"| {text} | {name} | {key} | {first:.2f} / {last:.2f} |")
     dist.destroy_process_group()
 
 

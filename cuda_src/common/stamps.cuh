@@ -10,7 +10,7 @@
 
 namespace mdeep {
 
-constexpr int kMaxStamps = 6;
+constexpr int kMaxStamps = 8;
 
 struct PhaseStamps {
     u64 ns[kMaxStamps] = {};
@@ -20,11 +20,11 @@ struct PhaseStamps {
         if (MDEEP_STAMPS && threadIdx.x == 0) ns[i] = global_timer_ns();
     }
 
-    // One line per block: "mdeep-stamps <kernel> <block> <ns 0> ... <ns 5>" (0: not reached).
+    // One line per block: "mdeep-stamps <kernel> <block> <ns 0> ... <ns 7>" (0: not reached).
     __device__ __forceinline__ void print(const char* kernel) const {
         if (MDEEP_STAMPS && threadIdx.x == 0)
-            printf("mdeep-stamps %s %d %llu %llu %llu %llu %llu %llu\n", kernel, (int)blockIdx.x,
-                   ns[0], ns[1], ns[2], ns[3], ns[4], ns[5]);
+            printf("mdeep-stamps %s %d %llu %llu %llu %llu %llu %llu %llu %llu\n", kernel,
+                   (int)blockIdx.x, ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6], ns[7]);
     }
 };
 
