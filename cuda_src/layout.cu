@@ -2,9 +2,9 @@
 // of `chunk_tokens` tokens (at least one block; a chunk has at most 2 * 512 entries).
 //   1. A block marks its chunk in shared-memory bitmaps (per expert: the chunk's entries naming
 //      it; per rank: the chunk's tokens with an expert there) and counts the set bits.
-//   2. It publishes the counts, adds those of every earlier chunk (decoupled look-back: the
-//      nearest earlier chunk that has published its inclusive totals ends the walk) and
-//      publishes its own inclusive totals.
+//   2. It publishes the counts, adds those of the earlier chunks (decoupled look-back: those
+//      after the nearest earlier chunk that has published its inclusive totals, with every
+//      load in flight at once) and publishes its own inclusive totals.
 //   3. pos_in_expert and token_slot_in_rank are the earlier chunks' count plus the set bits
 //      before the entry (token) in its bitmap, i.e. (n, k) and token order as layout.py defines.
 //      The last chunk writes num_tokens_per_expert and num_tokens_per_rank.
@@ -25,11 +25,7 @@ using namespace mdeep;
 constexpr int kLayoutThreads = 512;
 constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
 constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
-constexpr int kLookBackLoads = 8;
-constexpr int kFlatLoads = 32;
-#ifndef MDEEP_LAYOUT_FLAT  // 0: the decoupled look-back walk (A/B)
-#define MDEEP_LAYOUT_FLAT 1
-#endif
+constexpr int kSumLoads = 32;  // loads in flight per thread while summing earlier counts
 
 template <typename IdxT, int kTopk>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
@@ -41,7 +37,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     int* recv_row_start, int* recv_src_offset, int* recv_tokens_per_rank, HostInfo* host_info,
     int alignment, int max_recv_rows, u32 host_epoch) {
     extern __shared__ u32 smem[];
-    __shared__ int window_first, window_inclusive;
+    __shared__ int nearest_inclusive;  // the latest earlier chunk with inclusive totals, or -1
     const ErrorState err{error_claim, error_record};
     PhaseStamps stamps;  // 0 start, 1 marked, 2 published, 3 waited, 4 looked back, 5 positions,
     // 6 tail
@@ -69,6 +65,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     }
     const int smem_words = bits.words(num_experts, num_ranks);
     for (int i = threadIdx.x; i < smem_words; i += kLayoutThreads) smem[i] = 0;
+    if (threadIdx.x == 0) nearest_inclusive = -1;
     __syncthreads();
 #pragma unroll
     for (int u = 0; u < kEntriesPerThread; ++u) {
@@ -82,14 +79,16 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     __syncthreads();
     stamps.mark(1);
 
-#if MDEEP_LAYOUT_FLAT
-    // 2. Publish the counts, then add every earlier chunk's: their (chunk, count) pairs spread
-    // over the block with kFlatLoads loads per thread in flight, so the sums take one or two
-    // rounds of L2 reads whatever the number of chunks, added up by shared atomics.
+    // 2. Publish the counts (chunk 0's are its inclusive totals), add those of the earlier
+    // chunks after the nearest one whose inclusive totals are out (all of them while the
+    // earlier chunks still run), then publish this chunk's inclusive totals. The (chunk, count)
+    // pairs to add are spread over the block, kSumLoads loads per thread in flight, so the sum
+    // takes a round or two of L2 reads, added up by shared atomics.
+    int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
     for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
-        chunk_counts[(i64)c * num_counts + i] = counts[i];  // [chunks][num_counts]
+        my_counts[(c == 0 ? num_counts : 0) + i] = counts[i];
     __syncthreads();  // thread 0's release then covers the block's stores (cumulativity)
-    if (threadIdx.x == 0) st_release_gpu(chunk_status + c, published);
+    if (threadIdx.x == 0) st_release_gpu(chunk_status + c, c == 0 ? inclusive : published);
     stamps.mark(2);
     int own[kCountsPerThread];
 #pragma unroll
@@ -97,21 +96,35 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         const int i = threadIdx.x + v * kLayoutThreads;
         own[v] = i < num_counts ? counts[i] : 0;
     }
-    for (int p = threadIdx.x; p < c; p += kLayoutThreads)
-        wait_chunk(chunk_status, p, published, timeout_ns, err, rank);
-    __syncthreads();  // every earlier chunk's counts are out; own[] is read
+    // Windows of one chunk per thread, back from c - 1, until one holds inclusive totals.
+    for (int end = c; end > 0; end -= kLayoutThreads) {
+        const int p = end - 1 - (int)threadIdx.x;
+        if (p >= 0 && wait_chunk(chunk_status, p, published, timeout_ns, err, rank))
+            atomicMax(&nearest_inclusive, p);
+        __syncthreads();  // the window's counts are out (and own[] is read)
+        const bool found = nearest_inclusive >= 0;
+        __syncthreads();  // everyone read it before the next window's atomics
+        if (found) break;
+    }
     stamps.mark(3);
-    const int num_loads = c * num_counts;
-    for (int q0 = threadIdx.x; q0 < num_loads; q0 += kLayoutThreads * kFlatLoads) {
-        int value[kFlatLoads];
+    const int first = max(nearest_inclusive, 0);
+    const bool has_inclusive = nearest_inclusive >= 0;
+    const int num_loads = (c - first) * num_counts;
+    for (int q0 = threadIdx.x; q0 < num_loads; q0 += kLayoutThreads * kSumLoads) {
+        int value[kSumLoads];
 #pragma unroll
-        for (int u = 0; u < kFlatLoads; ++u) {
+        for (int u = 0; u < kSumLoads; ++u) {
             const int q = q0 + u * kLayoutThreads;
-            value[u] = q < num_loads ? __ldcg(chunk_counts + q) : 0;
+            const int p = q / num_counts, i = q - p * num_counts;  // chunk first + p, count i
+            const int half = p == 0 && has_inclusive ? num_counts : 0;
+            value[u] = q < num_loads
+                           ? __ldcg(chunk_counts + (i64)(first + p) * 2 * num_counts + half + i)
+                           : 0;
         }
 #pragma unroll
-        for (int u = 0; u < kFlatLoads; ++u)
-            if (value[u] != 0) atomicAdd(&counts[(q0 + u * kLayoutThreads) % num_counts], value[u]);
+        for (int u = 0; u < kSumLoads; ++u)
+            if (value[u] != 0)
+                atomicAdd(&counts[(q0 + u * kLayoutThreads) % num_counts], value[u]);
     }
     __syncthreads();
     stamps.mark(4);
@@ -121,6 +134,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         const int i = threadIdx.x + v * kLayoutThreads;
         if (i >= num_counts) continue;
         const int total = counts[i];  // this chunk's and every earlier one's
+        if (c > 0) my_counts[num_counts + i] = total;
         if (is_last) {
             if (i < num_experts) num_tokens_per_expert[i] = total;
             else num_tokens_per_rank[i - num_experts] = total;
@@ -128,68 +142,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         counts[i] = total - own[v];  // from here on: the offset of this chunk's first bit
     }
     __syncthreads();
-#else
-    // 2. Publish the counts (chunk 0's are its inclusive totals), look back, publish totals.
-    int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
-    for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
-        my_counts[(c == 0 ? num_counts : 0) + i] = counts[i];
-    __syncthreads();  // thread 0's release then covers the block's stores (cumulativity)
-    if (threadIdx.x == 0) st_release_gpu(chunk_status + c, c == 0 ? inclusive : published);
-
-    int earlier[kCountsPerThread] = {};
-    for (int end = c; end > 0;) {
-        if (threadIdx.x < 32) {  // warp 0 reads a window of up to 32 earlier chunks
-            const int p = end - 1 - (int)threadIdx.x;
-            const bool done = p >= 0 && wait_chunk(chunk_status, p, published, timeout_ns, err,
-                                                    rank);
-            const u32 done_mask = __ballot_sync(0xffffffffu, done);
-            if (threadIdx.x == 0) {
-                window_inclusive = done_mask != 0;
-                window_first = done_mask ? end - __ffs(done_mask) : max(0, end - 32);
-            }
-        }
-        __syncthreads();
-        const int first = window_first;
-        const bool has_inclusive = window_inclusive;
-#pragma unroll
-        for (int v = 0; v < kCountsPerThread; ++v) {
-            const int i = threadIdx.x + v * kLayoutThreads;
-            if (i >= num_counts) continue;
-            // kLookBackLoads independent loads in flight: a window is up to 32 L2 reads.
-            for (int p0 = first; p0 < end; p0 += kLookBackLoads) {
-                int value[kLookBackLoads];
-#pragma unroll
-                for (int q = 0; q < kLookBackLoads; ++q) {
-                    const int p = p0 + q;
-                    const int half = p == first && has_inclusive ? num_counts : 0;
-                    value[q] = p < end ? __ldcg(chunk_counts + (i64)p * 2 * num_counts + half + i)
-                                       : 0;
-                }
-#pragma unroll
-                for (int q = 0; q < kLookBackLoads; ++q) earlier[v] += value[q];
-            }
-        }
-        end = has_inclusive ? 0 : first;
-        __syncthreads();  // window_* are rewritten by the next step
-    }
-    stamps.mark(4);
-    const bool is_last = c == (int)gridDim.x - 1;
-#pragma unroll
-    for (int v = 0; v < kCountsPerThread; ++v) {
-        const int i = threadIdx.x + v * kLayoutThreads;
-        if (i >= num_counts) continue;
-        const int total = earlier[v] + counts[i];
-        if (c > 0) my_counts[num_counts + i] = total;
-        if (is_last) {
-            if (i < num_experts) num_tokens_per_expert[i] = total;
-            else num_tokens_per_rank[i - num_experts] = total;
-        }
-        counts[i] = earlier[v];  // from here on: the offset of this chunk's first bit
-    }
-    __syncthreads();
     if (threadIdx.x == 0 && c > 0) st_release_gpu(chunk_status + c, inclusive);
 
-#endif
 
     // 3. Positions: earlier chunks' count plus the bits before this one.
 #pragma unroll

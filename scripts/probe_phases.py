@@ -7,7 +7,8 @@ reports, in µs from the call's first stamp (median over calls, the first droppe
 first and the last block ended each phase:
   layout: marked its chunk, published its counts, saw every earlier chunk's, summed them,
   wrote positions, finished (the tail: the last block's receive layout);
-  expand: started, passed `griddepcontrol.wait`, finished.
+  expand: started, passed `griddepcontrol.wait`, finished;
+and the same for the layout kernel alone (`Buffer.get_dispatch_layout`, no expand beside it).
 The stamps cost something (a printf per block at its end, which also seems to delay the
 expand's wait): compare phases within a kernel, not totals, with the benchmark.
 
@@ -78,7 +79,7 @@ def parse_calls(text: str, num_calls: int) -> List[Dict[str, List[List[int]]]]:
 
 def phases_us(stamps: Dict[str, List[List[int]]]) -> Dict[str, tuple]:
     """One call's phase ends, (first, last) over blocks, in µs from the call's earliest stamp."""
-    layout, expand = stamps.get("layout", []), stamps["expand"]
+    layout, expand = stamps.get("layout", []), stamps.get("expand", [])
     origin = min(b[0] for b in (layout or expand))
 
     def us(ns: int) -> float:
@@ -89,7 +90,7 @@ def phases_us(stamps: Dict[str, List[List[int]]]) -> Dict[str, tuple]:
         seen = [b[i + 1] for b in layout if b[i + 1]]
         if seen:
             out[f"layout {name} (first / last block)"] = (us(min(seen)), us(max(seen)))
-    for i, name in enumerate(EXPAND_PHASES):
+    for i, name in enumerate(EXPAND_PHASES if expand else ()):
         out[f"expand {name} (first / last block)"] = (us(min(b[i] for b in expand)),
                                                       us(max(b[i] for b in expand)))
     return out
@@ -130,7 +131,10 @@ def main() -> None:
         def cached():
             buf.dispatch(x, handle=state["res"][2])
 
-        for name, fn in (("no-sync", nosync), ("cached", cached)):
+        def layout_only():
+            buf.get_dispatch_layout(idx, num_experts)
+
+        for name, fn in (("no-sync", nosync), ("cached", cached), ("layout only", layout_only)):
             captured_stdout(fn)  # warm-up (and compiles), stamps dropped
 
             def back_to_back():
