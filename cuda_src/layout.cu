@@ -82,8 +82,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     // 2. Publish the counts (chunk 0's are its inclusive totals), add those of the earlier
     // chunks after the nearest one whose inclusive totals are out (all of them while the
     // earlier chunks still run), then publish this chunk's inclusive totals. The (chunk, count)
-    // pairs to add are spread over the block, kSumLoads loads per thread in flight, so the sum
-    // takes a round or two of L2 reads, added up by shared atomics.
+    // pairs to add are spread over the block with kSumLoads loads per thread in flight, so the
+    // sum takes a round or two of L2 reads.
     int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
     for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
         my_counts[(c == 0 ? num_counts : 0) + i] = counts[i];
@@ -109,22 +109,24 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     stamps.mark(3);
     const int first = max(nearest_inclusive, 0);
     const bool has_inclusive = nearest_inclusive >= 0;
-    const int num_loads = (c - first) * num_counts;
-    for (int q0 = threadIdx.x; q0 < num_loads; q0 += kLayoutThreads * kSumLoads) {
-        int value[kSumLoads];
+    // Count i is summed by `groups` threads (every groups-th chunk each, kSumLoads loads in
+    // flight), consecutive threads on consecutive counts; one shared atomic per thread.
+    const int span = min(num_counts, kLayoutThreads), groups = kLayoutThreads / span;
+    const int g = threadIdx.x / span;
+    for (int i = threadIdx.x - g * span; g < groups && i < num_counts; i += span) {
+        int sum = 0;
+        for (int p0 = first + g; p0 < c; p0 += groups * kSumLoads) {
+            int value[kSumLoads];
 #pragma unroll
-        for (int u = 0; u < kSumLoads; ++u) {
-            const int q = q0 + u * kLayoutThreads;
-            const int p = q / num_counts, i = q - p * num_counts;  // chunk first + p, count i
-            const int half = p == 0 && has_inclusive ? num_counts : 0;
-            value[u] = q < num_loads
-                           ? __ldcg(chunk_counts + (i64)(first + p) * 2 * num_counts + half + i)
-                           : 0;
+            for (int u = 0; u < kSumLoads; ++u) {
+                const int p = p0 + u * groups;
+                const int half = p == first && has_inclusive ? num_counts : 0;
+                value[u] = p < c ? __ldcg(chunk_counts + (i64)p * 2 * num_counts + half + i) : 0;
+            }
+#pragma unroll
+            for (int u = 0; u < kSumLoads; ++u) sum += value[u];
         }
-#pragma unroll
-        for (int u = 0; u < kSumLoads; ++u)
-            if (value[u] != 0)
-                atomicAdd(&counts[(q0 + u * kLayoutThreads) % num_counts], value[u]);
+        if (sum != 0) atomicAdd(&counts[i], sum);
     }
     __syncthreads();
     stamps.mark(4);
