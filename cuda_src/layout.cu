@@ -2,9 +2,10 @@
 // of `chunk_tokens` tokens (at least one block; a chunk has at most 2 * 512 entries).
 //   1. A block marks its chunk in shared-memory bitmaps (per expert: the chunk's entries naming
 //      it; per rank: the chunk's tokens with an expert there) and counts the set bits.
-//   2. It publishes the counts, adds those of the earlier chunks (decoupled look-back: those
-//      after the nearest earlier chunk that has published its inclusive totals, with every
-//      load in flight at once) and publishes its own inclusive totals.
+//   2. It publishes the counts, adds those of the earlier chunks (decoupled look-back: polls
+//      512 chunks at a time back to the nearest one with its inclusive totals out, then sums
+//      the counts after it, each count by a group of threads with 32 loads in flight) and
+//      publishes its own inclusive totals.
 //   3. pos_in_expert and token_slot_in_rank are the earlier chunks' count plus the set bits
 //      before the entry (token) in its bitmap, i.e. (n, k) and token order as layout.py defines.
 //      The last chunk writes num_tokens_per_expert and num_tokens_per_rank.
@@ -26,6 +27,12 @@ constexpr int kLayoutThreads = 512;
 constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
 constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
 constexpr int kSumLoads = 32;  // loads in flight per thread while summing earlier counts
+// Where the programmatically launched EP = 1 expand may start (it starts once every block got
+// there): 0 at entry, 1 after the look-back sums, 2 after the positions. Its early blocks'
+// row loads slow this kernel's publishing and polls (scripts/probe_phases.py); a knob to A/B.
+#ifndef MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT
+#define MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT 0
+#endif
 
 template <typename IdxT, int kTopk>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
@@ -53,7 +60,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     const u32 published = 2u * epoch, inclusive = published + 1u;
     // The EP = 1 expand (a programmatic launch) may start now: it loads its first input rows,
     // then waits for this grid to finish before it reads anything written here.
-    griddep_launch_dependents();
+    if (MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT == 0) griddep_launch_dependents();
 
     // 1. The chunk's ids (all loads first), then its bitmaps and counts.
     const IdxT* chunk_idx = topk_idx + (i64)first_token * kTopk;
@@ -130,6 +137,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     }
     __syncthreads();
     stamps.mark(4);
+    if (MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT == 1) griddep_launch_dependents();
     const bool is_last = c == (int)gridDim.x - 1;
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
@@ -170,6 +178,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     __shared__ bool is_last_done;
     __syncthreads();
     stamps.mark(5);
+    if (MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT == 2) griddep_launch_dependents();
     if (threadIdx.x == 0) {
         __threadfence();
         is_last_done = atomicAdd(state + 1, 1u) == gridDim.x - 1;
