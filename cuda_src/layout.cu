@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     extern __shared__ u32 smem[];
     __shared__ int nearest_inclusive;  // the latest earlier chunk with inclusive totals, or -1
     const ErrorState err{error_claim, error_record};
-    PhaseStamps stamps;  // 0 start, 1 marked, 2 published, 3 waited, 4 looked back, 5 positions,
-    // 6 tail
+    // Stamps: 0 start, 1 marked, 2 published, 3 waited, 4 summed, 5 positions, 6 tail.
+    PhaseStamps stamps;
     stamps.mark(0);
     const int num_counts = num_experts + num_ranks;  // experts first, then ranks
     const ChunkBits bits(smem, chunk_tokens, kTopk, num_experts, num_ranks);
@@ -88,9 +88,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
 
     // 2. Publish the counts (chunk 0's are its inclusive totals), add those of the earlier
     // chunks after the nearest one whose inclusive totals are out (all of them while the
-    // earlier chunks still run), then publish this chunk's inclusive totals. The (chunk, count)
-    // pairs to add are spread over the block with kSumLoads loads per thread in flight, so the
-    // sum takes a round or two of L2 reads.
+    // earlier chunks still run), then publish this chunk's inclusive totals. All loads of the
+    // sum are independent, kSumLoads in flight per thread: a round or two of L2 reads.
     int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
     for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
         my_counts[(c == 0 ? num_counts : 0) + i] = counts[i];
@@ -153,7 +152,6 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     }
     __syncthreads();
     if (threadIdx.x == 0 && c > 0) st_release_gpu(chunk_status + c, inclusive);
-
 
     // 3. Positions: earlier chunks' count plus the bits before this one.
 #pragma unroll

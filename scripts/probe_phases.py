@@ -27,7 +27,7 @@ import tempfile
 from collections import defaultdict
 from typing import Callable, Dict, List
 
-LAYOUT_PHASES = ("marked", "published", "waited", "looked back", "positions", "tail")
+LAYOUT_PHASES = ("marked", "published", "waited", "summed", "positions", "tail")
 EXPAND_PHASES = ("start", "wait over", "done")
 
 
