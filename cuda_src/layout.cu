@@ -4,8 +4,8 @@
 //      it; per rank: the chunk's tokens with an expert there) and counts the set bits.
 //   2. It publishes the counts, adds those of the earlier chunks (decoupled look-back: polls
 //      512 chunks at a time back to the nearest one with its inclusive totals out, then sums
-//      the counts after it, each count by a group of threads with 32 loads in flight) and
-//      publishes its own inclusive totals.
+//      the counts after it, 4 counts per 16-byte load, each vector by a group of threads with
+//      16 loads in flight) and publishes its own inclusive totals.
 //   3. pos_in_expert and token_slot_in_rank are the earlier chunks' count plus the set bits
 //      before the entry (token) in its bitmap, i.e. (n, k) and token order as layout.py defines.
 //      The last chunk writes num_tokens_per_expert and num_tokens_per_rank.
@@ -26,13 +26,24 @@ using namespace mdeep;
 constexpr int kLayoutThreads = 512;
 constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
 constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
-constexpr int kSumLoads = 32;  // loads in flight per thread while summing earlier counts
-// Where the programmatically launched EP = 1 expand may start (it starts once every block got
-// there): 0 at entry, 1 after the look-back sums, 2 after the positions. Its early blocks'
-// row loads slow this kernel's publishing and polls (scripts/probe_phases.py); a knob to A/B.
-#ifndef MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT
-#define MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT 0
+constexpr int kSumLoads = 16;  // 16-byte loads in flight per thread summing earlier counts
+// Measurement only (scripts/probe_layout.py): every block skips to the epoch's end after phase
+// k (0 entry, 1 marked, 2 published, 3 waited, 4 summed, 5 positions); results are then wrong.
+#ifndef MDEEP_LAYOUT_STOP_AFTER
+#define MDEEP_LAYOUT_STOP_AFTER -1
 #endif
+
+// MDEEP_LAYOUT_STOP_AFTER: the epoch's end (the last block advances it) and nothing else.
+__device__ __forceinline__ void end_epoch_early(u32* state, u32 epoch) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(state + 1, 1u) == gridDim.x - 1) {
+            state[1] = 0;
+            st_release_gpu(state, epoch);
+        }
+    }
+}
 
 template <typename IdxT, int kTopk>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
@@ -50,6 +61,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     PhaseStamps stamps;
     stamps.mark(0);
     const int num_counts = num_experts + num_ranks;  // experts first, then ranks
+    const int count_stride = (num_counts + 3) & ~3;  // a half row of chunk_counts: 16-byte rows
     const ChunkBits bits(smem, chunk_tokens, kTopk, num_experts, num_ranks);
     int* counts = bits.counts;  // [E + R]
     const int num_local = num_experts / num_ranks;
@@ -60,7 +72,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     const u32 published = 2u * epoch, inclusive = published + 1u;
     // The EP = 1 expand (a programmatic launch) may start now: it loads its first input rows,
     // then waits for this grid to finish before it reads anything written here.
-    if (MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT == 0) griddep_launch_dependents();
+    griddep_launch_dependents();
+    if (MDEEP_LAYOUT_STOP_AFTER == 0) return end_epoch_early(state, epoch);
 
     // 1. The chunk's ids (all loads first), then its bitmaps and counts.
     const IdxT* chunk_idx = topk_idx + (i64)first_token * kTopk;
@@ -85,17 +98,19 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     }
     __syncthreads();
     stamps.mark(1);
+    if (MDEEP_LAYOUT_STOP_AFTER == 1) return end_epoch_early(state, epoch);
 
     // 2. Publish the counts (chunk 0's are its inclusive totals), add those of the earlier
     // chunks after the nearest one whose inclusive totals are out (all of them while the
     // earlier chunks still run), then publish this chunk's inclusive totals. All loads of the
     // sum are independent, kSumLoads in flight per thread: a round or two of L2 reads.
-    int* my_counts = chunk_counts + (i64)c * 2 * num_counts;  // [2][num_counts]
+    int* my_counts = chunk_counts + (i64)c * 2 * count_stride;  // [2][count_stride]
     for (int i = threadIdx.x; i < num_counts; i += kLayoutThreads)
-        my_counts[(c == 0 ? num_counts : 0) + i] = counts[i];
+        my_counts[(c == 0 ? count_stride : 0) + i] = counts[i];
     __syncthreads();  // thread 0's release then covers the block's stores (cumulativity)
     if (threadIdx.x == 0) st_release_gpu(chunk_status + c, c == 0 ? inclusive : published);
     stamps.mark(2);
+    if (MDEEP_LAYOUT_STOP_AFTER == 2) return end_epoch_early(state, epoch);
     int own[kCountsPerThread];
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
@@ -113,37 +128,51 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         if (found) break;
     }
     stamps.mark(3);
+    if (MDEEP_LAYOUT_STOP_AFTER == 3) return end_epoch_early(state, epoch);
     const int first = max(nearest_inclusive, 0);
     const bool has_inclusive = nearest_inclusive >= 0;
-    // Count i is summed by `groups` threads (every groups-th chunk each, kSumLoads loads in
-    // flight), consecutive threads on consecutive counts; one shared atomic per thread.
-    const int span = min(num_counts, kLayoutThreads), groups = kLayoutThreads / span;
+    // Counts 4v .. 4v + 3 (one 16-byte vector) are summed by `groups` threads (every groups-th
+    // chunk each, kSumLoads loads in flight), consecutive threads on consecutive vectors; one
+    // shared atomic per thread and count.
+    const int num_vecs = count_stride >> 2;
+    const int span = min(num_vecs, kLayoutThreads), groups = kLayoutThreads / span;
     const int g = threadIdx.x / span;
-    for (int i = threadIdx.x - g * span; g < groups && i < num_counts; i += span) {
-        int sum = 0;
+    const int4* vec_counts = reinterpret_cast<const int4*>(chunk_counts);
+    for (int v = threadIdx.x - g * span; g < groups && v < num_vecs; v += span) {
+        int4 sum = make_int4(0, 0, 0, 0);
         for (int p0 = first + g; p0 < c; p0 += groups * kSumLoads) {
-            int value[kSumLoads];
+            int4 value[kSumLoads];
 #pragma unroll
             for (int u = 0; u < kSumLoads; ++u) {
                 const int p = p0 + u * groups;
-                const int half = p == first && has_inclusive ? num_counts : 0;
-                value[u] = p < c ? __ldcg(chunk_counts + (i64)p * 2 * num_counts + half + i) : 0;
+                const int half = p == first && has_inclusive ? num_vecs : 0;
+                value[u] = p < c ? __ldcg(vec_counts + (i64)p * 2 * num_vecs + half + v)
+                                 : make_int4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (int u = 0; u < kSumLoads; ++u) sum += value[u];
+            for (int u = 0; u < kSumLoads; ++u) {
+                sum.x += value[u].x;
+                sum.y += value[u].y;
+                sum.z += value[u].z;
+                sum.w += value[u].w;
+            }
         }
-        if (sum != 0) atomicAdd(&counts[i], sum);
+        // The row's padding words are never written: whatever they hold is skipped.
+        const int sums[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+            if (4 * v + w < num_counts && sums[w] != 0) atomicAdd(&counts[4 * v + w], sums[w]);
     }
     __syncthreads();
     stamps.mark(4);
-    if (MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT == 1) griddep_launch_dependents();
+    if (MDEEP_LAYOUT_STOP_AFTER == 4) return end_epoch_early(state, epoch);
     const bool is_last = c == (int)gridDim.x - 1;
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
         const int i = threadIdx.x + v * kLayoutThreads;
         if (i >= num_counts) continue;
         const int total = counts[i];  // this chunk's and every earlier one's
-        if (c > 0) my_counts[num_counts + i] = total;
+        if (c > 0) my_counts[count_stride + i] = total;
         if (is_last) {
             if (i < num_experts) num_tokens_per_expert[i] = total;
             else num_tokens_per_rank[i - num_experts] = total;
@@ -176,7 +205,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     __shared__ bool is_last_done;
     __syncthreads();
     stamps.mark(5);
-    if (MDEEP_LAYOUT_LAUNCH_DEPENDENTS_AT == 2) griddep_launch_dependents();
+    if (MDEEP_LAYOUT_STOP_AFTER == 5) return end_epoch_early(state, epoch);
     if (threadIdx.x == 0) {
         __threadfence();
         is_last_done = atomicAdd(state + 1, 1u) == gridDim.x - 1;

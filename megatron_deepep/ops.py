@@ -65,8 +65,9 @@ class ErrorSink:
         self.claim, self.record = int(claim_ptr), int(record_ptr)
 
 
-# The layout kernel keeps per-chunk bitmaps in shared memory: this many 32-bit words of them.
-LAYOUT_BITMAP_WORDS = 8192
+# The layout kernel keeps per-chunk bitmaps in shared memory: at most this many 32-bit words of
+# expert bitmaps, so that they, the rank bitmaps and the counts stay within 48 KB.
+LAYOUT_BITMAP_WORDS = 9216
 LAYOUT_MAX_CHUNK_ENTRIES = 2 * LAYOUT_THREADS  # kEntriesPerThread in layout.cu
 LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS  # kCountsPerThread: experts plus ranks
 
@@ -93,14 +94,23 @@ def layout_chunk_tokens(num_experts: int, num_topk: int,
     """Tokens per block of the layout kernel: as many as fit `max_entries` entries (at most
     the kernel's LAYOUT_MAX_CHUNK_ENTRIES) and its bitmap limit."""
     words_per_expert = max(1, min(max_entries // 32, LAYOUT_BITMAP_WORDS // num_experts))
+    while words_per_expert > 1 and num_experts * _bitmap_stride(words_per_expert) > \
+            LAYOUT_BITMAP_WORDS:
+        words_per_expert -= 1
     return max(1, 32 * words_per_expert // num_topk)
+
+
+def _bitmap_stride(words_per_expert: int) -> int:
+    """Words between two experts' bitmaps in the layout kernel (odd: no bank conflicts)."""
+    return words_per_expert | 1
 
 
 class _LayoutWorkspace:
     """The layout kernel's state between launches, for one stream: an epoch word and a
     finished-blocks counter, a status word per chunk and its published counts
-    (`[chunks, 2, experts + ranks]` int32). Zeroed once; grown (zeroed again) when a call needs
-    more chunks or counts. One per stream, since two layouts running at once would share it."""
+    (`[chunks, 2, experts + ranks rounded up to 4]` int32, 16-byte aligned rows: the kernel sums
+    them 4 at a time). Zeroed once; grown (zeroed again) when a call needs more chunks or counts.
+    One per stream, since two layouts running at once would share it."""
 
     def __init__(self):
         self.tensor = None
@@ -109,15 +119,17 @@ class _LayoutWorkspace:
 
     def get(self, num_chunks: int, num_counts: int, device):
         """(state, chunk_status, chunk_counts) addresses for a launch of `num_chunks` blocks."""
-        if num_chunks > self.max_chunks or num_counts > self.max_counts:
+        count_stride = -(-num_counts // 4) * 4  # the kernel's half row of counts
+        if num_chunks > self.max_chunks or count_stride > self.max_counts:
             self.max_chunks = max(num_chunks, 2 * self.max_chunks, 64)
-            self.max_counts = max(num_counts, self.max_counts)
-            self.tensor = torch.zeros(2 + self.max_chunks * (1 + 2 * self.max_counts),
+            self.max_counts = max(count_stride, self.max_counts)
+            counts_offset = -(-(2 + self.max_chunks) // 4) * 4  # 16-byte aligned
+            self.tensor = torch.zeros(counts_offset + self.max_chunks * 2 * self.max_counts,
                                       dtype=torch.int32, device=device)
             # The zeros come from the current stream; the kernel may run on another.
             torch.cuda.current_stream(device).synchronize()
             base = self.tensor.data_ptr()
-            self.addresses = (base, base + 4 * 2, base + 4 * (2 + self.max_chunks))
+            self.addresses = (base, base + 4 * 2, base + 4 * counts_offset)
         return self.addresses
 
 
@@ -141,7 +153,7 @@ def _layout_launch(num_tokens: int, num_topk: int, num_experts: int, num_ranks: 
         raise ValueError(f"chunk_tokens={chunk_tokens} is outside [1, {max_chunk_tokens}] for "
                          f"{num_experts} experts and top-{num_topk}")
     num_chunks = max(1, -(-num_tokens // chunk_tokens))
-    shared_words = (num_experts * (-(-chunk_tokens * num_topk // 32))
+    shared_words = (num_experts * _bitmap_stride(-(-chunk_tokens * num_topk // 32))
                     + num_ranks * (-(-chunk_tokens // 32)) + num_experts + num_ranks)
     return chunk_tokens, num_chunks, 4 * shared_words
 

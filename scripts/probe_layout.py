@@ -43,6 +43,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["4096,8,256", "8192,6,64", "4096,4,128"],
                         help="tokens,topk,experts")
+    parser.add_argument("--largest-only", action="store_true",
+                        help="only the chunk size the library picks")
     args = parser.parse_args()
     claim = torch.zeros(1, dtype=torch.int32, device="cuda")
     record = MappedHostArray(ERROR_RECORD_WORDS)
@@ -55,7 +57,9 @@ def main() -> None:
         expected = compute_layout(ids.cpu(), num_experts, 1)
         largest = ops.layout_chunk_tokens(num_experts, topk,
                                           ops.LAYOUT_MAX_CHUNK_ENTRIES)
-        for chunk in sorted({largest, largest // 2, largest // 4, largest // 8, 8, 4}):
+        chunks = {largest} if args.largest_only else {largest, largest // 2, largest // 4,
+                                                        largest // 8, 8, 4}
+        for chunk in sorted(chunks):
             if chunk < 1:
                 continue
             got = ops.layout(ids, num_experts, 1, 0, sink, chunk_tokens=chunk)

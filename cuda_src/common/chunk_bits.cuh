@@ -16,28 +16,32 @@ __device__ __forceinline__ int bits_before(const u32* bits, int index) {
     return count;
 }
 
+// The lanes of a warp mark and count entries of one 32-entry word of their experts' bitmaps,
+// word w of expert e at e * stride + w: an odd stride puts different experts in different banks
+// (an even one put every expert in 2 of the 32: 16-way conflicts, most of the layout's time).
 struct ChunkBits {
-    u32* expert_bits;  // [E][expert_words]: bit j is entry j of the chunk
+    u32* expert_bits;  // [E][expert_stride]: bit j is entry j of the chunk
     u32* rank_bits;    // [R][token_words]: bit t is token t of the chunk
     int* counts;       // [E + R]: set bits per expert, then per rank
-    int expert_words, token_words;
+    int expert_stride, token_words;
 
     // The bitmaps and counts at the start of `smem` for chunks of `chunk_tokens` tokens.
     __device__ ChunkBits(u32* smem, int chunk_tokens, int topk, int num_experts, int num_ranks)
-        : expert_words((chunk_tokens * topk + 31) >> 5), token_words((chunk_tokens + 31) >> 5) {
+        : expert_stride(((chunk_tokens * topk + 31) >> 5) | 1),
+          token_words((chunk_tokens + 31) >> 5) {
         expert_bits = smem;
-        rank_bits = expert_bits + num_experts * expert_words;
+        rank_bits = expert_bits + num_experts * expert_stride;
         counts = reinterpret_cast<int*>(rank_bits + num_ranks * token_words);
     }
 
     // 32-bit words from `smem` up to the end of `counts` (all zeroed before marking).
     __device__ int words(int num_experts, int num_ranks) const {
-        return num_experts * expert_words + num_ranks * token_words + num_experts + num_ranks;
+        return num_experts * expert_stride + num_ranks * token_words + num_experts + num_ranks;
     }
 
     // Entry j's position among the chunk's entries of expert e (j names expert e).
     __device__ int entry_pos(int e, int j) const {
-        return bits_before(expert_bits + e * expert_words, j);
+        return bits_before(expert_bits + e * expert_stride, j);
     }
 
     __device__ bool token_in_rank(int r, int t) const {
@@ -60,7 +64,7 @@ struct ChunkBits {
                              first_token + j / kTopk, (i64)num_experts, (i64)id);
             return false;
         }
-        atomicOr(&expert_bits[(int)id * expert_words + (j >> 5)], 1u << (j & 31));
+        atomicOr(&expert_bits[(int)id * expert_stride + (j >> 5)], 1u << (j & 31));
         atomicAdd(&counts[id], 1);
         const int t = j / kTopk, r = (int)id / num_local;
         const u32 bit = 1u << (t & 31);
