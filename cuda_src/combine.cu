@@ -227,6 +227,7 @@ __global__ void __launch_bounds__(CombineLocalThreads<kTopk>::value) combine_loc
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    griddep_wait();  // a programmatic launch (MEGATRON_DEEPEP_PDL_FIRST): the inputs are out
     for (int n = warp; n < num_tokens; n += num_warps) {
         const int slot = token_slot_in_rank[n];
         int rows[kTopk];

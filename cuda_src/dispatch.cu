@@ -290,9 +290,11 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     // bf16: a token's first chunk is in flight while its ids and rows are loaded; the first
     // token's even before the wait for the layout kernel (launched programmatically after it,
     // this kernel may start while the layout still runs; x was complete before the layout).
+    // A cached dispatch launched programmatically follows any kernel: x only after the wait.
     constexpr bool kPreload = kFmt == fp8::kWireBf16 && MDEEP_DISPATCH_PRELOAD;
+    constexpr bool kPreloadBeforeWait = kPreload && !kCached;
     int4 first[kCopyUnroll];
-    if (kPreload && warp < num_tokens)
+    if (kPreloadBeforeWait && warp < num_tokens)
         load_chunk<false>(reinterpret_cast<const int4*>(x + warp * in_row_bytes), 0, hidden / 8,
                           lane, first);
     griddep_wait();
@@ -308,7 +310,7 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                                             expert_row_start, lane);
 
     for (int n = warp; n < num_tokens; n += num_warps) {
-        if (kPreload && n != warp)
+        if (kPreload && (n != warp || !kPreloadBeforeWait))
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
         const int slot = token_slot_in_rank[n];

@@ -68,6 +68,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     const int c = blockIdx.x;
     const int first_token = c * chunk_tokens;
     const int num_entries = max(0, min(chunk_tokens, num_tokens - first_token)) * kTopk;
+    // Launched programmatically (MEGATRON_DEEPEP_PDL_FIRST), this grid may start before the
+    // previous kernel ends, which may still write topk_idx or read what this one writes.
+    griddep_wait();
     const u32 epoch = ld_acquire_gpu(state) + 1u;
     const u32 published = 2u * epoch, inclusive = published + 1u;
     // The EP = 1 expand (a programmatic launch) may start now: it loads its first input rows,

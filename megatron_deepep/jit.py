@@ -305,6 +305,15 @@ def pdl_enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def pdl_first_enabled() -> bool:
+    """MEGATRON_DEEPEP_PDL_FIRST=1: the first kernel of a call (the layout, a cached EP = 1
+    dispatch, the EP = 1 combine) is launched programmatically too, after whatever kernel
+    precedes it (it waits for that kernel at its entry): its launch overlaps that kernel's end."""
+    return pdl_enabled() and os.environ.get(ENV_PREFIX + "PDL_FIRST", "0") in ("1", "true",
+                                                                              "True")
+
+
+@functools.lru_cache(maxsize=None)
 def _driver():
     """libcuda's cuLaunchKernel and cuGetErrorName through ctypes (a call costs ~1 µs, against
     tens of µs through CuPy's generic argument conversion)."""

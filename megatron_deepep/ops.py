@@ -223,7 +223,8 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
         a("is_token_in_rank"), a("token_slot_in_rank"), a("slot_token"),
         state, status, counts, timeout_ns, errors.claim, errors.record, rank,
         *(local_recv.args() if local_recv is not None else _NO_LOCAL_RECV)),
-        stream, shared_mem=shared_bytes, signature=_LAYOUT_SIG)
+        stream, shared_mem=shared_bytes, signature=_LAYOUT_SIG,
+        programmatic=jit.pdl_first_enabled())
     return DispatchLayout.from_arena(arena)
 
 
@@ -336,7 +337,8 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         a("slot_rows"), x.data_ptr(), addr(x_scales), amax_epsilon, topk_idx.data_ptr(),
         addr(topk_weights), lay.address("pos_in_expert"), lay.address("token_slot_in_rank"),
         x.shape[0], num_local, host_info_ptr, a("tokens_per_expert"), host_epoch & 0xFFFFFFFF),
-        _stream(), signature=_LOCAL_SIG, programmatic=after_layout)
+        _stream(), signature=_LOCAL_SIG,
+        programmatic=after_layout or (cached and jit.pdl_first_enabled()))
 
 
 _COMBINE_SEND_SIG = Sig("p i pppp pp iiu q pp")
@@ -391,7 +393,7 @@ def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: tor
         out.data_ptr(), addr(out_weights), out.shape[0], out.shape[1] * 2 // 16, y.data_ptr(),
         handle.recv_weights.data_ptr(), addr(grad_row_weights), handle.address("slot_rows"),
         handle.layout.address("token_slot_in_rank")), _stream(),
-        signature=_COMBINE_LOCAL_SIG)
+        signature=_COMBINE_LOCAL_SIG, programmatic=jit.pdl_first_enabled())
 
 
 # Every kernel's argument signature, checked against its CUDA parameter list by the CPU tests.
