@@ -75,7 +75,7 @@ LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS  # kCountsPerThread: experts plus ranks
 def _layout_chunk_entries() -> int:
     """Entries per layout block: MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES (a multiple of 32 up to
     LAYOUT_MAX_CHUNK_ENTRIES), else 512, which scripts/probe_layout.py measured fastest on H200
-    at the bench shapes (9.9 / 11.0 / 7.9 µs against 15.8 / 15.3 / 14.1 µs at 1024)."""
+    at the bench shapes (7.8 / 7.6 / 6.9 µs against 8.1 / 7.9 / 7.7 µs at 1024)."""
     text = os.environ.get(jit.ENV_PREFIX + "LAYOUT_CHUNK_ENTRIES", "")
     if not text:
         return LAYOUT_THREADS
