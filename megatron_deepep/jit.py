@@ -17,6 +17,8 @@ Environment knobs (all read at first use):
   `MDEEP_COPY_UNROLL=16`); part of the cache key.
 - `MEGATRON_DEEPEP_PDL`: 0: no programmatic dependent launch (the EP = 1 expand then starts
   only after the layout kernel has finished).
+- `MEGATRON_DEEPEP_PDL_FIRST`: 1 (experimental): a call's first kernel is launched
+  programmatically too (`pdl_first_enabled`).
 """
 
 from __future__ import annotations
