@@ -93,10 +93,9 @@ def layout_chunk_tokens(num_experts: int, num_topk: int,
                         max_entries: int = LAYOUT_CHUNK_ENTRIES) -> int:
     """Tokens per block of the layout kernel: as many as fit `max_entries` entries (at most
     the kernel's LAYOUT_MAX_CHUNK_ENTRIES) and its bitmap limit."""
-    words_per_expert = max(1, min(max_entries // 32, LAYOUT_BITMAP_WORDS // num_experts))
-    while words_per_expert > 1 and num_experts * _bitmap_stride(words_per_expert) > \
-            LAYOUT_BITMAP_WORDS:
-        words_per_expert -= 1
+    fit = LAYOUT_BITMAP_WORDS // num_experts  # words per expert, stride included
+    largest = fit if fit % 2 else fit - 1  # the most words whose odd stride still fits
+    words_per_expert = max(1, min(max_entries // 32, largest))
     return max(1, 32 * words_per_expert // num_topk)
 
 
