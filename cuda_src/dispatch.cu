@@ -23,6 +23,9 @@ constexpr int kDispatchThreads = 512;
 #ifndef MDEEP_DISPATCH_PRELOAD  // 0: dispatch_local loads a row only after its bookkeeping
 #define MDEEP_DISPATCH_PRELOAD 1
 #endif
+#ifndef MDEEP_DISPATCH_STAGE  // cap on the words per lane dispatch_local stages (0: none)
+#define MDEEP_DISPATCH_STAGE 64
+#endif
 
 // Bytes of one output row of recv_x: bf16 unless the rows stay in FP8.
 template <int kFmt, bool kDequant>
@@ -293,10 +296,21 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     // A cached dispatch launched programmatically follows any kernel: x only after the wait.
     constexpr bool kPreload = kFmt == fp8::kWireBf16 && MDEEP_DISPATCH_PRELOAD;
     constexpr bool kPreloadBeforeWait = kPreload && !kCached;
+    // The rest of that row, as far as the dynamic shared memory holds it, is copied into the
+    // warp's stage meanwhile, so that less of the expand's reads meet its writes at HBM.
+    extern __shared__ int4 dispatch_stage[];
     int4 first[kCopyUnroll];
-    if (kPreloadBeforeWait && warp < num_tokens)
-        load_chunk<false>(reinterpret_cast<const int4*>(x + warp * in_row_bytes), 0, hidden / 8,
-                          lane, first);
+    int4* stage = nullptr;
+    int stage_end = 0;  // the row's words below it come from `first` and `stage`
+    if (kPreloadBeforeWait && warp < num_tokens) {
+        const int4* row = reinterpret_cast<const int4*>(x + warp * in_row_bytes);
+        load_chunk<false>(row, 0, hidden / 8, lane, first);
+        const int words_per_warp = min(int(dynamic_smem_bytes() / 16 / (blockDim.x / 32)),
+                                       32 * MDEEP_DISPATCH_STAGE);
+        stage = dispatch_stage + (threadIdx.x >> 5) * words_per_warp;
+        stage_end = min(hidden / 8, 32 * kCopyUnroll + words_per_warp);
+        warp_stage_row(row, stage, stage_end, lane);
+    }
     griddep_wait();
     stamps.mark(1);
     if (host_info != nullptr && warp == num_warps - 1)
@@ -330,9 +344,11 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             if (row_lane >= 0) recv_weights[row_lane] = weight;
         }
         if (kPreload) {
+            const bool staged = kPreloadBeforeWait && n == warp;
+            if (staged) cp_async_wait_all();
             warp_copy_row_to_lane_rows<kTopk>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
                                               first, recv_x, row_bytes, row_lane, hidden / 8,
-                                              lane);
+                                              lane, stage, staged ? stage_end : 0);
             continue;
         }
         u8* dst[kTopk];
@@ -350,6 +366,7 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                 x + n * in_row_bytes, x_scales ? x_scales + (i64)n * in_scale_bytes : nullptr,
                 hidden, dst, dst_scales, num_dst, amax_epsilon, lane);
     }
+    if (kPreloadBeforeWait) cp_async_wait_all();  // a token with no rows left its copies
     if (MDEEP_STAMPS) {
         __syncthreads();  // the block's last warp done
         stamps.mark(2);

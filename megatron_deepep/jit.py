@@ -287,6 +287,18 @@ def _launch_ex():
     return launch_ex
 
 
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def _set_function_attribute():
+    """cuFuncSetAttribute (CUfunction, CUfunction_attribute, int) through ctypes."""
+    set_attribute = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute
+    set_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    set_attribute.restype = ctypes.c_int
+    return set_attribute
+
+
 def _programmatic_config() -> _LaunchConfig:
     """A per-thread launch config carrying the programmatic-serialization attribute."""
     config = getattr(_launch_configs, "programmatic", None)
@@ -365,6 +377,7 @@ class Kernel:
 
     name: str
     function: object
+    _max_dynamic_shared: int = 48 * 1024  # what a launch may ask for without an attribute
 
     @functools.cached_property
     def function_ptr(self) -> int:
@@ -383,6 +396,8 @@ class Kernel:
             RuntimeError: the launch failed (the CUDA error name and the kernel).
             TypeError: `args` do not match `signature`.
         """
+        if shared_mem > self._max_dynamic_shared:
+            self._allow_dynamic_shared(shared_mem)
         if _launch_via_cupy():
             if signature is not None:
                 args = signature.as_numpy(args)
@@ -401,6 +416,19 @@ class Kernel:
         if code != 0:
             raise RuntimeError(f"launching {self.name} (grid {grid}, block {block}) failed: "
                                f"{_cuda_error_name(code)}")
+
+    def _allow_dynamic_shared(self, shared_mem: int) -> None:
+        """Raises the kernel's dynamic shared-memory limit (48 KB unless set) to `shared_mem`.
+
+        Raises:
+            RuntimeError: the device refuses that size (the CUDA error name and the kernel).
+        """
+        code = _set_function_attribute()(self.function_ptr, _MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         int(shared_mem))
+        if code != 0:
+            raise RuntimeError(f"allowing {self.name} {shared_mem} bytes of dynamic shared "
+                               f"memory failed: {_cuda_error_name(code)}")
+        self._max_dynamic_shared = int(shared_mem)
 
     def _launch_cupy(self, grid, block, args, stream, shared_mem) -> None:
         index = stream.device_index if isinstance(stream, RawStream) else stream.device.index

@@ -329,6 +329,7 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
     kernel = jit.get_kernel("dispatch.cu", "dispatch_local",
                             [topk_idx.shape[1], cached, _index_type(topk_idx), fmt, dequant])
     threads = 1024 if fmt == 0 else COMM_THREADS  # DispatchLocalThreads in dispatch.cu
+    stage_bytes = _dispatch_stage_bytes(x.shape[1], threads) if fmt == 0 and not cached else 0
     a = recv.address
     kernel.launch(num_sms, threads, (
         recv_x.data_ptr(), addr(recv_scales), addr(recv_weights), recv_x.shape[0],
@@ -336,8 +337,23 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         a("slot_rows"), x.data_ptr(), addr(x_scales), amax_epsilon, topk_idx.data_ptr(),
         addr(topk_weights), lay.address("pos_in_expert"), lay.address("token_slot_in_rank"),
         x.shape[0], num_local, host_info_ptr, a("tokens_per_expert"), host_epoch & 0xFFFFFFFF),
-        _stream(), signature=_LOCAL_SIG,
+        _stream(), shared_mem=stage_bytes, signature=_LOCAL_SIG,
         programmatic=after_layout or (cached and jit.pdl_first_enabled()))
+
+
+# Dynamic shared memory per dispatch_local block for staging its warps' first rows (227 KB is
+# sm_90's most per block; the kernel's own shared memory is static and small).
+DISPATCH_STAGE_MAX_BYTES = 224 * 1024
+
+
+def _dispatch_stage_bytes(hidden: int, threads: int) -> int:
+    """Bytes a bf16 dispatch_local stages per block: the part of each warp's first row
+    (`hidden` bf16) past the chunk it holds in registers (copy.cuh's 32 x 8 words), whole
+    words per lane, within DISPATCH_STAGE_MAX_BYTES."""
+    warps, first_chunk_words = threads // 32, 32 * 8
+    words = max(hidden // 8 - first_chunk_words, 0)
+    words_per_lane = min(-(-words // 32), DISPATCH_STAGE_MAX_BYTES // (warps * 32 * 16))
+    return warps * words_per_lane * 32 * 16
 
 
 _COMBINE_SEND_SIG = Sig("p i pppp pp iiu q pp")

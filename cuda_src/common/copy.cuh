@@ -53,11 +53,16 @@ __device__ __forceinline__ void warp_copy_row(const int4* src, int4* const* dst,
 // Copies one read-only row to the rows of `out` (of `row_bytes` each) that lanes 0..kMaxDst-1
 // name in `row_lane` (-1: none), taken by shuffle per chunk, so no destination array lives in
 // local memory. The caller already loaded the first chunk `v` (issued before the token's
-// bookkeeping loads, so their latencies overlap).
+// bookkeeping loads, so their latencies overlap), and words 32 * kCopyUnroll .. stage_end - 1
+// of the row into the warp's `stage` (word i at stage[i - 32 * kCopyUnroll], each by the lane
+// that reads it here; stage_end <= 32 * kCopyUnroll: none).
 template <int kMaxDst>
 __device__ __forceinline__ void warp_copy_row_to_lane_rows(const int4* src, int4 (&v)[kCopyUnroll],
                                                            u8* out, i64 row_bytes, int row_lane,
-                                                           int num_int4, int lane) {
+                                                           int num_int4, int lane,
+                                                           const int4* stage = nullptr,
+                                                           int stage_end = 0) {
+    constexpr int kChunk = 32 * kCopyUnroll;
     for (int base = 0;;) {
 #pragma unroll
         for (int k = 0; k < kMaxDst; ++k) {
@@ -70,10 +75,27 @@ __device__ __forceinline__ void warp_copy_row_to_lane_rows(const int4* src, int4
                 if (i < num_int4) st_v4(dst + i, v[u]);
             }
         }
-        base += 32 * kCopyUnroll;
+        base += kChunk;
         if (base >= num_int4) break;
-        load_chunk<false>(src, base, num_int4, lane, v);
+        if (base < stage_end) {
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < num_int4) v[u] = i < stage_end ? stage[i - kChunk] : ld_nc_v4(src + i);
+            }
+        } else {
+            load_chunk<false>(src, base, num_int4, lane, v);
+        }
     }
+}
+
+// Issues (cp.async) the copy of words 32 * kCopyUnroll .. stage_end - 1 of a read-only row
+// into the warp's `stage`, in the layout warp_copy_row_to_lane_rows reads; each lane waits for
+// its own copies (cp_async_wait_all) before that read.
+__device__ __forceinline__ void warp_stage_row(const int4* src, int4* stage, int stage_end,
+                                               int lane) {
+    constexpr int kChunk = 32 * kCopyUnroll;
+    for (int i = kChunk + lane; i < stage_end; i += 32) cp_async_v4(stage + (i - kChunk), src + i);
 }
 
 // Zeroes `num_int4` 16-byte words at `dst` with the whole warp.

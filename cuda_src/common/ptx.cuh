@@ -74,4 +74,22 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
+// 16 bytes global -> shared without a register round trip (sm_80+); the copy completes at the
+// issuing thread's cp_async_wait_all, after which that thread may read it.
+__device__ __forceinline__ void cp_async_v4(int4* smem, const int4* gmem) {
+    const u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// Bytes of dynamic shared memory this launch was given.
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+    u32 bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return bytes;
+}
+
 }  // namespace mdeep
