@@ -34,7 +34,8 @@ class _Recorder:
                 signature.params(args)  # raises on a mismatch
                 recorder.events.append(
                     (name, dict(grid=grid, block=block, args=tuple(args),
-                                programmatic=programmatic, codes=signature.codes)))
+                                programmatic=programmatic, codes=signature.codes,
+                                shared_mem=shared_mem)))
 
         return _Kernel()
 
@@ -160,6 +161,25 @@ def test_ep1_cached_dispatch_and_combine_reuse_the_handle_arrays(recorder):
     slot_rows = handle.address("slot_rows")
     assert all(slot_rows in ev["args"] for _, ev in recorder.events)
     assert not recorder.events[0][1]["programmatic"]  # x comes from the caller's kernels
+
+
+def test_ep1_expand_stages_its_first_rows_in_shared_memory(recorder):
+    t = _transport(recorder, 1, 64, 7168, 8, lambda: 0)
+    x, idx, w = _inputs(64, 7168, 32, 8)
+    _, _, handle = t.dispatch(x, idx, w, 32, num_max_recv_rows=512)
+    t.cached_dispatch(x, handle)
+    expand, cached = recorder.events[1][1], recorder.events[2][1]
+    # 32 warps x 14 words per lane x 32 lanes x 16 B: the 7168 - 2048 bf16 of a row past the
+    # chunk in registers (640 words) capped at 224 KB; a cached dispatch has no layout to hide.
+    assert expand["shared_mem"] == 32 * 14 * 32 * 16 == ops.DISPATCH_STAGE_MAX_BYTES
+    assert cached["shared_mem"] == 0
+
+
+@pytest.mark.parametrize("hidden, words_per_lane", [(2048, 0), (2880, 4), (4096, 8), (4104, 9),
+                                                    (7168, 14), (16384, 14)])
+def test_dispatch_stage_bytes(hidden, words_per_lane):
+    assert ops._dispatch_stage_bytes(hidden, 1024) == 32 * words_per_lane * 32 * 16
+    assert ops._dispatch_stage_bytes(hidden, 1024) <= ops.DISPATCH_STAGE_MAX_BYTES
 
 
 def test_ep2_runs_the_protocol_kernels(recorder):
