@@ -8,6 +8,7 @@
 # example trains N steps with deepep and alltoall; PROFILE_STEPS=M profiles M more per run),
 # FP8_STEPS=N (FP8 vs bf16 dispatch, N steps), PROBE_WRITE=1 (scripts/probe_write.py),
 # PROBE_LAYOUT=1 (scripts/probe_layout.py: layout µs per chunk size),
+# SANITIZE=1 (compute-sanitizer memcheck of scripts/sanitize_ep1.py),
 # MAIN_JOB=N (the README's main job, examples/run_gpt_moe.sh, N iterations with deepep and with
 # alltoall, metrics on). On one H200 the 1000-call tier takes about 10
 # minutes (N = 8 alone ~170 s), more than one 600 s device call: split it, e.g.
@@ -35,6 +36,11 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   timeout 120 python3 scripts/probe_copy.py 2>&1 | tee "$OUT/probe.log"
+fi
+if [ "${SANITIZE:-0}" = 1 ]; then
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  timeout 240 "$sanitizer" --tool memcheck python3 scripts/sanitize_ep1.py > "$OUT/memcheck.log" 2>&1
+  grep -E "sanitize_ep1:|Program hit|Invalid|ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c
 fi
 if [ "${PROBE_LAYOUT:-0}" = 1 ]; then
   timeout 120 python3 scripts/probe_layout.py 2>&1 | tee "$OUT/probe_layout.log"
