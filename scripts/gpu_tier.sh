@@ -39,7 +39,8 @@ if [ "${PROBE:-0}" = 1 ]; then
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  timeout 240 "$sanitizer" --tool memcheck python3 scripts/sanitize_ep1.py > "$OUT/memcheck.log" 2>&1
+  timeout 240 "$sanitizer" --tool memcheck python3 scripts/sanitize_ep1.py \
+    > "$OUT/memcheck.log" 2>&1
   grep -E "sanitize_ep1:|Program hit|Invalid|ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c
 fi
 if [ "${PROBE_LAYOUT:-0}" = 1 ]; then

@@ -6,8 +6,9 @@ Run under NVIDIA's checker, e.g.
     compute-sanitizer --tool memcheck python3 scripts/sanitize_ep1.py
 
 Each call is checked against the reference transport (dispatch bit-exact, combine within
-bf16 rounding), so the script also fails on its own when a kernel writes a wrong row. Hidden sizes cover a row held in registers only (2048), one staged partly
-in shared memory (2880, 4104) and one staged up to the 224 KB cap (7168). Needs a GPU.
+bf16 rounding), so the script also fails on its own when a kernel writes a wrong row. Hidden
+sizes cover a row held in registers only (2048), one staged partly in shared memory (2880,
+4104) and one staged up to the 224 KB cap (7168). Needs a GPU.
 """
 
 from __future__ import annotations
