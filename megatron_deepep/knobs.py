@@ -1,0 +1,137 @@
+"""Every environment variable megatron_deepep reads: one prefix, one parser, one table.
+
+The bottom layer: imports nothing of the package. Other modules call `get(name)` with the name
+without its prefix (`get("PDL")` reads `MDEEP_PDL`); nobody else reads `os.environ` for a knob.
+The README's knob table is `markdown_table()` (a CPU test checks they agree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Dict, Optional
+
+PREFIX = "MDEEP_"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool(name: str, text: str) -> bool:
+    """The one boolean parser: 1/true/yes/on or 0/false/no/off, any case.
+
+    Raises:
+        ValueError: naming the variable, for anything else.
+    """
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={text!r}: expected one of {_TRUE + _FALSE}")
+
+
+def _parse_int(name: str, text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected an integer") from None
+
+
+def _parse_str(name: str, text: str) -> str:
+    return text.strip()
+
+
+def _parse_int_list(name: str, text: str) -> tuple:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected comma-separated integers") from None
+
+
+_PARSERS: Dict[str, Callable] = {"bool": parse_bool, "int": _parse_int, "str": _parse_str,
+                                 "ints": _parse_int_list}
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One environment variable.
+
+    Attributes:
+        name: without the prefix.
+        kind: "bool", "int", "str" or "ints" (comma-separated integers).
+        default: the value when unset or empty (None: decided by the code that reads it).
+        shown_default: the default as the README shows it.
+        doc: what it does, for the README.
+        group: "dispatcher" (the Megatron dispatcher's options), "jit" (kernel compilation and
+            launch) or "tests" (the GPU tier).
+    """
+
+    name: str
+    kind: str
+    default: object
+    shown_default: str
+    doc: str
+    group: str
+
+    @property
+    def env_name(self) -> str:
+        return PREFIX + self.name
+
+
+_TABLE = (
+    # The Megatron dispatcher's options (`DeepEPOptions`; a config field or
+    # `register_deepep_dispatcher(...)` keyword overrides them).
+    Knob("TRANSPORT", "str", None, "auto",
+         "`auto` (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the pure-torch "
+         "reference without CUDA), `local`, `nvlink` or `reference`", "dispatcher"),
+    Knob("NUM_SMS", "int", None, "24", "SM budget of the communication kernels", "dispatcher"),
+    Knob("NUM_MAX_TOKENS_PER_RANK", "int", None, "next power of two >= the first call, "
+         ">= 4096", "most tokens one rank dispatches per call; the same on every rank",
+         "dispatcher"),
+    Knob("METRICS", "bool", None, "0", "per-layer communication and load metrics in Megatron's "
+         "MoE tracker (TensorBoard / W&B)", "dispatcher"),
+    Knob("METRICS_DIR", "str", None, "unset", "also write one JSON line per step and rank there "
+         "(for `scripts/plot_metrics.py`)", "dispatcher"),
+    Knob("FP8_DISPATCH", "str", None, "off", "FP8 on the wire: `off`, `blockwise`, `mxfp8`, "
+         "`auto` (TE's active recipe) or a format name", "dispatcher"),
+    # Kernel compilation and launch.
+    Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
+         "by source and included headers, options, arch and NVRTC version", "jit"),
+    Knob("ARCH", "str", None, "the current GPU", "NVRTC target, e.g. `sm_90`", "jit"),
+    Knob("JIT_DEBUG", "bool", False, "0", "log every compile with its options and NVRTC log",
+         "jit"),
+    Knob("JIT_LINEINFO", "bool", False, "0", "compile with `-lineinfo` (profilers)", "jit"),
+    Knob("JIT_NO_CACHE", "bool", False, "0", "always recompile", "jit"),
+    Knob("PDL", "bool", True, "1", "programmatic dependent launch: the EP = 1 expand starts "
+         "while the layout kernel ends (`0`: after it)", "jit"),
+    # The GPU tier.
+    Knob("TEST_PROCS", "ints", (1, 2, 3, 4, 8), "1,2,3,4,8", "EP sizes (processes sharing the "
+         "GPU) the GPU tier runs", "tests"),
+    Knob("TEST_CALLS", "int", 1000, "1000", "back-to-back calls of the GPU tier's long test",
+         "tests"),
+)
+
+KNOBS: Dict[str, Knob] = {knob.name: knob for knob in _TABLE}
+
+
+def get(name: str, default: Optional[object] = None):
+    """The parsed value of `MDEEP_<name>`, else `default`, else the table's default.
+
+    Raises:
+        KeyError: `name` is not in the table (every knob must be).
+        ValueError: the variable does not parse (the message names it).
+    """
+    knob = KNOBS[name]
+    text = os.environ.get(knob.env_name, "")
+    if text.strip() == "":
+        return knob.default if default is None else default
+    return _PARSERS[knob.kind](knob.env_name, text)
+
+
+def markdown_table() -> str:
+    """The README's knob table: variable, default, what it does."""
+    lines = ["| variable | default | what it does |", "|---|---|---|"]
+    for knob in _TABLE:
+        lines.append(f"| `{knob.env_name}` | {knob.shown_default} | {knob.doc} |")
+    return "\n".join(lines)
