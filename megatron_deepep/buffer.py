@@ -1,10 +1,11 @@
 """The public `Buffer`: expert-parallel dispatch and combine on one EP process group.
 
-A Buffer picks a transport once: the NVLink kernels (CUDA IPC symmetric buffers, one per rank)
-or the pure-torch reference over `all_to_all_single` (any backend, CPU included). Both implement
-the same semantics (`reference.py`), so callers and tests do not care which one runs.
+A Buffer builds one transport (`megatron_deepep.transport`: the EP = 1 kernels, the NVLink
+kernels, or the pure-torch reference) and forwards every call to it after validating the
+arguments; all transports implement the same semantics (`transport/reference.py`), so callers
+and tests do not care which one runs.
 
-Streams: NVLink operations run on the Buffer's communication stream. They first wait for
+Streams: kernel transports run on the Buffer's communication stream. Operations first wait for
 `previous_event` (else for the current stream); with `async_finish=True` they return an
 `EventHandle` to wait on, otherwise the current stream waits for them before returning.
 """
@@ -18,24 +19,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepep import ops, validate
+from megatron_deepep import transport as transport_module
 from megatron_deepep.events import EventHandle
 from megatron_deepep.handle import DispatchHandle
 from megatron_deepep.layout import DispatchLayout
-from megatron_deepep.reference import ReferenceTransport
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "nvlink", "reference")
+TRANSPORTS = transport_module.TRANSPORT_NAMES
 DEFAULT_NUM_SMS = 24
 DEFAULT_TIMEOUT_S = 100.0
-
-
-def _pick_transport(transport: str) -> str:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if transport != "auto":
-        return transport
-    return "nvlink" if torch.cuda.is_available() else "reference"
 
 
 class Buffer:
@@ -46,8 +39,8 @@ class Buffer:
         num_max_tokens_per_rank: N_max, the most tokens any rank dispatches in one call.
         hidden: the widest row (elements of 2 bytes) any call dispatches.
         num_topk: the largest top-k any call uses (at most 16).
-        transport: "auto" (NVLink kernels when CUDA is available, else the reference), "nvlink"
-            or "reference".
+        transport: "auto" (with CUDA: the EP = 1 kernels for one rank, the NVLink kernels for
+            2-8; without: the pure-torch reference), "local", "nvlink" or "reference".
         num_sms: SM budget of the communication kernels (the rest stay free for compute).
         timeout_s: how long any cross-GPU wait may last before it fails naming the peer.
     """
@@ -57,13 +50,10 @@ class Buffer:
                  timeout_s: float = DEFAULT_TIMEOUT_S):
         if group is None:
             group = dist.group.WORLD
-        for name, value, low in (("num_max_tokens_per_rank", num_max_tokens_per_rank, 1),
-                                 ("hidden", hidden, 8), ("num_topk", num_topk, 1),
-                                 ("num_sms", num_sms, 1)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if num_topk > validate.MAX_TOPK:
-            raise ValueError(f"num_topk={num_topk} exceeds the limit {validate.MAX_TOPK}")
+        _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
+                      num_topk=num_topk)
+        if not isinstance(num_sms, int) or num_sms < 1:
+            raise ValueError(f"num_sms must be an int >= 1, got {num_sms!r}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.group = group
@@ -74,40 +64,59 @@ class Buffer:
         self.num_topk = num_topk
         self.num_sms = num_sms
         self.timeout_s = timeout_s
-        self.transport_name = _pick_transport(transport)
-        if self.transport_name == "nvlink":
-            if self.num_ranks > validate.MAX_RANKS:
-                raise ValueError(f"the NVLink transport spans one node: EP size {self.num_ranks}"
-                                 f" exceeds {validate.MAX_RANKS}")
-            from megatron_deepep.transport.nvlink import NVLinkTransport
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            self._transport = NVLinkTransport(group, num_max_tokens_per_rank, hidden, num_topk,
-                                              num_sms=num_sms, timeout_s=timeout_s)
-            self._comm_stream = torch.cuda.Stream(device=self.device)
-        else:
-            self.device = None  # the reference follows its inputs' device
-            self._transport = ReferenceTransport(group, num_max_tokens_per_rank)
-            self._comm_stream = None
+        self._transport = transport_module.create(
+            transport, group, num_max_tokens_per_rank, hidden, num_topk, num_sms=num_sms,
+            timeout_s=timeout_s)
+        self.device = self._transport.device  # None: the transport follows its inputs
+        self._comm_stream = (torch.cuda.Stream(device=self.device)
+                             if self.device is not None else None)
+        # Set when get_buffer grows past this Buffer: calls then go to the larger one.
+        self._successor: Optional[Buffer] = None
         logger.info("megatron_deepep Buffer: rank %d/%d, transport %s, %d bytes", self.rank,
-                    self.num_ranks, self.transport_name, self.num_bytes)
+                    self.num_ranks, self._transport.name, self.num_bytes)
 
     # ----------------------------------------------------------------------------------------
     @staticmethod
-    def size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,
-                  num_topk: int) -> int:
-        """Bytes of the symmetric NVLink buffer each rank allocates for these limits."""
-        from megatron_deepep.transport.regions import BufferRegions
-        return BufferRegions(num_ranks, num_max_tokens_per_rank, hidden, num_topk).num_bytes
+    def size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int,
+                  transport: str = "auto") -> int:
+        """Bytes of device memory each rank's transport holds for these limits (0 for the
+        EP = 1 kernels and the reference: they hold none between calls).
+
+        Args:
+            num_max_tokens_per_rank: N_max.
+            hidden: the widest row (bf16 elements).
+            num_ranks: the EP size.
+            num_topk: the largest top-k.
+            transport: as for `Buffer` ("auto" resolves as it would on this machine).
+        """
+        _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
+                      num_topk=num_topk)
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
+        name = transport_module.resolve(transport, num_ranks, torch.cuda.is_available())
+        return transport_module.transport_class(name).size_hint(
+            num_ranks, num_max_tokens_per_rank, hidden, num_topk)
+
+    @property
+    def transport_name(self) -> str:
+        """The transport serving this Buffer ("local", "nvlink" or "reference")."""
+        return self._current()._transport.name
 
     @property
     def num_bytes(self) -> int:
-        """Bytes this rank's symmetric buffer holds (0 for the reference transport)."""
-        if self.transport_name != "nvlink":
-            return 0
-        return self._transport.regions.num_bytes
+        """Device memory this rank's transport holds (0 for the local and reference ones)."""
+        return self._current()._transport.num_bytes
 
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
-        return self._comm_stream
+        return self._current()._comm_stream
+
+    def _current(self) -> "Buffer":
+        """This Buffer, or the larger one `get_buffer` replaced it with (whose transport takes
+        this one's handles: its limits are at least as large, and it is the same kind)."""
+        buf = self
+        while buf._successor is not None:
+            buf = buf._successor
+        return buf
 
     # ----------------------------------------------------------------------------------------
     def _device_of(self, x: torch.Tensor) -> Optional[torch.device]:
@@ -153,6 +162,9 @@ class Buffer:
         Returns:
             The `DispatchLayout` and an event.
         """
+        if self._successor is not None:
+            return self._current().get_dispatch_layout(topk_idx, num_experts, previous_event,
+                                                       async_finish)
         validate.check_tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int32, torch.int64),
                               device=self._device_of(topk_idx))
         validate.check_num_experts(num_experts, self.num_ranks)
@@ -200,6 +212,12 @@ class Buffer:
             rank, source token and k; the pair above for FP8 output), `recv_weights [M]` float32
             (None for cached dispatch), the handle and an event.
         """
+        if self._successor is not None:
+            return self._current().dispatch(
+                x, topk_idx, topk_weights, num_experts=num_experts, handle=handle,
+                layout=layout, expert_alignment=expert_alignment,
+                num_max_recv_rows=num_max_recv_rows, previous_event=previous_event,
+                async_finish=async_finish, fp8=fp8, fp8_output=fp8_output)
         x, x_scales, spec = self._dispatch_input(x, fp8, fp8_output)
         device = self._device_of(x)
         if spec is None:
@@ -282,6 +300,11 @@ class Buffer:
             `out [N, H]` (fp32 accumulation, rounded once), the `[N, K]` gathered
             `grad_row_weights` or None, and an event.
         """
+        if self._successor is not None:
+            return self._current().combine(y, handle, weighted=weighted,
+                                           grad_row_weights=grad_row_weights,
+                                           previous_event=previous_event,
+                                           async_finish=async_finish)
         validate.check_tensor("y", y, ndim=2, dtypes=self._row_dtypes(), device=self._device_of(y))
         if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
             raise ValueError(f"combine: y has shape {tuple(y.shape)}, the handle expects "
@@ -298,20 +321,40 @@ class Buffer:
         return out, weights, event
 
     def _row_dtypes(self):
-        if self.transport_name == "nvlink":
-            return (torch.bfloat16,)
-        return (torch.bfloat16, torch.float32)
+        return self._transport.row_dtypes
 
     def check_errors(self) -> None:
         """Raises the first error a kernel recorded (a stalled peer, a bad expert id)."""
-        if self.transport_name == "nvlink":
-            self._transport.check_errors()
+        self._current()._transport.check_errors()
 
     def destroy(self) -> None:
-        """Frees the symmetric buffer and closes peer mappings (collective; idempotent)."""
+        """Frees the transport's memory and closes peer mappings (collective; idempotent). A
+        Buffer that `get_buffer` replaced has nothing left to free."""
         if self._transport is not None:
             self._transport.destroy()
             self._transport = None
+
+    def _retire(self, successor: "Buffer") -> None:
+        """Frees this Buffer's transport and sends its later calls (a pending backward, a
+        cached dispatch of an earlier handle) to `successor`. Collective, like `destroy`:
+        every rank grows at the same call."""
+        self.destroy()
+        self._successor = successor
+
+
+def _check_limits(*, num_max_tokens_per_rank, hidden, num_topk) -> None:
+    """Raises ValueError naming the argument unless the Buffer limits are usable."""
+    for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                        ("hidden", hidden), ("num_topk", num_topk)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if num_topk > validate.MAX_TOPK:
+        raise ValueError(f"num_topk={num_topk} exceeds the limit {validate.MAX_TOPK}")
+    rows_per_vector = validate.ROW_ALIGN_BYTES // 2
+    if hidden % rows_per_vector:
+        raise ValueError(f"hidden={hidden} gives bf16 rows of {2 * hidden} bytes; rows must be a "
+                         f"multiple of {validate.ROW_ALIGN_BYTES} bytes (hidden a multiple of "
+                         f"{rows_per_vector})")
 
 
 def _flatten(obj):
@@ -329,8 +372,14 @@ _BUFFERS = {}
 
 def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                transport: str = "auto", **kwargs) -> Buffer:
-    """A process-wide Buffer for `group` that grows (never shrinks) when a call needs more."""
-    key = (id(group), _pick_transport(transport))
+    """A process-wide Buffer for `group` that grows (never shrinks) when a call needs more.
+
+    Growing replaces the Buffer by a larger one and retires the old one: handles it made (the
+    autograd context of a micro-batch still waiting for its backward, a cached dispatch) stay
+    valid, and calls on the old Buffer object go to the new one. Every rank of the group must
+    ask for the same sizes in the same order (growth is collective).
+    """
+    key = (id(group), transport)
     buf = _BUFFERS.get(key)
     if buf is not None and (buf.num_max_tokens_per_rank >= num_max_tokens_per_rank
                             and buf.hidden >= hidden and buf.num_topk >= num_topk):
@@ -338,7 +387,11 @@ def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, 
     if buf is not None:
         num_max_tokens_per_rank = max(num_max_tokens_per_rank, buf.num_max_tokens_per_rank)
         hidden, num_topk = max(hidden, buf.hidden), max(num_topk, buf.num_topk)
+        # The old transport goes first: its memory is free before the new one's is taken.
         buf.destroy()
-    buf = Buffer(group, num_max_tokens_per_rank, hidden, num_topk, transport=transport, **kwargs)
-    _BUFFERS[key] = buf
-    return buf
+    new = Buffer(group, num_max_tokens_per_rank, hidden, num_topk, transport=transport,
+                 **kwargs)
+    if buf is not None:
+        buf._retire(new)
+    _BUFFERS[key] = new
+    return new

@@ -25,6 +25,7 @@ from megatron_deepep.fp8 import formats
 from megatron_deepep.fp8.dispatch import Fp8Dispatch, pack_rows, unpack_rows
 from megatron_deepep.handle import DispatchHandle, compute_recv_layout
 from megatron_deepep.layout import DispatchLayout, compute_layout
+from megatron_deepep.transport.base import Transport
 
 # A received `recv_x`: rows `[M, H]`, or the FP8 pair `(recv_x_fp8, recv_scales)`.
 RecvX = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -78,21 +79,32 @@ def _check_ranks_agree(header: List[int], names: List[str], group) -> None:
             raise ValueError(f"ranks disagree on {name}: per-rank values {values}")
 
 
-class ReferenceTransport:
+class ReferenceTransport(Transport):
     """Dispatch/combine in pure torch over a process group.
 
     Args:
         group: the EP process group.
         num_max_tokens_per_rank: N_max; also the slot count per source in `slot_rows`.
+        hidden: unused (rows of any width travel).
+        num_topk: unused.
+        num_sms: unused (no kernels of ours).
+        timeout_s: unused (the process group's own timeout applies).
     """
 
     name = "reference"
+    row_dtypes = (torch.bfloat16, torch.float32)
 
-    def __init__(self, group, num_max_tokens_per_rank: int):
+    def __init__(self, group, num_max_tokens_per_rank: int, hidden: int = 0, num_topk: int = 0,
+                 *, num_sms: int = 0, timeout_s: float = 0.0):
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
+
+    @staticmethod
+    def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
+                  num_topk: int) -> int:
+        return 0
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         return compute_layout(topk_idx, num_experts, self.num_ranks)
