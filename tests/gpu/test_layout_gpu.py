@@ -142,7 +142,7 @@ def test_layout_writes_the_ep1_receive_layout(errors, num_tokens, topk, num_expe
     from megatron_deepep.arena import ArenaPlan
     from megatron_deepep.handle import compute_recv_layout, recv_fields
     from megatron_deepep.layout import layout_fields
-    from megatron_deepep.transport.nvlink import HOST_INFO_WORDS
+    from megatron_deepep.transport.status import HOST_INFO_WORDS
 
     claim, record, sink = errors
     gen = torch.Generator().manual_seed(num_tokens + alignment)
@@ -176,7 +176,7 @@ def test_layout_ep1_row_bound_overflow_is_reported(errors):
     from megatron_deepep.arena import ArenaPlan
     from megatron_deepep.handle import recv_fields
     from megatron_deepep.layout import layout_fields
-    from megatron_deepep.transport.nvlink import HOST_INFO_WORDS
+    from megatron_deepep.transport.status import HOST_INFO_WORDS
 
     ids = _ids("random", 100, 4, 16, torch.Generator().manual_seed(4)).cuda()
     arena = ArenaPlan(layout_fields(100, 4, 16, 1) + recv_fields(1, 16, 100, 4)).allocate("cuda")

@@ -9,24 +9,23 @@ bad input, and a stalled peer that must raise the timeout error instead of hangi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import ops
+from megatron_deepep import knobs, ops
 from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
-from megatron_deepep.buffer import Buffer
+from megatron_deepep import buffer as buffer_module
+from megatron_deepep.buffer import Buffer, get_buffer
 from megatron_deepep.transport.errors import PeerTimeoutError
 from tests.cases import expert_scale, make_inputs
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.gpu
 
-NUM_PROCS = [int(n) for n in os.environ.get("MDEEP_TEST_PROCS", "1,2,3,4,8").split(",")]
-NUM_CALLS = int(os.environ.get("MDEEP_TEST_CALLS", "1000"))
+NUM_PROCS = list(knobs.get("TEST_PROCS"))
+NUM_CALLS = knobs.get("TEST_CALLS")
 
 # kind, tokens per rank, hidden, experts per rank, top-k, alignment
 CASES = [
@@ -166,6 +165,62 @@ def _stalled_peer(rank, world, nvl):
         nvl.dispatch(x, idx, torch.ones(8, 1, device=dev), num_experts=world)
 
 
+def _given_layout(rank, world, nvl, ref, seed):
+    """A precomputed `get_dispatch_layout` (at EP = 1 the receive layout then comes from the
+    notify kernel over the local transport's private metadata), sync and no-sync."""
+    experts, align = 4 * world, 8
+    xs, idxs, ws = make_inputs(seed, world, 45, 2048, experts, 6, "dropped")
+    dev = torch.device("cuda")
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    exp = ref.dispatch(xs[rank], idxs[rank], ws[rank], num_experts=experts,
+                       expert_alignment=align)
+    for bound in (None, 45 * world * 6 + experts * align):
+        layout, _ = nvl.get_dispatch_layout(idx, experts)
+        recv_x, recv_w, handle, _ = nvl.dispatch(x, idx, w, num_experts=experts, layout=layout,
+                                                 expert_alignment=align,
+                                                 num_max_recv_rows=bound)
+        used = sum(exp[2].tokens_per_expert_list)
+        assert torch.equal(recv_x[:used].cpu(), exp[0]) and torch.equal(recv_w[:used].cpu(),
+                                                                        exp[1])
+        assert torch.equal(handle.tokens_per_expert.cpu(), exp[2].tokens_per_expert)
+        out, _, _ = nvl.combine(recv_x, handle)  # reads only the used rows
+        assert torch.equal(out.cpu(), ref.combine(exp[0], exp[2])[0])
+
+
+def _growth(rank, world, seed):
+    """get_buffer grows while a micro-batch's backward is pending; that backward still runs
+    (on the larger Buffer) and matches a Buffer that never grew."""
+    experts = 4 * world
+    xs, idxs, ws = make_inputs(seed, world, 30, 2048, experts, 4, "random")
+    big_xs, big_idxs, big_ws = make_inputs(seed + 1, world, 100, 4096, experts, 4, "random")
+    dev = torch.device("cuda")
+
+    def step(buf, x, idx, w):
+        x, w = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        recv_x, recv_w, handle = ag_dispatch(buf, x, idx.to(dev), w, num_experts=experts)
+        out = ag_combine(buf, (recv_x.float() * recv_w.unsqueeze(1)).to(torch.bfloat16),
+                         handle)
+        return out.float().sum(), x, w
+
+    fixed = Buffer(dist.group.WORLD, 128, 4096, 4, num_sms=8, timeout_s=30)
+    loss_ref, x_ref, w_ref = step(fixed, xs[rank], idxs[rank], ws[rank])
+    loss_ref.backward()
+    fixed.destroy()
+    small = get_buffer(dist.group.WORLD, 32, 2048, 4, num_sms=8, timeout_s=30)
+    expected_name = "local" if world == 1 else "nvlink"
+    assert small.transport_name == expected_name
+    assert (small.num_bytes == 0) == (world == 1)
+    loss1, x1, w1 = step(small, xs[rank], idxs[rank], ws[rank])
+    large = get_buffer(dist.group.WORLD, 128, 4096, 4, num_sms=8, timeout_s=30)
+    assert large is not small
+    loss2, _, _ = step(large, big_xs[rank], big_idxs[rank], big_ws[rank])
+    loss2.backward()
+    loss1.backward()  # through the Buffer get_buffer replaced
+    assert torch.equal(x1.grad, x_ref.grad) and torch.equal(w1.grad, w_ref.grad)
+    large.destroy()
+    buffer_module._BUFFERS.clear()
+
+
 def _worker(rank, world, num_calls):
     _init_device()
     _warm(rank)
@@ -175,12 +230,14 @@ def _worker(rank, world, num_calls):
     for i, case in enumerate(CASES):
         _case(rank, world, nvl, ref, 1000 * world + i, *case)
     _autograd(rank, world, nvl, ref, 7 + world)
+    _given_layout(rank, world, nvl, ref, 31 + world)
     _back_to_back(rank, world, nvl, num_calls)
     nvl.destroy()
     dist.barrier()
     bad = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=4, timeout_s=30)
     _bad_input(rank, world, bad)
     bad.destroy()
+    _growth(rank, world, 51 + world)
     if world > 1:
         stalled = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=4, timeout_s=3)
         _stalled_peer(rank, world, stalled)
