@@ -2,20 +2,18 @@
 # The GPU tier and the benchmark on the GPU machine, in one call:
 #   bash scripts/gpu_tier.sh            # tests (N = 1,2,3,4,8 processes) then the benchmark
 # Knobs: MDEEP_TEST_PROCS (default 1,2,3,4,8), MDEEP_TEST_CALLS (default 1000), SKIP_TESTS=1,
-# SKIP_BENCH=1, OUT (log folder; default .bench_out). Wheels in .whl/ (megatron-core) are installed
-# into /tmp/site first when present. Extras, off by default: PROBE=1 (scripts/probe_copy.py),
-# NCU=1 (Nsight Compute speed-of-light of the expand and reduce kernels), COMPARE_STEPS=N (the
+# SKIP_BENCH=1, OUT (log folder; default .bench_out), PYTEST_ARGS, BENCH_ARGS. Wheels in .whl/
+# (megatron-core) are installed into /tmp/site first when present. Extras, off by default:
+# NCU=1 (Nsight Compute speed-of-light of the dispatch and combine kernels), COMPARE_STEPS=N (the
 # example trains N steps with deepep and alltoall; PROFILE_STEPS=M profiles M more per run),
-# FP8_STEPS=N (FP8 vs bf16 dispatch, N steps), PROBE_WRITE=1 (scripts/probe_write.py),
-# PROBE_LAYOUT=1 (scripts/probe_layout.py: layout µs per chunk size),
-# SANITIZE=1 (compute-sanitizer memcheck of scripts/sanitize_ep1.py),
-# MAIN_JOB=N (the README's main job, examples/run_gpt_moe.sh, N iterations with deepep and with
-# alltoall, metrics on). On one H200 the 1000-call tier takes about 10
-# minutes (N = 8 alone ~170 s), more than one 600 s device call: split it, e.g.
+# FP8_STEPS=N (FP8 vs bf16 dispatch, N steps), SANITIZE=1 (compute-sanitizer memcheck of
+# scripts/sanitize_ep1.py), MAIN_JOB=N (the README's main job, examples/run_gpt_moe.sh, N
+# iterations with deepep and with alltoall, metrics on). On one H200 the 1000-call tier takes
+# about 10 minutes (N = 8 alone ~170 s): to stay under a 600 s limit split it, e.g.
 # MDEEP_TEST_PROCS=1,2,3 in one call and MDEEP_TEST_PROCS=4,8 in the next.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 MEGATRON_DEEPEP_CACHE_DIR=${MEGATRON_DEEPEP_CACHE_DIR:-/tmp/mdeep_cache}
+export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
 OUT=${OUT:-.bench_out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -23,7 +21,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+python3 -c "import torch, cuda.bindings as cb; print('torch', torch.__version__, 'cuda-bindings', cb.__version__)"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu tests/gpu -x -q -rs ${PYTEST_ARGS:-} 2>&1 \
@@ -34,20 +32,11 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout ${BENCH_TIMEOUT:-240} python3 -m megatron_deepep.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log"
 fi
-if [ "${PROBE:-0}" = 1 ]; then
-  timeout 120 python3 scripts/probe_copy.py 2>&1 | tee "$OUT/probe.log"
-fi
 if [ "${SANITIZE:-0}" = 1 ]; then
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   timeout 240 "$sanitizer" --tool memcheck python3 scripts/sanitize_ep1.py \
     > "$OUT/memcheck.log" 2>&1
   grep -E "sanitize_ep1:|Program hit|Invalid|ERROR SUMMARY" "$OUT/memcheck.log" | sort | uniq -c
-fi
-if [ "${PROBE_LAYOUT:-0}" = 1 ]; then
-  timeout 120 python3 scripts/probe_layout.py 2>&1 | tee "$OUT/probe_layout.log"
-fi
-if [ "${PROBE_WRITE:-0}" = 1 ]; then
-  timeout 180 python3 scripts/probe_write.py 2>&1 | tee "$OUT/probe_write.log"
 fi
 if [ "${MAIN_JOB:-0}" != 0 ]; then
   for dispatcher in deepep alltoall; do
