@@ -227,6 +227,7 @@ def node_limited_topk(scores: torch.Tensor, *, num_groups: int, group_topk: int,
 
     Returns:
         `(probs [N, topk], topk_idx [N, topk] int64)`, sorted by score like `torch.topk`.
+        N = 0 is legal (Megatron's reshape to `[N, -1]` is not).
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be [num_tokens, num_experts], got shape "
@@ -246,6 +247,6 @@ def node_limited_topk(scores: torch.Tensor, *, num_groups: int, group_topk: int,
     group_mask = torch.zeros_like(group_scores)
     group_mask.scatter_(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(
-        num_tokens, num_groups, experts_per_group).reshape(num_tokens, -1)
+        num_tokens, num_groups, experts_per_group).reshape(num_tokens, num_experts)
     masked_scores = scores.masked_fill(~score_mask.bool(), float("-inf"))
     return torch.topk(masked_scores, k=topk, dim=-1)
