@@ -22,7 +22,7 @@ H = 7168); combine rows are bf16. Links are full duplex, so the busiest rank set
     B_net = max over r of max(net_send[r], net_recv[r]) x row bytes
     B_nvl = max over r of max(nvl_send[r], nvl_recv[r]) x row bytes
     t     = fixed + max(B_net / network rate, B_nvl / NVLink rate)     (legs pipelined)
-    t_serial = fixed + B_net / network rate + B_nvl / NVLink rate        (no overlap: an upper bound)
+    t_serial = fixed + B_net / network rate + B_nvl / NVLink rate    (no overlap: an upper bound)
 
 Rates assumed by default (see `shared/reference/peers.md`, "Physical limits"): 50 GB/s per
 400 Gb/s NIC, one NIC per GPU (DGX/HGX H100/H200 line rate; about 46-48 GB/s practical); NVLink4

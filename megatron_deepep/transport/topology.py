@@ -83,7 +83,8 @@ class Topology:
 
     @property
     def rail_peers(self) -> Tuple[int, ...]:
-        """`[num_nodes]`: the rank with this rank's local index on every node (itself on its own)."""
+        """`[num_nodes]`: the rank with this rank's local index on every node (itself on its
+        own node)."""
         return tuple(self.rail_peer(self.rank, n) for n in range(self.num_nodes))
 
     def _check_rank(self, rank: int) -> None:
