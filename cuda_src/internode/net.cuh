@@ -1,0 +1,83 @@
+// The network leg's device interface: put with signal, wait for a signal (with a timeout),
+// quiet, and who am I. Dispatch and combine call only these, so a second engine (NCCL's device
+// API, GIN) can slot in by reimplementing this header, without touching their logic.
+//
+// This implementation: NVSHMEM's device API (linked by megatron_deepep/nvshmem_link.py against
+// the nvidia-nvshmem-cu13 wheel's libnvshmem_device.a). Addresses passed as `dst` and `signal`
+// are symmetric: the local address of an object allocated on the symmetric heap
+// (torch's symm_mem.empty with the NVSHMEM backend); the engine translates them for `pe`.
+// `src` may be any local device memory (on the IBRC/IBGDA transports it must be on the
+// symmetric heap or registered; keep it there).
+//
+// Ordering: a put_signal delivers its data before the signal's new value becomes visible at
+// `pe`; wait_signal_ge returning true makes that data visible to the calling thread; the caller
+// spreads it to the rest of its block or grid with __syncthreads() / its own flags.
+#pragma once
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "common/error.cuh"
+
+namespace mdeep {
+namespace net {
+
+// How a put_signal updates the signal word at the destination.
+enum class Signal : int {
+    kSet = NVSHMEM_SIGNAL_SET,  // signal = value (one writer per signal word)
+    kAdd = NVSHMEM_SIGNAL_ADD,  // signal += value (several writers count up one word)
+};
+
+__device__ __forceinline__ int my_pe() { return nvshmem_my_pe(); }
+
+__device__ __forceinline__ int num_pes() { return nvshmem_n_pes(); }
+
+// Non-blocking put of `bytes` from local `src` to symmetric `dst` on `pe`, then the signal
+// update at symmetric `signal` on `pe`. Every thread of the block calls it with the same
+// arguments (a collective of the block). `src` may be reused only after quiet().
+__device__ __forceinline__ void put_signal_block(void* dst, const void* src, size_t bytes,
+                                                 u64* signal, u64 value, int pe,
+                                                 Signal op = Signal::kSet) {
+    nvshmemx_putmem_signal_nbi_block(dst, src, bytes, signal, value, static_cast<int>(op), pe);
+}
+
+// The same for one warp: every lane calls it with the same arguments.
+__device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes,
+                                                u64* signal, u64 value, int pe,
+                                                Signal op = Signal::kSet) {
+    nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal, value, static_cast<int>(op), pe);
+}
+
+// Completes every put this thread (or the threadgroup it issued them with) has outstanding:
+// afterwards their source buffers may be reused. Call from one thread after the block's or
+// warp's puts (after __syncthreads() / __syncwarp()).
+__device__ __forceinline__ void quiet() { nvshmem_quiet(); }
+
+// Spins until the local symmetric `signal` (written by `peer`'s put_signal) is >= `value`, or
+// records a timeout (rank, peer, phase, expected = value, seen) in `err` and returns false,
+// never hanging. Also gives up at once when another wait of the same error state already
+// failed. One thread calls it.
+__device__ __forceinline__ bool wait_signal_ge(u64* signal, u64 value, u64 timeout_ns,
+                                               const ErrorState& err, int rank, int peer,
+                                               int phase) {
+    const u64 start = global_timer_ns();
+    for (u32 iter = 0;; ++iter) {
+        const u64 seen = nvshmem_signal_fetch(signal);
+        if (seen >= value) {
+            // The condition holds, so the public wait returns at once; it also runs NVSHMEM's
+            // post-wait consistency step (a fence, and the proxy's consistency enforcement on
+            // the IBRC transport), which a bare polled load would skip.
+            nvshmem_uint64_wait_until(signal, NVSHMEM_CMP_GE, value);
+            return true;
+        }
+        if ((iter & 255u) == 255u) {
+            if (has_error(err)) return false;
+            if (global_timer_ns() - start > timeout_ns) {
+                record_error(err, kErrTimeout, rank, peer, phase, 0, (i64)value, (i64)seen);
+                return false;
+            }
+        }
+    }
+}
+
+}  // namespace net
+}  // namespace mdeep

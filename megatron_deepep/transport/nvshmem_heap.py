@@ -1,0 +1,216 @@
+"""NVSHMEM's host side for the network leg: bootstrap, the symmetric heap, module init.
+
+torch's symmetric memory with the NVSHMEM backend starts NVSHMEM (through the default process
+group's store) at the first symmetric allocation and owns the heap, so nothing here needs an
+NVSHMEM install step or a compiled extension:
+
+1. `SymmetricHeap(device)` selects the NVSHMEM backend (`symm_mem.set_backend("NVSHMEM")`).
+2. `heap.empty(shape, dtype)` allocates on the symmetric heap (`symm_mem.empty`). Allocation is
+   collective: every PE makes the same allocations, same sizes, same order. The tensor's
+   `data_ptr()` is a symmetric address valid for the device API on every PE.
+3. `init_module(module)` after `cuModuleLoadData` of a cubin from `nvshmem_link.link_cubin`
+   (`torch._C._distributed_c10d._nvshmemx_cumodule_init`: fills the module's NVSHMEM device
+   state); `load_module(cubin)` does both.
+
+Never call `symm_mem.rendezvous` (nor torch's NVSHMEM collectives, which need it): it splits an
+NVSHMEM team, and in NVSHMEM's limited several-processes-per-GPU mode (how the tests model nodes
+on one GPU) a team split, host barrier or host collective exits the process. The control plane
+runs over torch.distributed instead.
+
+Errors say what is missing (a torch without NVSHMEM symmetric memory, the NVSHMEM wheel, CUDA)
+and how to fall back: transport='reference' works everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Sequence, Union
+
+import torch
+
+from megatron_deepep.nvshmem_link import PIP_PACKAGES, NvshmemUnavailable
+
+logger = logging.getLogger(__name__)
+
+_FALLBACK = "or use transport='reference', which works without NVSHMEM"
+
+
+def _symm_mem():
+    """torch's symmetric-memory module, checked for every call this module makes.
+
+    Raises:
+        NvshmemUnavailable: this torch has no NVSHMEM symmetric memory (the message names what
+            is missing, the torch version and the fallback).
+    """
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as exc:
+        raise NvshmemUnavailable(
+            f"megatron_deepep: torch {torch.__version__} has no symmetric memory "
+            f"(torch.distributed._symmetric_memory: {exc}); the internode transport needs "
+            f"torch >= 2.11 built for CUDA 13 with NVSHMEM, {_FALLBACK}.") from exc
+    missing = [f"symm_mem.{name}" for name in ("set_backend", "get_backend", "empty",
+                                                "is_nvshmem_available")
+               if not hasattr(symm_mem, name)]
+    if missing:
+        raise NvshmemUnavailable(
+            f"megatron_deepep: torch {torch.__version__} lacks {missing} (NVSHMEM symmetric "
+            f"memory); the internode transport needs torch >= 2.11 built for CUDA 13 with "
+            f"NVSHMEM, {_FALLBACK}.")
+    return symm_mem
+
+
+def _cumodule_init():
+    """torch's binding of nvshmemx_cumodule_init (only in builds with NVSHMEM).
+
+    Raises:
+        NvshmemUnavailable: this torch was built without NVSHMEM.
+    """
+    init = getattr(torch._C._distributed_c10d, "_nvshmemx_cumodule_init", None)
+    if init is None:
+        raise NvshmemUnavailable(
+            f"megatron_deepep: torch {torch.__version__} was built without NVSHMEM (no "
+            f"torch._C._distributed_c10d._nvshmemx_cumodule_init); the internode transport "
+            f"needs torch >= 2.11 built for CUDA 13 with NVSHMEM, {_FALLBACK}.")
+    return init
+
+
+def check_available() -> None:
+    """Raises unless this process can use NVSHMEM through torch (CUDA, torch's NVSHMEM
+    support, the NVSHMEM library at run time).
+
+    Raises:
+        NvshmemUnavailable: what is missing, what to install, and the fallback.
+    """
+    if not torch.cuda.is_available():
+        raise NvshmemUnavailable(
+            f"megatron_deepep: the internode transport runs CUDA kernels, but torch "
+            f"{torch.__version__} sees no CUDA device; {_FALLBACK}.")
+    symm_mem = _symm_mem()
+    _cumodule_init()
+    if not symm_mem.is_nvshmem_available():
+        raise NvshmemUnavailable(
+            f"megatron_deepep: torch {torch.__version__} cannot load NVSHMEM (is the "
+            f"nvidia-nvshmem-cu13 wheel installed, matching torch's CUDA?). Install "
+            f"`pip install {PIP_PACKAGES}`, {_FALLBACK}.")
+
+
+def use_nvshmem_backend(device: torch.device) -> None:
+    """Makes torch's symmetric memory allocate through NVSHMEM on `device` (idempotent).
+
+    Raises:
+        NvshmemUnavailable: NVSHMEM cannot be used here.
+        RuntimeError: another backend already allocated symmetric memory in this process (the
+            backend cannot change after the first allocation).
+    """
+    check_available()
+    symm_mem = _symm_mem()
+    current = symm_mem.get_backend(device)
+    if current == "NVSHMEM":
+        return
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except Exception as exc:
+        raise RuntimeError(
+            f"megatron_deepep: cannot switch torch's symmetric memory to NVSHMEM (backend on "
+            f"{device}: {current}): {exc}. The backend is fixed by the first symmetric "
+            f"allocation of the process; create the internode transport before anything else "
+            f"allocates symmetric memory, {_FALLBACK}.") from exc
+
+
+def init_module(module) -> None:
+    """Fills a loaded module's NVSHMEM device state (`nvshmemx_cumodule_init`); call it once per
+    module, after NVSHMEM has started (after this process's first `SymmetricHeap.empty`) and
+    before launching any of its kernels.
+
+    Args:
+        module: the CUmodule (a `cuda.bindings.driver.CUmodule` or its address as an int).
+
+    Raises:
+        NvshmemUnavailable: this torch cannot do it.
+        RuntimeError: NVSHMEM refused (not started yet, or the cubin lacks its device state).
+    """
+    cumodule_init = _cumodule_init()
+    try:
+        cumodule_init(int(module))
+    except Exception as exc:
+        raise RuntimeError(
+            f"megatron_deepep: nvshmemx_cumodule_init failed: {exc}. It needs NVSHMEM started "
+            "(a symmetric allocation first) and a cubin linked by nvshmem_link.link_cubin."
+            ) from exc
+
+
+def load_module(cubin: bytes):
+    """Loads a linked cubin into the current device's context and inits its NVSHMEM state.
+
+    Returns:
+        The `cuda.bindings.driver.CUmodule`; get kernels with `cuModuleGetFunction` and the
+        lowered names `link_cubin` returned.
+    """
+    from cuda.bindings import driver
+    torch.cuda.init()
+    err, context = driver.cuCtxGetCurrent()
+    if int(err) == 0 and int(context) == 0:  # torch made no context current yet: its primary one
+        device = torch.cuda.current_device()
+        err, primary = driver.cuDevicePrimaryCtxRetain(driver.cuDeviceGet(device)[1])
+        if int(err) == 0:
+            err = driver.cuCtxSetCurrent(primary)[0]
+        if int(err) != 0:
+            raise RuntimeError(f"megatron_deepep: making device {device}'s primary context "
+                               f"current failed: {err}")
+    err, module = driver.cuModuleLoadData(cubin)
+    if int(err) != 0:
+        raise RuntimeError(f"megatron_deepep: cuModuleLoadData of an NVSHMEM cubin failed: "
+                           f"{err}")
+    init_module(module)
+    return module
+
+
+class SymmetricHeap:
+    """Tensors on NVSHMEM's symmetric heap, for the network leg's send and receive buffers.
+
+    Args:
+        device: the CUDA device of this PE (default: the current one).
+
+    Every PE must make the same `empty` calls in the same order (allocation is collective).
+    The heap keeps every tensor it made alive until `destroy()`, so kernels in flight never see
+    their buffers freed.
+    """
+
+    def __init__(self, device: Union[torch.device, int, None] = None):
+        if device is None:
+            device = torch.cuda.current_device()
+        self.device = torch.device("cuda", device) if isinstance(device, int) else \
+            torch.device(device)
+        use_nvshmem_backend(self.device)
+        self._tensors: List[torch.Tensor] = []
+
+    def empty(self, shape: Union[int, Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized symmetric tensor (collective: every PE, same shape and dtype).
+
+        Raises:
+            RuntimeError: the allocation failed (the heap is full: NVSHMEM_SYMMETRIC_SIZE sets
+                its size; or NVSHMEM failed to start).
+        """
+        if self._tensors is None:
+            raise RuntimeError("megatron_deepep: SymmetricHeap used after destroy()")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        try:
+            tensor = _symm_mem().empty(shape, dtype=dtype, device=self.device)
+        except Exception as exc:
+            raise RuntimeError(
+                f"megatron_deepep: NVSHMEM symmetric allocation of {list(shape)} {dtype} on "
+                f"{self.device} failed: {exc}. If NVSHMEM failed to start, its log above says "
+                f"why; if the heap is full, raise NVSHMEM_SYMMETRIC_SIZE; {_FALLBACK}."
+                ) from exc
+        self._tensors.append(tensor)
+        return tensor
+
+    def zeros(self, shape: Union[int, Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+        """`empty`, zeroed on the current stream."""
+        return self.empty(shape, dtype).zero_()
+
+    def destroy(self) -> None:
+        """Drops the heap's references (idempotent). Only host-local: never a collective or an
+        NVSHMEM host call, which limited several-processes-per-GPU mode forbids."""
+        self._tensors = None
