@@ -8,7 +8,7 @@ ERROR_RECORD_WORDS = 10  # sizeof(ErrorRecord) = 40 bytes
 CODE_TIMEOUT, CODE_BAD_EXPERT_ID, CODE_RANK_MISMATCH, CODE_RECV_OVERFLOW = 1, 2, 3, 4
 PHASES = {0: "layout", 1: "notify", 2: "dispatch send (waiting for the peer to consume the "
           "previous dispatch)", 3: "dispatch receive", 4: "combine send (waiting for the peer to "
-          "consume the previous combine)", 5: "combine reduce"}
+          "consume the previous combine)", 5: "combine reduce", 6: "network leg"}
 HEADER_FIELDS = {1: "hidden", 2: "top-k", 3: "num_experts", 4: "expert_alignment"}
 
 
