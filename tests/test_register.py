@@ -157,15 +157,15 @@ def _accepts_worker(rank, world_size):
     assert free_input("mlp", False, cfg) is False
     assert free_input("mlp", True, _config("alltoall")) is True
     # Without a policy to extend, the overlap is refused rather than freeing the experts' rows.
-    from megatron_deepep.megatron import register as reg
-    found = reg._STATE["should_free_input"]
-    assert found and set(found) <= set(reg.SHOULD_FREE_INPUT_MODULES), found
-    reg._STATE["should_free_input"] = []
+    from megatron_deepep.megatron import patching
+    found = patching._STATE["should_free_input"]
+    assert found and set(found) <= set(patching.SHOULD_FREE_INPUT_MODULES), found
+    patching._STATE["should_free_input"] = []
     try:
         with pytest.raises(ValueError, match="should_free_input"):
             _config("deepep", **_A2A_OVERLAP)
     finally:
-        reg._STATE["should_free_input"] = found
+        patching._STATE["should_free_input"] = found
 
     # Option precedence: config field > register kwargs > environment.
     assert mdm.resolve_options(cfg).transport == "reference"
@@ -174,8 +174,25 @@ def _accepts_worker(rank, world_size):
     with pytest.raises(ValueError, match="unknown megatron_deepep option"):
         mdm.register_deepep_dispatcher(not_an_option=1)
 
-    # Undo restores Megatron's behaviour.
+    # Undo restores Megatron's behaviour: every patched attribute is its original object again,
+    # the metrics report hooks included.
+    from megatron.core.transformer.moe import moe_utils
+    from megatron_deepep.megatron import metrics
+    records = patching.applied()
+    patched = {(getattr(r.owner, "__name__", type(r.owner).__name__), r.name) for r in records}
+    assert {("TransformerConfig", "__post_init__"), ("MoELayer", "__init__")} <= patched, patched
+    if hasattr(moe_utils, "track_moe_metrics"):
+        assert metrics.is_report_hook(moe_utils.track_moe_metrics)
     mdm.unregister_deepep_dispatcher()
+    assert patching.applied() == []
+    for r in records:
+        now = r.owner.get(r.name, patching._MISSING) if r.item \
+            else getattr(r.owner, r.name, patching._MISSING)
+        if r.original is patching._MISSING and not r.item:  # inherited: the base's again
+            assert r.name not in r.owner.__dict__, r
+        else:
+            assert now is r.original, r
+    assert not metrics.is_report_hook(getattr(moe_utils, "track_moe_metrics", None))
     assert "deepep" not in typing.get_args(field.type)
     with pytest.raises(ValueError, match="Unsupported token dispatcher type"):
         _moe_layer("deepep")
