@@ -200,6 +200,11 @@ def _accepts_worker(rank, world_size):
     if cli_checked:
         with pytest.raises(SystemExit):
             _megatron_cli_dispatcher_type("deepep")
+    # Registering again after the undo patches again.
+    mdm.register_deepep_dispatcher(transport="reference")
+    assert isinstance(_moe_layer("deepep").token_dispatcher, mdm.DeepEPTokenDispatcher)
+    assert len(patching.applied()) == len(records)
+    mdm.unregister_deepep_dispatcher()
     ps.destroy_model_parallel()
 
 
@@ -242,3 +247,37 @@ def _layer_parity_worker(rank, world_size):
 def test_moe_layer_matches_allgather_on_cpu():
     """A real MoELayer (SequentialMLP experts, router gradient through the probs), EP=1."""
     run_distributed(1, _layer_parity_worker, timeout_s=120)
+
+
+def test_options_read_the_environment_through_knobs(monkeypatch):
+    from megatron_deepep.megatron import options
+
+    monkeypatch.setattr(options, "_REGISTERED_OPTIONS", {})
+    for name in ("TRANSPORT", "NUM_SMS", "NUM_MAX_TOKENS_PER_RANK", "METRICS", "METRICS_DIR",
+                 "FP8_DISPATCH"):
+        monkeypatch.delenv("MDEEP_" + name, raising=False)
+    assert options.resolve_options(None) == options.DeepEPOptions()
+    monkeypatch.setenv("MDEEP_TRANSPORT", "local")
+    monkeypatch.setenv("MDEEP_NUM_SMS", " 9 ")
+    monkeypatch.setenv("MDEEP_METRICS", "Yes")
+    monkeypatch.setenv("MDEEP_METRICS_DIR", "/tmp/m")
+    monkeypatch.setenv("MDEEP_FP8_DISPATCH", "mxfp8")
+    resolved = options.resolve_options(None)
+    assert (resolved.transport, resolved.num_sms, resolved.metrics, resolved.metrics_dir,
+            resolved.fp8_dispatch) == ("local", 9, True, "/tmp/m", "mxfp8")
+    # Config field > registered default > environment.
+    options.set_default_options(num_sms=11)
+    assert options.resolve_options(None).num_sms == 11
+    assert options.resolve_options(type("C", (), dict(moe_mdeep_num_sms=13))()).num_sms == 13
+    # One boolean parser: anything else is refused, naming the variable.
+    monkeypatch.setenv("MDEEP_METRICS", "maybe")
+    with pytest.raises(ValueError, match="MDEEP_METRICS"):
+        options.resolve_options(None)
+    monkeypatch.setenv("MDEEP_METRICS", "0")
+    monkeypatch.setenv("MDEEP_TRANSPORT", "pcie")
+    with pytest.raises(ValueError, match="--moe-mdeep-transport"):
+        options.resolve_options(None)
+    for transport in options.TRANSPORT_CHOICES:
+        assert options.DeepEPOptions(transport=transport).transport == transport
+    with pytest.raises(ValueError, match="--moe-mdeep-transport"):
+        options.set_default_options(transport="pcie")
