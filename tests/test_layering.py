@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 import os
 import re
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set
 
 import pytest
 

@@ -33,18 +33,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_deepep.logs import log_once
 from megatron_deepep.megatron import metrics
-from megatron_deepep.megatron.options import (  # noqa: F401 (re-exported)
-    CONFIG_PREFIX,
-    DISPATCHER_TYPE,
-    FP8_DISPATCH_CHOICES,
-    TRANSPORT_CHOICES,
-    DeepEPOptions,
-    check_config,
-    check_fp8_dispatch_option,
-    fp8_format_for_option,
-    resolve_options,
-    set_default_options,
-)
+from megatron_deepep.megatron.options import check_config, fp8_format_for_option, resolve_options
 
 logger = logging.getLogger(__name__)
 

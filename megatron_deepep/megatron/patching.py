@@ -32,7 +32,7 @@ import inspect
 import logging
 import sys
 import typing
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from megatron_deepep.megatron import metrics
 from megatron_deepep.megatron.dispatcher import DeepEPTokenDispatcher
@@ -318,8 +318,3 @@ def install() -> None:
     _STATE["should_free_input"] = _patch_should_free_input()
     _patch_skip_padding()
     _patch_metrics_report()
-
-
-def should_free_input_modules() -> Optional[List[str]]:
-    """The modules whose `should_free_input` `install` extended (empty: overlap refused)."""
-    return list(_STATE["should_free_input"])

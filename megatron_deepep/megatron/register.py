@@ -16,14 +16,12 @@ from __future__ import annotations
 import logging
 
 from megatron_deepep.megatron import patching
-from megatron_deepep.megatron.options import (  # noqa: F401 (re-exported)
+from megatron_deepep.megatron.options import (
     CONFIG_PREFIX,
     FP8_DISPATCH_CHOICES,
     TRANSPORT_CHOICES,
-    check_config,
     set_default_options,
 )
-from megatron_deepep.megatron.patching import SHOULD_FREE_INPUT_MODULES  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
