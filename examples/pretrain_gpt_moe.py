@@ -16,7 +16,7 @@ so the example runs with tensor and context parallel size 1: EP carries the expe
 Extra flags (ours, named apart from Megatron's `--moe-deepep-num-sms` / `--moe-enable-deepep`,
 which belong to the flex dispatcher): every `--moe-mdeep-*` flag of
 `megatron_deepep.megatron.add_arguments`, e.g. `--moe-mdeep-metrics`, `--moe-mdeep-metrics-dir
-DIR`, `--moe-mdeep-num-sms N`, `--moe-mdeep-transport {auto,nvlink,reference}`,
+DIR`, `--moe-mdeep-num-sms N`, `--moe-mdeep-transport {auto,local,nvlink,reference}`,
 `--moe-mdeep-fp8-dispatch {off,blockwise,mxfp8,auto}` (README, "FP8 dispatch"). A patched
 Megatron defines them as config fields itself; here they are added only when missing, and
 `apply_arguments` makes the parsed values the dispatcher's defaults.

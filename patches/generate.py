@@ -33,8 +33,8 @@ TYPE = "deepep"
 
 FIELDS = '''
     moe_mdeep_transport: Optional[str] = None
-    """megatron_deepep (--moe-token-dispatcher-type deepep): "auto", "nvlink" or "reference".
-    None: MDEEP_TRANSPORT or "auto"."""
+    """megatron_deepep (--moe-token-dispatcher-type deepep): "auto", "local", "nvlink" or
+    "reference". None: MDEEP_TRANSPORT or "auto"."""
 
     moe_mdeep_num_sms: Optional[int] = None
     """megatron_deepep: SM budget of the communication kernels. None: MDEEP_NUM_SMS or 24."""

@@ -4,7 +4,7 @@
     python scripts/plot_metrics.py RUN_METRICS_DIR [--out DIR] [--rank N]
 
 Reads `deepep_metrics_rank<N>.jsonl` (written when metrics are on with a `metrics_dir`, see
-`megatron_deepep/metrics.py`; default: the lowest rank present) and writes:
+`megatron_deepep/megatron/metrics.py`; default: the lowest rank present) and writes:
 
 * `expert_load_heatmap.png`: one panel per MoE layer, tokens per expert (x) over steps (y),
   with the load imbalance (max/mean) of the last step in the title;

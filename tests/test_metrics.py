@@ -66,7 +66,7 @@ def _worker(rank, world_size, out_dir, entry):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_deepep import metrics
+    from megatron_deepep.megatron import metrics
 
     mdm.register_deepep_dispatcher(transport="reference", metrics=True, metrics_dir=out_dir)
     ps.initialize_model_parallel(expert_model_parallel_size=world_size)
@@ -178,7 +178,7 @@ def _pipeline_worker(rank, world_size):
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_deepep import metrics
+    from megatron_deepep.megatron import metrics
 
     mdm.register_deepep_dispatcher(transport="reference", metrics=True)
     ps.initialize_model_parallel(pipeline_model_parallel_size=world_size)

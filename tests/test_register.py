@@ -157,15 +157,15 @@ def _accepts_worker(rank, world_size):
     assert free_input("mlp", False, cfg) is False
     assert free_input("mlp", True, _config("alltoall")) is True
     # Without a policy to extend, the overlap is refused rather than freeing the experts' rows.
-    from megatron_deepep.megatron import register as reg
-    found = reg._STATE["should_free_input"]
-    assert found and set(found) <= set(reg.SHOULD_FREE_INPUT_MODULES), found
-    reg._STATE["should_free_input"] = []
+    from megatron_deepep.megatron import patching
+    found = patching._STATE["should_free_input"]
+    assert found and set(found) <= set(patching.SHOULD_FREE_INPUT_MODULES), found
+    patching._STATE["should_free_input"] = []
     try:
         with pytest.raises(ValueError, match="should_free_input"):
             _config("deepep", **_A2A_OVERLAP)
     finally:
-        reg._STATE["should_free_input"] = found
+        patching._STATE["should_free_input"] = found
 
     # Option precedence: config field > register kwargs > environment.
     assert mdm.resolve_options(cfg).transport == "reference"
@@ -174,8 +174,25 @@ def _accepts_worker(rank, world_size):
     with pytest.raises(ValueError, match="unknown megatron_deepep option"):
         mdm.register_deepep_dispatcher(not_an_option=1)
 
-    # Undo restores Megatron's behaviour.
+    # Undo restores Megatron's behaviour: every patched attribute is its original object again,
+    # the metrics report hooks included.
+    from megatron.core.transformer.moe import moe_utils
+    from megatron_deepep.megatron import metrics
+    records = patching.applied()
+    patched = {(getattr(r.owner, "__name__", type(r.owner).__name__), r.name) for r in records}
+    assert {("TransformerConfig", "__post_init__"), ("MoELayer", "__init__")} <= patched, patched
+    if hasattr(moe_utils, "track_moe_metrics"):
+        assert metrics.is_report_hook(moe_utils.track_moe_metrics)
     mdm.unregister_deepep_dispatcher()
+    assert patching.applied() == []
+    for r in records:
+        now = r.owner.get(r.name, patching._MISSING) if r.item \
+            else getattr(r.owner, r.name, patching._MISSING)
+        if r.original is patching._MISSING and not r.item:  # inherited: the base's again
+            assert r.name not in r.owner.__dict__, r
+        else:
+            assert now is r.original, r
+    assert not metrics.is_report_hook(getattr(moe_utils, "track_moe_metrics", None))
     assert "deepep" not in typing.get_args(field.type)
     with pytest.raises(ValueError, match="Unsupported token dispatcher type"):
         _moe_layer("deepep")
@@ -183,6 +200,11 @@ def _accepts_worker(rank, world_size):
     if cli_checked:
         with pytest.raises(SystemExit):
             _megatron_cli_dispatcher_type("deepep")
+    # Registering again after the undo patches again.
+    mdm.register_deepep_dispatcher(transport="reference")
+    assert isinstance(_moe_layer("deepep").token_dispatcher, mdm.DeepEPTokenDispatcher)
+    assert len(patching.applied()) == len(records)
+    mdm.unregister_deepep_dispatcher()
     ps.destroy_model_parallel()
 
 
@@ -225,3 +247,37 @@ def _layer_parity_worker(rank, world_size):
 def test_moe_layer_matches_allgather_on_cpu():
     """A real MoELayer (SequentialMLP experts, router gradient through the probs), EP=1."""
     run_distributed(1, _layer_parity_worker, timeout_s=120)
+
+
+def test_options_read_the_environment_through_knobs(monkeypatch):
+    from megatron_deepep.megatron import options
+
+    monkeypatch.setattr(options, "_REGISTERED_OPTIONS", {})
+    for name in ("TRANSPORT", "NUM_SMS", "NUM_MAX_TOKENS_PER_RANK", "METRICS", "METRICS_DIR",
+                 "FP8_DISPATCH"):
+        monkeypatch.delenv("MDEEP_" + name, raising=False)
+    assert options.resolve_options(None) == options.DeepEPOptions()
+    monkeypatch.setenv("MDEEP_TRANSPORT", "local")
+    monkeypatch.setenv("MDEEP_NUM_SMS", " 9 ")
+    monkeypatch.setenv("MDEEP_METRICS", "Yes")
+    monkeypatch.setenv("MDEEP_METRICS_DIR", "/tmp/m")
+    monkeypatch.setenv("MDEEP_FP8_DISPATCH", "mxfp8")
+    resolved = options.resolve_options(None)
+    assert (resolved.transport, resolved.num_sms, resolved.metrics, resolved.metrics_dir,
+            resolved.fp8_dispatch) == ("local", 9, True, "/tmp/m", "mxfp8")
+    # Config field > registered default > environment.
+    options.set_default_options(num_sms=11)
+    assert options.resolve_options(None).num_sms == 11
+    assert options.resolve_options(type("C", (), dict(moe_mdeep_num_sms=13))()).num_sms == 13
+    # One boolean parser: anything else is refused, naming the variable.
+    monkeypatch.setenv("MDEEP_METRICS", "maybe")
+    with pytest.raises(ValueError, match="MDEEP_METRICS"):
+        options.resolve_options(None)
+    monkeypatch.setenv("MDEEP_METRICS", "0")
+    monkeypatch.setenv("MDEEP_TRANSPORT", "pcie")
+    with pytest.raises(ValueError, match="--moe-mdeep-transport"):
+        options.resolve_options(None)
+    for transport in options.TRANSPORT_CHOICES:
+        assert options.DeepEPOptions(transport=transport).transport == transport
+    with pytest.raises(ValueError, match="--moe-mdeep-transport"):
+        options.set_default_options(transport="pcie")

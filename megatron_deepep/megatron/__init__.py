@@ -4,22 +4,26 @@
     mdm.register_deepep_dispatcher()   # then --moe-token-dispatcher-type deepep works
     mdm.register_deepep_dispatcher(fp8_dispatch="auto")   # FP8 dispatch (TE recipe's format)
 
+Modules: `options` (the dispatcher's options and the one config check), `dispatcher`, `metrics`
+(per-layer communication and load metrics), `patching` (every change made to megatron-core, and
+its undo) and `register` (the public plugin calls and CLI flags).
+
 Importing this package imports megatron-core; `megatron_deepep` itself does not need it.
 """
 
-from megatron_deepep.megatron.dispatcher import (
+from megatron_deepep.megatron.dispatcher import DeepEPTokenDispatcher, routing_map_to_topk
+from megatron_deepep.megatron.options import (
     DISPATCHER_TYPE,
     FP8_DISPATCH_CHOICES,
+    TRANSPORT_CHOICES,
     DeepEPOptions,
-    DeepEPTokenDispatcher,
+    check_config,
     fp8_format_for_option,
     resolve_options,
-    routing_map_to_topk,
 )
 from megatron_deepep.megatron.register import (
     add_arguments,
     apply_arguments,
-    check_config,
     is_registered,
     register_deepep_dispatcher,
     unregister_deepep_dispatcher,
@@ -28,6 +32,7 @@ from megatron_deepep.megatron.register import (
 __all__ = [
     "DISPATCHER_TYPE",
     "FP8_DISPATCH_CHOICES",
+    "TRANSPORT_CHOICES",
     "DeepEPOptions",
     "DeepEPTokenDispatcher",
     "add_arguments",

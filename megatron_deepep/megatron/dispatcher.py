@@ -24,10 +24,7 @@ part in every collective, forward and backward.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import os
 import weakref
 from typing import List, Optional
 
@@ -35,134 +32,10 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_deepep.logs import log_once
+from megatron_deepep.megatron import metrics
+from megatron_deepep.megatron.options import check_config, fp8_format_for_option, resolve_options
 
 logger = logging.getLogger(__name__)
-
-#: The value of `moe_token_dispatcher_type` that selects this dispatcher.
-DISPATCHER_TYPE = "deepep"
-
-#: Prefix of our TransformerConfig fields (added by the patches) and environment variables. It is
-#: distinct from Megatron's own `moe_deepep_num_sms` / `moe_enable_deepep` (flex backend knobs).
-CONFIG_PREFIX = "moe_mdeep_"
-ENV_PREFIX = "MDEEP_"
-
-
-@dataclasses.dataclass
-class DeepEPOptions:
-    """Knobs of the dispatcher.
-
-    Each is read, highest precedence first, from the TransformerConfig field
-    `moe_mdeep_<name>` (the patches add these; None means unset), the keyword arguments of
-    `register_deepep_dispatcher(...)`, the environment variable `MDEEP_<NAME>`, and this default.
-
-    Attributes:
-        transport: "auto" (NVLink kernels on CUDA, the pure-torch reference elsewhere),
-            "nvlink" or "reference".
-        num_sms: SM budget of the communication kernels.
-        num_max_tokens_per_rank: the most tokens one rank dispatches per call. It sizes the
-            symmetric buffer and must be the same on every EP rank; None picks the next power of
-            two >= the first call's token count (at least 4096), which every rank agrees on as
-            long as they see the same token count (fixed sequence length and micro-batch).
-        metrics: collect per-layer communication and load metrics (`megatron_deepep.metrics`).
-        metrics_dir: where `metrics` also writes one JSON line per step (for
-            `scripts/plot_metrics.py`); None writes no file.
-        fp8_dispatch: FP8 on the wire (`FP8_DISPATCH_CHOICES`): "off"; "blockwise" (TE
-            `Float8BlockScaling` activations: 1x128 blocks, fp32 power-of-two scales);
-            "mxfp8" (TE `MXFP8BlockScaling`: 1x32 blocks, E8M0 scales); "auto" (the format of
-            TE's active recipe at each dispatch, off when there is none or it has no matching
-            format); or a format name of `megatron_deepep.fp8.FORMATS`. Needs hidden % 16 == 0.
-            The experts get TE quantized tensors when TE's active recipe matches the format
-            (see `fp8_handoff`), else bf16 rows dequantized on the receiver (any experts).
-    """
-
-    transport: str = "auto"
-    num_sms: int = 24
-    num_max_tokens_per_rank: Optional[int] = None
-    metrics: bool = False
-    metrics_dir: Optional[str] = None
-    fp8_dispatch: str = "off"
-
-    def __post_init__(self):
-        check_fp8_dispatch_option(self.fp8_dispatch)
-
-
-#: Values of the `fp8_dispatch` option besides the names in `megatron_deepep.fp8.FORMATS`.
-FP8_DISPATCH_CHOICES = ("off", "blockwise", "mxfp8", "auto")
-_FP8_ALIASES = {"blockwise": "blockwise_1x128", "mxfp8": "mxfp8_1x32"}
-
-
-def check_fp8_dispatch_option(value) -> str:
-    """Raises ValueError naming the flag unless `value` is a valid `fp8_dispatch`."""
-    from megatron_deepep.fp8 import FORMATS
-
-    if value not in FP8_DISPATCH_CHOICES and value not in FORMATS:
-        raise ValueError(
-            f"--moe-mdeep-fp8-dispatch (moe_mdeep_fp8_dispatch / MDEEP_FP8_DISPATCH) must be one "
-            f"of {list(FP8_DISPATCH_CHOICES) + sorted(FORMATS)}, got {value!r}")
-    return value
-
-
-def fp8_format_for_option(value: str, recipe=None):
-    """The wire format the `fp8_dispatch` option asks for now (None: bf16 dispatch).
-
-    Args:
-        value: the option.
-        recipe: for "auto": the TE recipe (default: TE's active recipe, None outside
-            `fp8_autocast` or without TE).
-
-    Returns:
-        `(Fp8Format or None, reason when None)`.
-    """
-    from megatron_deepep.fp8 import FORMATS, te_bridge
-
-    check_fp8_dispatch_option(value)
-    if value == "off":
-        return None, "fp8_dispatch is off"
-    if value == "auto":
-        return te_bridge.format_for_recipe(
-            recipe if recipe is not None else te_bridge.active_recipe())
-    return FORMATS[_FP8_ALIASES.get(value, value)], ""
-
-
-_REGISTERED_OPTIONS: dict = {}
-
-
-def set_default_options(**kwargs) -> None:
-    """Sets option defaults for dispatchers built from now on (`register_deepep_dispatcher`)."""
-    names = {f.name for f in dataclasses.fields(DeepEPOptions)}
-    for key in kwargs:
-        if key not in names:
-            raise ValueError(f"unknown megatron_deepep option {key!r}; known: {sorted(names)}")
-    if kwargs.get("fp8_dispatch") is not None:
-        check_fp8_dispatch_option(kwargs["fp8_dispatch"])
-    _REGISTERED_OPTIONS.update({k: v for k, v in kwargs.items() if v is not None})
-
-
-def _env_value(field: dataclasses.Field):
-    raw = os.environ.get(ENV_PREFIX + field.name.upper())
-    if raw is None or raw == "":
-        return None
-    if field.name in ("num_sms", "num_max_tokens_per_rank"):
-        return int(raw)
-    if field.name == "metrics":
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    return raw.strip()
-
-
-def resolve_options(config) -> DeepEPOptions:
-    """Resolves `DeepEPOptions` for `config` (see `DeepEPOptions` for the precedence)."""
-    values = {}
-    for field in dataclasses.fields(DeepEPOptions):
-        value = getattr(config, CONFIG_PREFIX + field.name, None)
-        if value is False:  # a bool config field can only switch a feature on
-            value = None
-        if value is None:
-            value = _REGISTERED_OPTIONS.get(field.name)
-        if value is None:
-            value = _env_value(field)
-        if value is not None:
-            values[field.name] = value
-    return DeepEPOptions(**values)
 
 
 def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -232,7 +105,7 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.options = resolve_options(config)
-        self._check_config(config)
+        check_config(config, self.options, expert_tp_size=self.tp_size, ep_size=self.ep_size)
 
         self.ep_rank = _group_rank(self.ep_group)
         expected = list(range(self.ep_rank * num_local_experts,
@@ -262,25 +135,6 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self.cudagraph_attrs = []
 
     # ------------------------------------------------------------------------------------------
-    def _check_config(self, config) -> None:
-        if self.tp_size > 1:
-            raise ValueError(
-                f"moe_token_dispatcher_type='deepep' does not support expert tensor parallelism "
-                f"(expert_tensor_parallel_size={self.tp_size}); set "
-                f"--expert-tensor-parallel-size 1 (experts keep their full width, EP carries "
-                f"them)")
-        if getattr(config, "moe_enable_deepep", False):
-            raise ValueError(
-                "--moe-enable-deepep selects DeepEP inside Megatron's 'flex' dispatcher; with "
-                "--moe-token-dispatcher-type deepep (megatron_deepep) leave it off")
-        if self.num_experts % max(self.ep_size, 1) != 0:
-            raise ValueError(f"num_moe_experts={self.num_experts} must be a multiple of "
-                             f"expert_model_parallel_size={self.ep_size}")
-        if self.options.fp8_dispatch != "off" and config.hidden_size % 16 != 0:
-            raise ValueError(
-                f"--moe-mdeep-fp8-dispatch {self.options.fp8_dispatch} needs hidden_size % 16 "
-                f"== 0 (e4m3 rows must be 16-byte multiples), got {config.hidden_size}")
-
     def bind_layer(self, layer) -> None:
         """Remembers the owning MoELayer (weakly): metrics read its `layer_number`."""
         self._layer_ref = weakref.ref(layer)
@@ -341,7 +195,6 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
     def _metrics(self):
         if not self.options.metrics:
             return None
-        from megatron_deepep import metrics
         return metrics.get_collector(self.options.metrics_dir)
 
     # ------------------------------------------------------------------------------------------
@@ -361,8 +214,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         from megatron_deepep.autograd import dispatch
 
         buffer = self._get_buffer(hidden_states)
-        metrics = self._metrics()
-        timer = metrics.start() if metrics is not None else None
+        collector = self._metrics()
+        timer = collector.start() if collector is not None else None
         spec = self._fp8_spec()
         x = hidden_states.contiguous()
         if spec is not None:
@@ -372,7 +225,7 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             num_experts=self.num_experts, expert_alignment=self.expert_alignment, fp8=spec)
         if spec is not None and spec.dequantize and recv_x.dtype != hidden_states.dtype:
             recv_x = recv_x.to(hidden_states.dtype)
-        if metrics is not None:
+        if collector is not None:
             from megatron_deepep.fp8.dispatch import row_bytes
             self._metrics_pending = (timer.stop(), handle,
                                      row_bytes(spec, x.shape[1], x.element_size()))
@@ -411,15 +264,15 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         """EP combine: `[M, H]` expert rows -> `[T, H]` per-token sums (fp32 accumulation)."""
         from megatron_deepep.autograd import combine
 
-        metrics = self._metrics()
-        timer = metrics.start() if metrics is not None else None
+        collector = self._metrics()
+        timer = collector.start() if collector is not None else None
         out = combine(self._buffer, hidden_states.contiguous(), self._handle)
-        if metrics is not None:
+        if collector is not None:
             combine_timer = timer.stop()
             pending, self._metrics_pending = self._metrics_pending, None
             if pending is not None:
                 dispatch_timer, handle, row_bytes = pending
-                metrics.record(self, handle, dispatch_timer, combine_timer, row_bytes=row_bytes)
+                collector.record(self, handle, dispatch_timer, combine_timer, row_bytes=row_bytes)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

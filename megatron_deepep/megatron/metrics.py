@@ -28,7 +28,7 @@ Tokens per expert and per rank (vectors) go to the JSON-lines file only
 renders. Under `moe` recompute only the pass that builds the graph is counted; evaluation passes
 (no grad) are counted only without recompute.
 
-Megatron integration: `install_megatron_hooks()` (called by `register_deepep_dispatcher`) wraps
+Megatron integration: `register_deepep_dispatcher` (through `megatron.patching`) wraps
 Megatron's step-end MoE report (0.16: `moe_utils.track_moe_metrics`; 0.19+:
 `MoEMetricsTracker.report`) so that it first flushes these metrics into the MoE metrics tracker;
 they then reach TensorBoard / W&B with the aux losses (per layer with `--moe-per-layer-logging`).
@@ -44,12 +44,13 @@ import inspect
 import json
 import logging
 import os
-import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_deepep.megatron.options import resolve_options
 
 logger = logging.getLogger(__name__)
 
@@ -335,20 +336,6 @@ def flush(iteration: Optional[int] = None) -> Dict[int, dict]:
 _HOOK_MARK = "_megatron_deepep_metrics_hook"
 
 
-def _rebind(old, new) -> None:
-    """Points every loaded module attribute that is `old` at `new` (for `from x import f`)."""
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not namespace:
-            continue
-        for attr, value in list(namespace.items()):
-            if value is old:
-                try:
-                    setattr(module, attr, new)
-                except (AttributeError, TypeError):
-                    pass
-
-
 # Depth of nested Megatron report calls: 0.19's deprecated `track_moe_metrics` calls
 # `MoEMetricsTracker.report`, and both are hooked; only the outermost one flushes.
 _REPORT_DEPTH = [0]
@@ -373,41 +360,34 @@ def _flush_collector(params, args, kwargs) -> bool:
     return True
 
 
-def install_megatron_hooks() -> None:
-    """Makes Megatron's step-end MoE report flush our metrics first (idempotent).
+def is_report_hook(function) -> bool:
+    """Whether `function` is one of our report wrappers (`wrap_*` below)."""
+    return bool(getattr(function, _HOOK_MARK, False))
 
-    Hooks `moe_utils.track_moe_metrics` (the report of 0.16; a deprecated wrapper around the
-    tracker's report on 0.19) and `moe_logging.MoEMetricsTracker.report` (0.17+). A step's
-    metrics are flushed once, by the outermost of the two.
-    """
-    from megatron.core.transformer.moe import moe_utils
 
-    original = getattr(moe_utils, "track_moe_metrics", None)
-    if original is not None and not getattr(original, _HOOK_MARK, False):
-        params = list(inspect.signature(original).parameters)
+def wrap_track_moe_metrics(original):
+    """`moe_utils.track_moe_metrics` (0.16's report; a deprecated wrapper around the tracker's
+    report on 0.19) that first flushes our metrics; `patching` installs it."""
+    params = list(inspect.signature(original).parameters)
 
-        @functools.wraps(original)
-        def track_moe_metrics(*args, **kwargs):
-            # 0.16 reports every tracker entry; `track_names` only selects what it reduces
-            # over PP/DP, so ours (already reduced over EP) stay out of it. 0.19 forwards to
-            # the tracker's report, whose hook adds them to `track_names` there.
-            with _report_call() as outermost:
-                if outermost:
-                    _flush_collector(params, args, kwargs)
-                return original(*args, **kwargs)
+    @functools.wraps(original)
+    def track_moe_metrics(*args, **kwargs):
+        # 0.16 reports every tracker entry; `track_names` only selects what it reduces
+        # over PP/DP, so ours (already reduced over EP) stay out of it. 0.19 forwards to
+        # the tracker's report, whose hook adds them to `track_names` there.
+        with _report_call() as outermost:
+            if outermost:
+                _flush_collector(params, args, kwargs)
+            return original(*args, **kwargs)
 
-        setattr(track_moe_metrics, _HOOK_MARK, True)
-        _rebind(original, track_moe_metrics)
-        moe_utils.track_moe_metrics = track_moe_metrics
+    setattr(track_moe_metrics, _HOOK_MARK, True)
+    return track_moe_metrics
 
-    try:
-        from megatron.core.transformer.moe import moe_logging
-    except ImportError:
-        return
-    tracker_cls = moe_logging.MoEMetricsTracker
-    report = tracker_cls.report
-    if getattr(report, _HOOK_MARK, False):
-        return
+
+def wrap_tracker_report(report):
+    """`moe_logging.MoEMetricsTracker.report` (0.17+) that first flushes our metrics and lists
+    our names in `track_names`; `patching` installs it. A step's metrics are flushed once, by
+    the outermost of the two hooks."""
     rparams = list(inspect.signature(report).parameters)
 
     @functools.wraps(report)
@@ -420,7 +400,7 @@ def install_megatron_hooks() -> None:
             return report(*args, **kwargs)
 
     setattr(wrapped_report, _HOOK_MARK, True)
-    tracker_cls.report = wrapped_report
+    return wrapped_report
 
 
 def _metrics_enabled() -> bool:
@@ -428,7 +408,6 @@ def _metrics_enabled() -> bool:
     (a pipeline stage without MoE layers builds no dispatcher, hence no collector)."""
     if _COLLECTOR is not None:
         return True
-    from megatron_deepep.megatron.dispatcher import resolve_options
     return bool(resolve_options(None).metrics)
 
 

@@ -1,0 +1,196 @@
+"""The `deepep` dispatcher's options and the one validation of a deepep config.
+
+Imports no megatron-core: `metrics` and `register` read options without importing the
+dispatcher (which imports megatron-core), so nothing here closes an import cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron_deepep import knobs
+
+#: The value of `moe_token_dispatcher_type` that selects this dispatcher.
+DISPATCHER_TYPE = "deepep"
+
+#: Prefix of our TransformerConfig fields (added by the patches). It is distinct from Megatron's
+#: own `moe_deepep_num_sms` / `moe_enable_deepep` (flex backend knobs).
+CONFIG_PREFIX = "moe_mdeep_"
+
+#: Values of the `transport` option.
+TRANSPORT_CHOICES = ("auto", "local", "nvlink", "reference")
+
+#: Values of the `fp8_dispatch` option besides the names in `megatron_deepep.fp8.FORMATS`.
+FP8_DISPATCH_CHOICES = ("off", "blockwise", "mxfp8", "auto")
+_FP8_ALIASES = {"blockwise": "blockwise_1x128", "mxfp8": "mxfp8_1x32"}
+
+
+@dataclasses.dataclass
+class DeepEPOptions:
+    """Knobs of the dispatcher.
+
+    Each is read, highest precedence first, from the TransformerConfig field
+    `moe_mdeep_<name>` (the patches add these; None means unset), the keyword arguments of
+    `register_deepep_dispatcher(...)`, the environment variable `MDEEP_<NAME>` (through
+    `megatron_deepep.knobs`), and this default.
+
+    Attributes:
+        transport: "auto" (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the
+            pure-torch reference without CUDA), "local", "nvlink" or "reference".
+        num_sms: SM budget of the communication kernels.
+        num_max_tokens_per_rank: the most tokens one rank dispatches per call. It sizes the
+            symmetric buffer and must be the same on every EP rank; None picks the next power of
+            two >= the first call's token count (at least 4096), which every rank agrees on as
+            long as they see the same token count (fixed sequence length and micro-batch).
+        metrics: collect per-layer communication and load metrics
+            (`megatron_deepep.megatron.metrics`).
+        metrics_dir: where `metrics` also writes one JSON line per step (for
+            `scripts/plot_metrics.py`); None writes no file.
+        fp8_dispatch: FP8 on the wire (`FP8_DISPATCH_CHOICES`): "off"; "blockwise" (TE
+            `Float8BlockScaling` activations: 1x128 blocks, fp32 power-of-two scales);
+            "mxfp8" (TE `MXFP8BlockScaling`: 1x32 blocks, E8M0 scales); "auto" (the format of
+            TE's active recipe at each dispatch, off when there is none or it has no matching
+            format); or a format name of `megatron_deepep.fp8.FORMATS`. Needs hidden % 16 == 0.
+            The experts get TE quantized tensors when TE's active recipe matches the format
+            (see `dispatcher.fp8_handoff`), else bf16 rows dequantized on the receiver.
+    """
+
+    transport: str = "auto"
+    num_sms: int = 24
+    num_max_tokens_per_rank: Optional[int] = None
+    metrics: bool = False
+    metrics_dir: Optional[str] = None
+    fp8_dispatch: str = "off"
+
+    def __post_init__(self):
+        check_transport_option(self.transport)
+        check_fp8_dispatch_option(self.fp8_dispatch)
+
+
+def check_transport_option(value) -> str:
+    """Raises ValueError naming the flag unless `value` is a valid `transport`."""
+    if value not in TRANSPORT_CHOICES:
+        raise ValueError(
+            f"--moe-mdeep-transport (moe_mdeep_transport / MDEEP_TRANSPORT) must be one of "
+            f"{list(TRANSPORT_CHOICES)}, got {value!r}")
+    return value
+
+
+def check_fp8_dispatch_option(value) -> str:
+    """Raises ValueError naming the flag unless `value` is a valid `fp8_dispatch`."""
+    from megatron_deepep.fp8 import FORMATS
+
+    if value not in FP8_DISPATCH_CHOICES and value not in FORMATS:
+        raise ValueError(
+            f"--moe-mdeep-fp8-dispatch (moe_mdeep_fp8_dispatch / MDEEP_FP8_DISPATCH) must be one "
+            f"of {list(FP8_DISPATCH_CHOICES) + sorted(FORMATS)}, got {value!r}")
+    return value
+
+
+def fp8_format_for_option(value: str, recipe=None):
+    """The wire format the `fp8_dispatch` option asks for now (None: bf16 dispatch).
+
+    Args:
+        value: the option.
+        recipe: for "auto": the TE recipe (default: TE's active recipe, None outside
+            `fp8_autocast` or without TE).
+
+    Returns:
+        `(Fp8Format or None, reason when None)`.
+    """
+    from megatron_deepep.fp8 import FORMATS, te_bridge
+
+    check_fp8_dispatch_option(value)
+    if value == "off":
+        return None, "fp8_dispatch is off"
+    if value == "auto":
+        return te_bridge.format_for_recipe(
+            recipe if recipe is not None else te_bridge.active_recipe())
+    return FORMATS[_FP8_ALIASES.get(value, value)], ""
+
+
+_REGISTERED_OPTIONS: dict = {}
+
+_CHECKS = {"transport": check_transport_option, "fp8_dispatch": check_fp8_dispatch_option}
+
+
+def set_default_options(**kwargs) -> None:
+    """Sets option defaults for dispatchers built from now on (`register_deepep_dispatcher`)."""
+    names = {f.name for f in dataclasses.fields(DeepEPOptions)}
+    for key in kwargs:
+        if key not in names:
+            raise ValueError(f"unknown megatron_deepep option {key!r}; known: {sorted(names)}")
+    for key, check in _CHECKS.items():
+        if kwargs.get(key) is not None:
+            check(kwargs[key])
+    _REGISTERED_OPTIONS.update({k: v for k, v in kwargs.items() if v is not None})
+
+
+def resolve_options(config) -> DeepEPOptions:
+    """Resolves `DeepEPOptions` for `config` (see `DeepEPOptions` for the precedence).
+
+    `config` may be None (no config fields: registered defaults, then the environment).
+    """
+    values = {}
+    for field in dataclasses.fields(DeepEPOptions):
+        value = getattr(config, CONFIG_PREFIX + field.name, None)
+        if value is False:  # a bool config field can only switch a feature on
+            value = None
+        if value is None:
+            value = _REGISTERED_OPTIONS.get(field.name)
+        if value is None:
+            value = knobs.get(field.name.upper())
+        if value is not None:
+            values[field.name] = value
+    return DeepEPOptions(**values)
+
+
+def check_config(config, options: Optional[DeepEPOptions] = None, *,
+                 expert_tp_size: Optional[int] = None, ep_size: Optional[int] = None) -> None:
+    """The one validation of a deepep config; every error names the flag.
+
+    Runs in `TransformerConfig.__post_init__` (plugin: config fields only) and again when the
+    dispatcher is built (resolved options and the actual process groups).
+
+    Args:
+        config: the TransformerConfig (or any object with its attributes).
+        options: the resolved options; None checks the `moe_mdeep_*` config fields only.
+        expert_tp_size: the expert tensor-parallel group size (default: the config's
+            `expert_tensor_parallel_size`).
+        ep_size: the expert-parallel group size, when known (experts must divide evenly).
+
+    Raises:
+        ValueError: for settings the dispatcher does not support.
+    """
+    if getattr(config, "moe_enable_deepep", False):
+        raise ValueError(
+            "--moe-enable-deepep selects DeepEP inside Megatron's 'flex' dispatcher; it cannot be "
+            "combined with --moe-token-dispatcher-type deepep (megatron_deepep). Drop it.")
+    etp = expert_tp_size if expert_tp_size is not None \
+        else getattr(config, "expert_tensor_parallel_size", None)
+    if etp is not None and etp > 1:
+        raise ValueError(
+            f"--moe-token-dispatcher-type deepep does not support expert tensor parallelism "
+            f"(expert_tensor_parallel_size={etp}); use --expert-tensor-parallel-size 1 (experts "
+            f"keep their full width, EP carries them)")
+    num_experts = getattr(config, "num_moe_experts", None)
+    if num_experts is None:
+        raise ValueError("--moe-token-dispatcher-type deepep needs --num-experts")
+    if ep_size is not None and num_experts % max(ep_size, 1) != 0:
+        raise ValueError(f"--num-experts {num_experts} must be a multiple of "
+                         f"--expert-model-parallel-size {ep_size}")
+    if options is not None:
+        transport, fp8_dispatch = options.transport, options.fp8_dispatch
+    else:
+        transport = getattr(config, CONFIG_PREFIX + "transport", None)
+        fp8_dispatch = getattr(config, CONFIG_PREFIX + "fp8_dispatch", None)
+    if transport is not None:
+        check_transport_option(transport)
+    if fp8_dispatch is not None:
+        check_fp8_dispatch_option(fp8_dispatch)
+        hidden = getattr(config, "hidden_size", None)
+        if fp8_dispatch != "off" and hidden is not None and hidden % 16 != 0:
+            raise ValueError(
+                f"--moe-mdeep-fp8-dispatch {fp8_dispatch} needs --hidden-size % 16 == 0 "
+                f"(hidden_size % 16 == 0: e4m3 rows are 16-byte multiples), got {hidden}")
