@@ -42,8 +42,10 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.knobs": 0,
     "megatron_deepep.logs": 0,
     "megatron_deepep.jit": 1,
+    "megatron_deepep.nvshmem_link": 1,  # jit's linker for kernels on NVSHMEM's device API
     "megatron_deepep.arena": 2,
     "megatron_deepep.layout": 2,
+    "megatron_deepep.node_layout": 2,
     "megatron_deepep.handle": 2,
     "megatron_deepep.events": 2,
     "megatron_deepep.validate": 2,
@@ -65,10 +67,11 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.megatron.patching": 7,
     "megatron_deepep.megatron.register": 7,
     "megatron_deepep.bench": 8,
+    "megatron_deepep.internode_model": 8,
 }
 
 #: The only modules that may import `jit` (they launch the kernels).
-JIT_IMPORTERS = ("megatron_deepep.ops", "megatron_deepep.ops.*")
+JIT_IMPORTERS = ("megatron_deepep.ops", "megatron_deepep.ops.*", "megatron_deepep.nvshmem_link")
 
 #: The only module that assigns attributes on megatron-core modules, classes and objects.
 PATCHING_MODULE = "megatron_deepep.megatron.patching"
