@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import operator
 import os
 import re
 import struct
@@ -241,6 +242,8 @@ class _Packer:
         fmt += "x" * (ctypes.sizeof(cls) - end)
         self.struct = struct.Struct(fmt)
         assert self.struct.size == ctypes.sizeof(cls), cls.__name__
+        getter = operator.itemgetter(*self.names)  # the values in field order
+        self.values_of = getter if len(self.names) > 1 else lambda values: (getter(values),)
         self.local = threading.local()
 
 
@@ -265,7 +268,7 @@ class KernelArgs(ctypes.Structure):
             cls._packer = packer
         names = packer.names
         try:
-            ordered = [values[name] for name in names]
+            ordered = packer.values_of(values)
         except KeyError as missing:
             raise TypeError(f"{cls.__name__}: field {missing.args[0]!r} not given") from None
         if len(values) != len(names):
