@@ -25,7 +25,7 @@ setup(
     extras_require={
         # NVRTC without a GPU (kernel compile checks in CI) and at run time.
         "jit": ["cuda-bindings>=12.8", "nvidia-cuda-nvrtc"],
-        "gpu": ["cupy-cuda13x", "cuda-bindings>=12.8"],
+        "gpu": ["cuda-bindings>=12.8", "nvidia-cuda-nvrtc"],
         # pyyaml: megatron.training (in the megatron-core wheels from 0.17) imports it.
         "megatron": ["megatron-core>=0.16", "pyyaml"],
         "test": ["pytest", "matplotlib"],

@@ -7,21 +7,26 @@
 //     loads are issued before its destinations are read, as the expand does.
 //   fan_in_sum: the EP=1 combine's traffic: for each of N output rows, its `fan_in` rows of
 //     `src` (given by `src_rows`) summed in fp32 and written once in bf16.
-#include "common/types.cuh"
+#include "common/args.cuh"
 #include "common/ptx.cuh"
+#include "common/types.cuh"
 
 using namespace mdeep;
 
-__global__ void __launch_bounds__(256) fill_kernel(int4* dst, i64 num_int4) {
+__global__ void __launch_bounds__(256) fill_kernel(const __grid_constant__ FillArgs args) {
+    int4* const dst = args.dst;
+    const i64 num_int4 = args.num_int4;
     const int4 value = make_int4(0, 0, 0, 0);
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < num_int4;
          i += (i64)gridDim.x * blockDim.x)
         st_v4(dst + i, value);
 }
 
-__global__ void __launch_bounds__(512) fan_out_copy(const int4* src, const int* dst_rows,
-                                                    int4* dst, int num_rows, int num_int4,
-                                                    int fan_out) {
+__global__ void __launch_bounds__(512) fan_out_copy(const __grid_constant__ FanOutArgs args) {
+    const int4* const src = args.src;
+    const int* const dst_rows = args.dst_rows;
+    int4* const dst = args.dst;
+    const int num_rows = args.num_rows, num_int4 = args.num_int4, fan_out = args.fan_out;
     constexpr int kUnroll = 8;
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -56,8 +61,11 @@ __global__ void __launch_bounds__(512) fan_out_copy(const int4* src, const int* 
     }
 }
 
-__global__ void __launch_bounds__(512) fan_in_sum(const int4* src, const int* src_rows,
-                                                  int4* dst, int num_rows, int num_int4) {
+__global__ void __launch_bounds__(512) fan_in_sum(const __grid_constant__ FanInArgs args) {
+    const int4* const src = args.src;
+    const int* const src_rows = args.src_rows;
+    int4* const dst = args.dst;
+    const int num_rows = args.num_rows, num_int4 = args.num_int4;
     constexpr int kFanIn = 8;  // the bench's first shape; rows beyond `src_rows` are -1
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;

@@ -6,6 +6,7 @@
 //   combine_reduce (source side): waits for every peer's "done", then for each token sums its
 //     partials over ranks in ascending order in fp32 (its own rank's partial is computed from
 //     y directly, with the same rounding) and rounds once; releases "consumed" to every peer.
+#include "common/args.cuh"
 #include "common/protocol.cuh"
 
 using namespace mdeep;
@@ -15,11 +16,7 @@ constexpr int kCombineThreads = 512;
 // before any is summed, so a warp keeps kTopk * kUnroll loads in flight.
 template <int kTopk>
 struct CombineUnroll {
-#ifdef MDEEP_COMBINE_UNROLL  // a tuning knob (jit.py, MEGATRON_DEEPEP_JIT_DEFINES)
-    static constexpr int value = MDEEP_COMBINE_UNROLL;
-#else
     static constexpr int value = kTopk <= 2 ? 2 : 1;
-#endif
 };
 
 // Sums one slot's rows of y for the int4 words [base, base + 32 * kU) of a lane.
@@ -61,11 +58,19 @@ __device__ __forceinline__ void load_slot_rows(const int* slot_rows, const float
 
 template <int kTopk, bool kWeighted, bool kWithWeights>
 __global__ void __launch_bounds__(kCombineThreads) combine_send(
-    const int4* y, int num_int4, const float* recv_weights, const float* grad_row_weights,
-    const int* slot_rows, const int* num_recv_tokens_per_rank, const u64* peer_bases,
-    const Regions* regions_ptr, int rank, int num_ranks, u32 epoch, u64 timeout_ns,
-    int* error_claim, ErrorRecord* error_record) {
-    const ErrorState err{error_claim, error_record};
+    const __grid_constant__ CombineSendArgs args) {
+    const int4* const y = args.y;
+    const int num_int4 = args.num_int4;
+    const float* const recv_weights = args.recv_weights;
+    const float* const grad_row_weights = args.grad_row_weights;
+    const int* const slot_rows = args.slot_rows;
+    const int* const num_recv_tokens_per_rank = args.num_recv_tokens_per_rank;
+    const u64* const peer_bases = args.peer_bases;
+    const Regions* const regions_ptr = args.regions;
+    const int rank = args.rank, num_ranks = args.num_ranks;
+    const u32 epoch = args.epoch;
+    const u64 timeout_ns = args.timeout_ns;
+    const ErrorState err{args.error_claim, args.error_record};
     const Regions rg = *regions_ptr;
     __shared__ int slot_start[kMaxRanks + 1];
     if (threadIdx.x == 0) {
@@ -116,12 +121,22 @@ __global__ void __launch_bounds__(kCombineThreads) combine_send(
 
 template <int kTopk, bool kWeighted, bool kWithWeights>
 __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
-    int4* out, float* out_weights, int num_tokens, int num_int4, const int4* y,
-    const float* recv_weights, const float* grad_row_weights, const int* slot_rows,
-    const u8* is_token_in_rank, const int* token_slot_in_rank, const u64* peer_bases,
-    const Regions* regions_ptr, int rank, int num_ranks, u32 epoch, u64 timeout_ns,
-    int* error_claim, ErrorRecord* error_record) {
-    const ErrorState err{error_claim, error_record};
+    const __grid_constant__ CombineReduceArgs args) {
+    int4* const out = args.out;
+    float* const out_weights = args.out_weights;
+    const int num_tokens = args.num_tokens, num_int4 = args.num_int4;
+    const int4* const y = args.y;
+    const float* const recv_weights = args.recv_weights;
+    const float* const grad_row_weights = args.grad_row_weights;
+    const int* const slot_rows = args.slot_rows;
+    const u8* const is_token_in_rank = args.is_token_in_rank;
+    const int* const token_slot_in_rank = args.token_slot_in_rank;
+    const u64* const peer_bases = args.peer_bases;
+    const Regions* const regions_ptr = args.regions;
+    const int rank = args.rank, num_ranks = args.num_ranks;
+    const u32 epoch = args.epoch;
+    const u64 timeout_ns = args.timeout_ns;
+    const ErrorState err{args.error_claim, args.error_record};
     const Regions rg = *regions_ptr;
     const bool ok = block_wait_peers(meta_of(peer_bases[rank])->combine_done, epoch, num_ranks,
                                      rank, false, timeout_ns, err, kPhaseCombineReduce);
@@ -221,13 +236,18 @@ struct CombineLocalThreads {
 
 template <int kTopk, bool kWeighted, bool kWithWeights>
 __global__ void __launch_bounds__(CombineLocalThreads<kTopk>::value) combine_local(
-    int4* out, float* out_weights, int num_tokens, int num_int4, const int4* y,
-    const float* recv_weights, const float* grad_row_weights, const int* slot_rows,
-    const int* token_slot_in_rank) {
+    const __grid_constant__ CombineLocalArgs args) {
+    int4* const out = args.out;
+    float* const out_weights = args.out_weights;
+    const int num_tokens = args.num_tokens, num_int4 = args.num_int4;
+    const int4* const y = args.y;
+    const float* const recv_weights = args.recv_weights;
+    const float* const grad_row_weights = args.grad_row_weights;
+    const int* const slot_rows = args.slot_rows;
+    const int* const token_slot_in_rank = args.token_slot_in_rank;
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
-    griddep_wait();  // a programmatic launch (MEGATRON_DEEPEP_PDL_FIRST): the inputs are out
     for (int n = warp; n < num_tokens; n += num_warps) {
         const int slot = token_slot_in_rank[n];
         int rows[kTopk];

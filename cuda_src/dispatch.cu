@@ -11,21 +11,16 @@
 // kFmt (common/fp8_row.cuh) is the wire format: bf16, or e4m3 with block scales, quantized in
 // the send (bf16 input) or copied (pre-quantized input). kDequant: the receiver expands FP8 rows
 // into bf16 rows; otherwise recv_x holds e4m3 rows and recv_scales their scales.
+#include "common/args.cuh"
 #include "common/fp8_row.cuh"
-#include "common/host_info.cuh"
 #include "common/protocol.cuh"
-#include "common/stamps.cuh"
 
 using namespace mdeep;
 
 constexpr int kDispatchThreads = 512;
 
-#ifndef MDEEP_DISPATCH_PRELOAD  // 0: dispatch_local loads a row only after its bookkeeping
-#define MDEEP_DISPATCH_PRELOAD 1
-#endif
-#ifndef MDEEP_DISPATCH_STAGE  // cap on the words per lane dispatch_local stages (0: none)
-#define MDEEP_DISPATCH_STAGE 64
-#endif
+// The most 16-byte words per lane dispatch_local stages in shared memory.
+constexpr int kDispatchStageWords = 64;
 
 // Bytes of one output row of recv_x: bf16 unless the rows stay in FP8.
 template <int kFmt, bool kDequant>
@@ -93,12 +88,22 @@ __device__ __forceinline__ void zero_padding_rows(int e, u8* recv_x, u8* recv_sc
 
 template <int kTopk, bool kCached, typename IdxT, int kFmt>
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
-    const u8* x, const u8* x_scales, int num_tokens, int hidden, float amax_epsilon,
-    const IdxT* topk_idx, const float* topk_weights, const int* pos_in_expert,
-    const u8* is_token_in_rank, const int* token_slot_in_rank, const u64* peer_bases,
-    const Regions* regions_ptr, int rank, int num_ranks, int num_local, u32 epoch,
-    u64 timeout_ns, int* error_claim, ErrorRecord* error_record) {
-    const ErrorState err{error_claim, error_record};
+    const __grid_constant__ DispatchSendArgs<IdxT> args) {
+    const u8* const x = args.x;
+    const u8* const x_scales = args.x_scales;
+    const int num_tokens = args.num_tokens, hidden = args.hidden;
+    const float amax_epsilon = args.amax_epsilon;
+    const IdxT* const topk_idx = args.topk_idx;
+    const float* const topk_weights = args.topk_weights;
+    const int* const pos_in_expert = args.pos_in_expert;
+    const u8* const is_token_in_rank = args.is_token_in_rank;
+    const int* const token_slot_in_rank = args.token_slot_in_rank;
+    const u64* const peer_bases = args.peer_bases;
+    const Regions* const regions_ptr = args.regions;
+    const int rank = args.rank, num_ranks = args.num_ranks, num_local = args.num_local;
+    const u32 epoch = args.epoch;
+    const u64 timeout_ns = args.timeout_ns;
+    const ErrorState err{args.error_claim, args.error_record};
     const Regions rg = *regions_ptr;
     const i64 in_row_bytes = kFmt == fp8::kWireBf16 || x_scales == nullptr ? (i64)hidden * 2
                                                                            : (i64)hidden;
@@ -146,14 +151,30 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
 
 template <int kTopk, bool kCached, typename IdxT, int kFmt, bool kDequant>
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
-    u8* recv_x, u8* recv_scales, float* recv_weights, int max_rows, int hidden,
-    const int* num_recv_tokens_per_rank, const int* num_recv_tokens_per_expert,
-    const int* expert_row_start, const int* src_expert_offset, int* slot_rows,
-    const u8* x, const u8* x_scales, float amax_epsilon, const IdxT* topk_idx,
-    const float* topk_weights, const int* pos_in_expert, const int* slot_token, int num_tokens,
-    const u64* peer_bases, const Regions* regions_ptr, int rank, int num_ranks, int num_local,
-    u32 epoch, u64 timeout_ns, int* error_claim, ErrorRecord* error_record) {
-    const ErrorState err{error_claim, error_record};
+    const __grid_constant__ DispatchRecvArgs<IdxT> args) {
+    u8* const recv_x = args.recv_x;
+    u8* const recv_scales = args.recv_scales;
+    float* const recv_weights = args.recv_weights;
+    const int max_rows = args.max_rows, hidden = args.hidden;
+    const int* const num_recv_tokens_per_rank = args.num_recv_tokens_per_rank;
+    const int* const num_recv_tokens_per_expert = args.num_recv_tokens_per_expert;
+    const int* const expert_row_start = args.expert_row_start;
+    const int* const src_expert_offset = args.src_expert_offset;
+    int* const slot_rows = args.slot_rows;
+    const u8* const x = args.x;
+    const u8* const x_scales = args.x_scales;
+    const float amax_epsilon = args.amax_epsilon;
+    const IdxT* const topk_idx = args.topk_idx;
+    const float* const topk_weights = args.topk_weights;
+    const int* const pos_in_expert = args.pos_in_expert;
+    const int* const slot_token = args.slot_token;
+    const int num_tokens = args.num_tokens;
+    const u64* const peer_bases = args.peer_bases;
+    const Regions* const regions_ptr = args.regions;
+    const int rank = args.rank, num_ranks = args.num_ranks, num_local = args.num_local;
+    const u32 epoch = args.epoch;
+    const u64 timeout_ns = args.timeout_ns;
+    const ErrorState err{args.error_claim, args.error_record};
     const Regions rg = *regions_ptr;
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -273,12 +294,25 @@ struct DispatchLocalThreads {
 
 template <int kTopk, bool kCached, typename IdxT, int kFmt, bool kDequant>
 __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_local(
-    u8* recv_x, u8* recv_scales, float* recv_weights, int max_rows, int hidden,
-    const int* num_recv_tokens_per_expert, const int* expert_row_start, int* slot_rows,
-    const u8* x, const u8* x_scales, float amax_epsilon, const IdxT* topk_idx,
-    const float* topk_weights, const int* pos_in_expert, const int* token_slot_in_rank,
-    int num_tokens, int num_local, HostInfo* host_info, const int* tokens_per_expert,
-    u32 host_epoch) {
+    const __grid_constant__ DispatchLocalArgs<IdxT> args) {
+    u8* const recv_x = args.recv_x;
+    u8* const recv_scales = args.recv_scales;
+    float* const recv_weights = args.recv_weights;
+    const int max_rows = args.max_rows, hidden = args.hidden;
+    const int* const num_recv_tokens_per_expert = args.num_recv_tokens_per_expert;
+    const int* const expert_row_start = args.expert_row_start;
+    int* const slot_rows = args.slot_rows;
+    const u8* const x = args.x;
+    const u8* const x_scales = args.x_scales;
+    const float amax_epsilon = args.amax_epsilon;
+    const IdxT* const topk_idx = args.topk_idx;
+    const float* const topk_weights = args.topk_weights;
+    const int* const pos_in_expert = args.pos_in_expert;
+    const int* const token_slot_in_rank = args.token_slot_in_rank;
+    const int num_tokens = args.num_tokens, num_local = args.num_local;
+    HostInfo* const host_info = args.host_info;
+    const int* const tokens_per_expert = args.tokens_per_expert;
+    const u32 host_epoch = args.host_epoch;
     static_assert(kTopk <= 32, "one lane per top-k entry");
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -287,14 +321,12 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     const RowBytes<kFmt, kDequant> sizes(hidden, x_scales != nullptr);
     const i64 row_bytes = sizes.out_row, in_row_bytes = sizes.in_row;
     const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
-    PhaseStamps stamps;  // 0 start, 1 wait over, 2 block done
-    stamps.mark(0);
 
     // bf16: a token's first chunk is in flight while its ids and rows are loaded; the first
     // token's even before the wait for the layout kernel (launched programmatically after it,
     // this kernel may start while the layout still runs; x was complete before the layout).
-    // A cached dispatch launched programmatically follows any kernel: x only after the wait.
-    constexpr bool kPreload = kFmt == fp8::kWireBf16 && MDEEP_DISPATCH_PRELOAD;
+    // A cached dispatch loads x only after the wait.
+    constexpr bool kPreload = kFmt == fp8::kWireBf16;
     constexpr bool kPreloadBeforeWait = kPreload && !kCached;
     // The rest of that row, as far as the dynamic shared memory holds it, is copied into the
     // warp's stage meanwhile, so that less of the expand's reads meet its writes at HBM.
@@ -306,13 +338,12 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
         const int4* row = reinterpret_cast<const int4*>(x + warp * in_row_bytes);
         load_chunk<false>(row, 0, hidden / 8, lane, first);
         const int words_per_warp = min(int(dynamic_smem_bytes() / 16 / (blockDim.x / 32)),
-                                       32 * MDEEP_DISPATCH_STAGE);
+                                       32 * kDispatchStageWords);
         stage = dispatch_stage + (threadIdx.x >> 5) * words_per_warp;
         stage_end = min(hidden / 8, 32 * kCopyUnroll + words_per_warp);
         warp_stage_row(row, stage, stage_end, lane);
     }
     griddep_wait();
-    stamps.mark(1);
     if (host_info != nullptr && warp == num_warps - 1)
         warp_publish_host_info(host_info, tokens_per_expert, expert_row_start, num_local,
                                host_epoch, lane);
@@ -367,9 +398,4 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                 hidden, dst, dst_scales, num_dst, amax_epsilon, lane);
     }
     if (kPreloadBeforeWait) cp_async_wait_all();  // a token with no rows left its copies
-    if (MDEEP_STAMPS) {
-        __syncthreads();  // the block's last warp done
-        stamps.mark(2);
-        stamps.print("expand");
-    }
 }

@@ -7,6 +7,7 @@
 // One warp handles 128 consecutive elements of one token (4 per lane): one 1x128 block, or four
 // 1x32 blocks. A partial last block (hidden % block != 0) covers the remaining columns only.
 // Kernels are templates (instantiated by NVRTC name expressions); kNumWarps sets the CTA size.
+#include "common/args.cuh"
 #include "common/fp8.cuh"
 
 namespace mdeep {
@@ -81,10 +82,14 @@ __device__ __forceinline__ bool warp_chunk(int num_tokens, int hidden, long long
 // Blockwise 1x128: scale_inv[t, b] fp32. kPow2Scale: truncate the scale to a power of two.
 template <int kNumWarps, bool kPow2Scale>
 __global__ void __launch_bounds__(kNumWarps * 32)
-    quantize_blockwise(const unsigned short* x, unsigned char* q, float* scale_inv,
-                       int num_tokens, int hidden, float amax_epsilon) {
+    quantize_blockwise(const __grid_constant__ mdeep::QuantizeArgs<float> args) {
   using namespace mdeep;
   using namespace mdeep::fp8;
+  const unsigned short* const x = args.x;
+  unsigned char* const q = args.q;
+  float* const scale_inv = args.scales;
+  const int num_tokens = args.num_tokens, hidden = args.hidden;
+  const float amax_epsilon = args.amax_epsilon;
   long long token;
   int chunk;
   // Whole warps exit together, so the shuffles below always see 32 lanes.
@@ -108,10 +113,13 @@ __global__ void __launch_bounds__(kNumWarps * 32)
 
 template <int kNumWarps>
 __global__ void __launch_bounds__(kNumWarps * 32)
-    dequantize_blockwise(const unsigned char* q, const float* scale_inv, unsigned short* out,
-                         int num_tokens, int hidden) {
+    dequantize_blockwise(const __grid_constant__ mdeep::DequantizeArgs<float> args) {
   using namespace mdeep;
   using namespace mdeep::fp8;
+  const unsigned char* const q = args.q;
+  const float* const scale_inv = args.scales;
+  unsigned short* const out = args.out;
+  const int num_tokens = args.num_tokens, hidden = args.hidden;
   long long token;
   int chunk;
   if (!warp_chunk(num_tokens, hidden, token, chunk)) return;
@@ -129,10 +137,13 @@ __global__ void __launch_bounds__(kNumWarps * 32)
 // MXFP8 1x32: scales[t, b] u8 E8M0. Each group of 8 lanes owns one 1x32 block.
 template <int kNumWarps>
 __global__ void __launch_bounds__(kNumWarps * 32)
-    quantize_mxfp8(const unsigned short* x, unsigned char* q, unsigned char* scales,
-                   int num_tokens, int hidden) {
+    quantize_mxfp8(const __grid_constant__ mdeep::QuantizeArgs<mdeep::u8> args) {
   using namespace mdeep;
   using namespace mdeep::fp8;
+  const unsigned short* const x = args.x;
+  unsigned char* const q = args.q;
+  unsigned char* const scales = args.scales;
+  const int num_tokens = args.num_tokens, hidden = args.hidden;
   long long token;
   int chunk;
   if (!warp_chunk(num_tokens, hidden, token, chunk)) return;
@@ -155,10 +166,13 @@ __global__ void __launch_bounds__(kNumWarps * 32)
 
 template <int kNumWarps>
 __global__ void __launch_bounds__(kNumWarps * 32)
-    dequantize_mxfp8(const unsigned char* q, const unsigned char* scales, unsigned short* out,
-                     int num_tokens, int hidden) {
+    dequantize_mxfp8(const __grid_constant__ mdeep::DequantizeArgs<mdeep::u8> args) {
   using namespace mdeep;
   using namespace mdeep::fp8;
+  const unsigned char* const q = args.q;
+  const unsigned char* const scales = args.scales;
+  unsigned short* const out = args.out;
+  const int num_tokens = args.num_tokens, hidden = args.hidden;
   long long token;
   int chunk;
   if (!warp_chunk(num_tokens, hidden, token, chunk)) return;

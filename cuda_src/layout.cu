@@ -17,9 +17,9 @@
 // the receive layout that notify would (nothing to exchange with one rank), so no notify runs;
 // it publishes it to the host only when given `host_info` (a synchronous call that waits
 // before its expand: otherwise the expand publishes, or nobody reads it).
+#include "common/args.cuh"
 #include "common/chunk_bits.cuh"
 #include "common/local_recv.cuh"
-#include "common/stamps.cuh"
 
 using namespace mdeep;
 
@@ -27,39 +27,27 @@ constexpr int kLayoutThreads = 512;
 constexpr int kEntriesPerThread = 2;  // a chunk's entries: at most 2 * kLayoutThreads
 constexpr int kCountsPerThread = 5;   // experts + ranks: at most 5 * kLayoutThreads
 constexpr int kSumLoads = 16;  // 16-byte loads in flight per thread summing earlier counts
-// Measurement only (scripts/probe_layout.py): every block skips to the epoch's end after phase
-// k (0 entry, 1 marked, 2 published, 3 waited, 4 summed, 5 positions); results are then wrong.
-#ifndef MDEEP_LAYOUT_STOP_AFTER
-#define MDEEP_LAYOUT_STOP_AFTER -1
-#endif
-
-// MDEEP_LAYOUT_STOP_AFTER: the epoch's end (the last block advances it) and nothing else.
-__device__ __forceinline__ void end_epoch_early(u32* state, u32 epoch) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(state + 1, 1u) == gridDim.x - 1) {
-            state[1] = 0;
-            st_release_gpu(state, epoch);
-        }
-    }
-}
 
 template <typename IdxT, int kTopk>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
-    const IdxT* topk_idx, int num_tokens, int num_experts, int num_ranks, int chunk_tokens,
-    int* num_tokens_per_expert, int* pos_in_expert, int* num_tokens_per_rank,
-    u8* is_token_in_rank, int* token_slot_in_rank, int* slot_token, u32* state,
-    u32* chunk_status, int* chunk_counts, u64 timeout_ns, int* error_claim,
-    ErrorRecord* error_record, int rank, int* recv_tokens_per_expert, int* recv_padded,
-    int* recv_row_start, int* recv_src_offset, int* recv_tokens_per_rank, HostInfo* host_info,
-    int alignment, int max_recv_rows, u32 host_epoch) {
+    const __grid_constant__ LayoutArgs<IdxT> args) {
+    const IdxT* const topk_idx = args.topk_idx;
+    const int num_tokens = args.num_tokens, num_experts = args.num_experts;
+    const int num_ranks = args.num_ranks, chunk_tokens = args.chunk_tokens;
+    int* const num_tokens_per_expert = args.num_tokens_per_expert;
+    int* const pos_in_expert = args.pos_in_expert;
+    int* const num_tokens_per_rank = args.num_tokens_per_rank;
+    u8* const is_token_in_rank = args.is_token_in_rank;
+    int* const token_slot_in_rank = args.token_slot_in_rank;
+    int* const slot_token = args.slot_token;
+    u32* const state = args.state;
+    u32* const chunk_status = args.chunk_status;
+    int* const chunk_counts = args.chunk_counts;
+    const u64 timeout_ns = args.timeout_ns;
+    const int rank = args.rank;
     extern __shared__ u32 smem[];
     __shared__ int nearest_inclusive;  // the latest earlier chunk with inclusive totals, or -1
-    const ErrorState err{error_claim, error_record};
-    // Stamps: 0 start, 1 marked, 2 published, 3 waited, 4 summed, 5 positions, 6 tail.
-    PhaseStamps stamps;
-    stamps.mark(0);
+    const ErrorState err{args.error_claim, args.error_record};
     const int num_counts = num_experts + num_ranks;  // experts first, then ranks
     const int count_stride = (num_counts + 3) & ~3;  // a half row of chunk_counts: 16-byte rows
     const ChunkBits bits(smem, chunk_tokens, kTopk, num_experts, num_ranks);
@@ -68,15 +56,11 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     const int c = blockIdx.x;
     const int first_token = c * chunk_tokens;
     const int num_entries = max(0, min(chunk_tokens, num_tokens - first_token)) * kTopk;
-    // Launched programmatically (MEGATRON_DEEPEP_PDL_FIRST), this grid may start before the
-    // previous kernel ends, which may still write topk_idx or read what this one writes.
-    griddep_wait();
     const u32 epoch = ld_acquire_gpu(state) + 1u;
     const u32 published = 2u * epoch, inclusive = published + 1u;
     // The EP = 1 expand (a programmatic launch) may start now: it loads its first input rows,
     // then waits for this grid to finish before it reads anything written here.
     griddep_launch_dependents();
-    if (MDEEP_LAYOUT_STOP_AFTER == 0) return end_epoch_early(state, epoch);
 
     // 1. The chunk's ids (all loads first), then its bitmaps and counts.
     const IdxT* chunk_idx = topk_idx + (i64)first_token * kTopk;
@@ -100,8 +84,6 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         }
     }
     __syncthreads();
-    stamps.mark(1);
-    if (MDEEP_LAYOUT_STOP_AFTER == 1) return end_epoch_early(state, epoch);
 
     // 2. Publish the counts (chunk 0's are its inclusive totals), add those of the earlier
     // chunks after the nearest one whose inclusive totals are out (all of them while the
@@ -112,8 +94,6 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         my_counts[(c == 0 ? count_stride : 0) + i] = counts[i];
     __syncthreads();  // thread 0's release then covers the block's stores (cumulativity)
     if (threadIdx.x == 0) st_release_gpu(chunk_status + c, c == 0 ? inclusive : published);
-    stamps.mark(2);
-    if (MDEEP_LAYOUT_STOP_AFTER == 2) return end_epoch_early(state, epoch);
     int own[kCountsPerThread];
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
@@ -130,8 +110,6 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         __syncthreads();  // everyone read it before the next window's atomics
         if (found) break;
     }
-    stamps.mark(3);
-    if (MDEEP_LAYOUT_STOP_AFTER == 3) return end_epoch_early(state, epoch);
     const int first = max(nearest_inclusive, 0);
     const bool has_inclusive = nearest_inclusive >= 0;
     // Counts 4v .. 4v + 3 (one 16-byte vector) are summed by `groups` threads (every groups-th
@@ -167,8 +145,6 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
             if (4 * v + w < num_counts && sums[w] != 0) atomicAdd(&counts[4 * v + w], sums[w]);
     }
     __syncthreads();
-    stamps.mark(4);
-    if (MDEEP_LAYOUT_STOP_AFTER == 4) return end_epoch_early(state, epoch);
     const bool is_last = c == (int)gridDim.x - 1;
 #pragma unroll
     for (int v = 0; v < kCountsPerThread; ++v) {
@@ -207,21 +183,18 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
     // epoch, after the EP = 1 receive layout when asked.
     __shared__ bool is_last_done;
     __syncthreads();
-    stamps.mark(5);
-    if (MDEEP_LAYOUT_STOP_AFTER == 5) return end_epoch_early(state, epoch);
     if (threadIdx.x == 0) {
         __threadfence();
         is_last_done = atomicAdd(state + 1, 1u) == gridDim.x - 1;
     }
     __syncthreads();
-    if (!is_last_done) {
-        stamps.print("layout");
-        return;
-    }
-    if (recv_tokens_per_expert != nullptr) {
-        const LocalRecv out{recv_tokens_per_expert, recv_padded,   recv_row_start,
-                            recv_src_offset,        recv_tokens_per_rank, host_info,
-                            alignment,              max_recv_rows, host_epoch};
+    if (!is_last_done) return;
+    if (args.recv_tokens_per_expert != nullptr) {
+        const LocalRecv out{args.recv_tokens_per_expert, args.recv_padded,
+                            args.recv_row_start,         args.recv_src_offset,
+                            args.recv_tokens_per_rank,   args.host_info,
+                            args.alignment,              args.max_recv_rows,
+                            args.host_epoch};
         // Written by other blocks: read past L1.
         const int count = threadIdx.x < num_experts ? __ldcg(num_tokens_per_expert + threadIdx.x)
                                                     : 0;
@@ -231,6 +204,4 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(
         state[1] = 0;
         st_release_gpu(state, epoch);
     }
-    stamps.mark(6);
-    stamps.print("layout");
 }

@@ -2,7 +2,7 @@
 // region, releases a flag carrying the call's epoch, waits for all peers' flags, then derives its
 // receive layout (per-source offsets inside each local expert, padded segment sizes and the
 // total row count) and publishes it to the host through mapped pinned memory. One block.
-#include "common/host_info.cuh"
+#include "common/args.cuh"
 #include "common/protocol.cuh"
 
 using namespace mdeep;
@@ -11,12 +11,22 @@ constexpr int kNotifyThreads = 256;  // ops.NOTIFY_THREADS: one thread per local
 static_assert(kNotifyThreads == kMaxLocalExperts, "step 3 gives each expert a thread");
 
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
-    const u64* peer_bases, int rank, int num_ranks, u32 epoch, const int* num_tokens_per_rank,
-    const int* num_tokens_per_expert, int num_local, int hidden, int num_topk, int alignment,
-    int max_recv_rows, int* num_recv_tokens_per_rank, int* num_recv_tokens_per_expert,
-    int* tokens_per_expert, int* expert_row_start, int* src_expert_offset, HostInfo* host_info,
-    u64 timeout_ns, int* error_claim, ErrorRecord* error_record) {
-    const ErrorState err{error_claim, error_record};
+    const __grid_constant__ NotifyArgs args) {
+    const u64* const peer_bases = args.peer_bases;
+    const int rank = args.rank, num_ranks = args.num_ranks;
+    const u32 epoch = args.epoch;
+    const int* const num_tokens_per_rank = args.num_tokens_per_rank;
+    const int* const num_tokens_per_expert = args.num_tokens_per_expert;
+    const int num_local = args.num_local, hidden = args.hidden, num_topk = args.num_topk;
+    const int alignment = args.alignment, max_recv_rows = args.max_recv_rows;
+    int* const num_recv_tokens_per_rank = args.num_recv_tokens_per_rank;
+    int* const num_recv_tokens_per_expert = args.num_recv_tokens_per_expert;
+    int* const tokens_per_expert = args.tokens_per_expert;
+    int* const expert_row_start = args.expert_row_start;
+    int* const src_expert_offset = args.src_expert_offset;
+    HostInfo* const host_info = args.host_info;
+    const u64 timeout_ns = args.timeout_ns;
+    const ErrorState err{args.error_claim, args.error_record};
     const int row_len = 8 + num_local;
     // 1. My row into every rank's Meta.counts[rank].
     for (int i = threadIdx.x; i < num_ranks * row_len; i += blockDim.x) {

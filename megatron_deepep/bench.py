@@ -27,9 +27,10 @@ import sys
 import time
 from typing import Callable, Dict, List
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_deepep import ops
 
 logger = logging.getLogger("megatron_deepep.bench")
 
@@ -81,13 +82,9 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
 def fill_bandwidth(num_bytes: int = 1 << 30) -> float:
     """Device write-only bandwidth in bytes/s, from `fill_kernel` (ceiling.cu; torch's `fill_`
     reaches ~20% less on H200): the ceiling of write-heavy kernels such as the expand."""
-    from megatron_deepep import jit
-
     dst = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    kernel = jit.get_kernel("ceiling.cu", "fill_kernel")
     grid = 4 * torch.cuda.get_device_properties(dst.device).multi_processor_count
-    args = [jit.ptr(dst), np.int64(num_bytes // 16)]
-    us = time_cuda(lambda: kernel.launch(grid, 256, args, jit.current_raw_stream()), iters=20)
+    us = time_cuda(lambda: ops.fill(dst, grid), iters=20)
     return num_bytes / (us * 1e-6)
 
 
@@ -111,17 +108,12 @@ def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor):
     Returns:
         `(µs, the output [N * K, H] (checked against index_select), its rows [N * K] int32)`.
     """
-    from megatron_deepep import jit
-
     num_tokens, num_topk = topk_idx.shape
     num_rows = num_tokens * num_topk
     dst_rows = expert_major_rows(topk_idx)
     out = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
-    kernel = jit.get_kernel("ceiling.cu", "fan_out_copy")
     grid = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
-    args = [jit.ptr(x), jit.ptr(dst_rows), jit.ptr(out), np.int32(num_tokens),
-            np.int32(x.shape[1] * x.element_size() // 16), np.int32(num_topk)]
-    us = time_cuda(lambda: kernel.launch(grid, 512, args, jit.current_raw_stream()), iters=20)
+    us = time_cuda(lambda: ops.fan_out_copy(x, dst_rows, out, num_topk, grid), iters=20)
     token_of_row = torch.empty_like(dst_rows).scatter_(
         0, dst_rows.long(), torch.arange(num_tokens, dtype=torch.int32, device=x.device)
         .repeat_interleave(num_topk))
@@ -134,15 +126,10 @@ def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor):
 def fan_in_us(rows: torch.Tensor, src_rows: torch.Tensor) -> float:
     """µs of `fan_in_sum` (ceiling.cu): for each token, its 8 rows of `rows [N * 8, H]` (given
     by `src_rows [N, 8]`) summed in fp32, written once: the EP=1 combine's traffic."""
-    from megatron_deepep import jit
-
     num_tokens = src_rows.shape[0]
     out = torch.empty(num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    kernel = jit.get_kernel("ceiling.cu", "fan_in_sum")
     grid = 2 * torch.cuda.get_device_properties(rows.device).multi_processor_count
-    args = [jit.ptr(rows), jit.ptr(src_rows), jit.ptr(out), np.int32(num_tokens),
-            np.int32(rows.shape[1] * rows.element_size() // 16)]
-    return time_cuda(lambda: kernel.launch(grid, 512, args, jit.current_raw_stream()), iters=20)
+    return time_cuda(lambda: ops.fan_in_sum(rows, src_rows, out, grid), iters=20)
 
 
 def make_routing(num_tokens: int, num_experts: int, num_topk: int, seed: int):

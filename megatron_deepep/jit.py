@@ -1,24 +1,17 @@
-"""Run-time compilation of `cuda_src/` kernels: NVRTC to a cubin, loaded through CuPy.
+"""Run-time compilation and launch of `cuda_src/` kernels, on one CUDA binding: cuda.bindings.
 
 This module knows no kernel. It reads a `.cu` file, hashes it together with every `cuda_src/`
 header it includes (recursively), compiles the requested template instantiations (name
-expressions) with NVRTC from `cuda-bindings` (which needs no GPU, so CI compiles every kernel for
-sm_90), caches the cubin on disk under that hash, and loads it as a `cupy.RawModule`.
+expressions) with NVRTC (which needs no GPU, so CI compiles every kernel for sm_90), caches the
+cubin on disk under that hash (written atomically: concurrent ranks compile too), loads it with
+the driver API (`cuModuleLoadData`) into torch's primary context and launches with
+`cuLaunchKernel` (`cuLaunchKernelEx` for programmatic dependent launch).
 
-Environment knobs (all read at first use):
+Every kernel takes one by-value argument struct; `KernelArgs` is the base of their Python
+mirrors (ctypes structures whose fields are filled by name, every one required).
 
-- `MEGATRON_DEEPEP_CACHE_DIR`: cubin cache (default `~/.cache/megatron_deepep`).
-- `MEGATRON_DEEPEP_JIT_DEBUG`: 1: log every compile with its options and NVRTC log.
-- `MEGATRON_DEEPEP_JIT_LINEINFO`: 1: compile with `-lineinfo` (for profilers).
-- `MEGATRON_DEEPEP_JIT_NO_CACHE`: 1: always recompile.
-- `MEGATRON_DEEPEP_ARCH`: target, e.g. `sm_90` (default: the current device).
-- `MEGATRON_DEEPEP_LAUNCH_VIA_CUPY`: 1: launch through CuPy instead of `cuLaunchKernel`.
-- `MEGATRON_DEEPEP_JIT_DEFINES`: extra `-D` macros, comma-separated (tuning knobs such as
-  `MDEEP_COPY_UNROLL=16`); part of the cache key.
-- `MEGATRON_DEEPEP_PDL`: 0: no programmatic dependent launch (the EP = 1 expand then starts
-  only after the layout kernel has finished).
-- `MEGATRON_DEEPEP_PDL_FIRST`: 1 (experimental): a call's first kernel is launched
-  programmatically too (`pdl_first_enabled`).
+Knobs (`megatron_deepep/knobs.py`, prefix MDEEP_): CACHE_DIR, ARCH, JIT_DEBUG, JIT_LINEINFO,
+JIT_NO_CACHE, PDL.
 """
 
 from __future__ import annotations
@@ -28,24 +21,20 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import operator
 import os
 import re
 import struct
 import tempfile
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
-import numpy as np
+from megatron_deepep import knobs
 
 logger = logging.getLogger(__name__)
 
-ENV_PREFIX = "MEGATRON_DEEPEP_"
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(ENV_PREFIX + name, "0") not in ("", "0", "false", "False")
 
 
 def cuda_src_dir() -> Path:
@@ -91,14 +80,13 @@ def source_hash(source_file: str) -> str:
 def _options(arch: str) -> List[str]:
     opts = [f"--gpu-architecture={arch}", "-std=c++17", f"-I{cuda_src_dir()}",
             "-default-device", "-DNDEBUG"]
-    if _env_flag("JIT_LINEINFO"):
+    if knobs.get("JIT_LINEINFO"):
         opts.append("-lineinfo")
-    defines = os.environ.get(ENV_PREFIX + "JIT_DEFINES", "")
-    opts += [f"-D{d.strip()}" for d in defines.split(",") if d.strip()]
     return opts
 
 
-def _check(result, what: str):
+def _nvrtc_check(result, what: str):
+    """The values of an NVRTC call's result tuple; raises if its status is not success."""
     err = result[0]
     if int(err) != 0:
         raise CompileError(f"NVRTC {what} failed: {err}")
@@ -120,46 +108,60 @@ def compile_cubin(source_file: str, name_expressions: Sequence[str], arch: str =
     Raises:
         CompileError: with the kernel names, options and the NVRTC log.
     """
+    code = (cuda_src_dir() / source_file).read_bytes()
+    return compile_code(code, source_file, name_expressions, arch)
+
+
+def compile_code(code, name: str, name_expressions: Sequence[str] = (), arch: str = "sm_90"
+                 ) -> Tuple[bytes, Dict[str, str]]:
+    """Compiles CUDA source text (which may include `cuda_src/` headers) like `compile_cubin`.
+
+    Args:
+        code: the source, str or bytes.
+        name: its file name, for messages.
+        name_expressions: template instantiations to keep and lower.
+        arch: NVRTC target.
+    """
     from cuda.bindings import nvrtc
 
-    root = cuda_src_dir()
-    code = (root / source_file).read_bytes()
+    if isinstance(code, str):
+        code = code.encode()
     opts = _options(arch)
-    prog = _check(nvrtc.nvrtcCreateProgram(code, source_file.encode(), 0, [], []), "create")
+    prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(code, name.encode(), 0, [], []), "create")
     try:
         for expr in name_expressions:
-            _check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()), "add name expression")
+            _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()),
+                         "add name expression")
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
-        log_size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log_size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
         log = b" " * log_size
-        nvrtc.nvrtcGetProgramLog(prog, log)
+        _nvrtc_check((nvrtc.nvrtcGetProgramLog(prog, log)[0], None), "get log")
         log_text = log.decode(errors="replace").rstrip("\x00 \n")
         if int(status) != 0:
             raise CompileError(
-                f"compiling {source_file} failed ({status})\n  kernels: {list(name_expressions)}"
+                f"compiling {name} failed ({status})\n  kernels: {list(name_expressions)}"
                 f"\n  options: {opts}\n  NVRTC log:\n{log_text}")
-        if _env_flag("JIT_DEBUG"):
-            logger.info("compiled %s %s with %s\n%s", source_file, list(name_expressions), opts,
+        if knobs.get("JIT_DEBUG"):
+            logger.info("compiled %s %s with %s\n%s", name, list(name_expressions), opts,
                         log_text)
-        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
         cubin = b" " * size
-        _check((nvrtc.nvrtcGetCUBIN(prog, cubin)[0], None), "get cubin")
+        _nvrtc_check((nvrtc.nvrtcGetCUBIN(prog, cubin)[0], None), "get cubin")
         lowered = {}
         for expr in name_expressions:
-            name = _check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), "lowered name")
-            lowered[expr] = name.decode() if isinstance(name, bytes) else name
+            low = _nvrtc_check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), "lowered name")
+            lowered[expr] = low.decode() if isinstance(low, bytes) else low
         return cubin, lowered
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
 def _cache_dir() -> Path:
-    default = Path.home() / ".cache" / "megatron_deepep"
-    return Path(os.environ.get(ENV_PREFIX + "CACHE_DIR", default))
+    return Path(knobs.get("CACHE_DIR") or Path.home() / ".cache" / "megatron_deepep")
 
 
 def _device_arch() -> str:
-    override = os.environ.get(ENV_PREFIX + "ARCH")
+    override = knobs.get("ARCH")
     if override:
         return override
     import torch
@@ -173,183 +175,160 @@ def _nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-@functools.lru_cache(maxsize=64)
-def _cupy_stream(stream_ptr: int, device_index: int):
-    """A CuPy view of a torch stream, made once per stream (making one per launch costs µs)."""
-    import cupy
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        try:
-            return from_external(_StreamRef(stream_ptr))
-        except Exception:  # older CuPy: the protocol object is not accepted
-            pass
-    return cupy.cuda.ExternalStream(stream_ptr, device_index)
+# ---------------------------------------------------------------------------------------------
+# Driver API: every call's status checked, the error named with the call.
 
 
-class _StreamRef:
-    """The CUDA stream protocol (`__cuda_stream__`) for a raw stream handle."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
+class CudaError(RuntimeError):
+    """A CUDA driver or runtime call failed; the message names the call and the error."""
 
 
-class Signature:
-    """A kernel's argument types as letter codes, for `Kernel.launch(..., signature=...)`:
-    p (pointer: a Python int address), q (unsigned 64-bit), l (signed 64-bit), i (int32),
-    u (uint32), f (float32). Each argument travels in an 8-byte slot of one packed buffer, so
-    plain Python numbers go straight in (no numpy scalar per argument).
+def _error_name(err) -> str:
+    """The enum name of a CUresult or cudaError_t, e.g. CUDA_ERROR_INVALID_VALUE."""
+    return getattr(err, "name", None) or f"CUDA error {int(err)}"
 
-    Args:
-        codes: one letter per argument; spaces are ignored (group them for reading).
+
+def cu_check(result, what: str):
+    """The values of a driver or runtime call's result tuple (status first).
+
+    Raises:
+        CudaError: the status is not success; the message names `what` and the error.
     """
+    err = result[0]
+    if int(err) != 0:
+        raise CudaError(f"{what} failed: {_error_name(err)}")
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
 
-    _FORMATS = {"p": "Q", "q": "Q", "l": "q", "i": "i4x", "u": "I4x", "f": "f4x"}
-    _NUMPY = {"p": np.uint64, "q": np.uint64, "l": np.int64, "i": np.int32, "u": np.uint32,
-              "f": np.float32}
 
-    def __init__(self, codes: str):
-        self.codes = codes.replace(" ", "")
-        unknown = set(self.codes) - set(self._FORMATS)
-        if unknown:
-            raise ValueError(f"signature {codes!r}: unknown codes {sorted(unknown)} (use "
-                             f"{''.join(self._FORMATS)})")
-        self.struct = struct.Struct("=" + "".join(self._FORMATS[c] for c in self.codes))
-        self._local = threading.local()  # a packing buffer per thread
+def ensure_context(device_index: int) -> None:
+    """Makes sure a context is current in this thread: torch's, else the device's primary
+    context (the one torch uses), retained and made current."""
+    from cuda.bindings import driver
+    ctx = cu_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(ctx) != 0:
+        return
+    device = cu_check(driver.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
+    primary = cu_check(driver.cuDevicePrimaryCtxRetain(device),
+                       f"cuDevicePrimaryCtxRetain(device {device_index})")
+    cu_check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
 
-    def params(self, args: Sequence):
-        """Packs `args` and returns the `void*[]` parameter array for cuLaunchKernel."""
-        local = self._local
-        params = getattr(local, "params", None)
-        if params is None:
-            local.buffer = ctypes.create_string_buffer(max(self.struct.size, 8))
-            base = ctypes.addressof(local.buffer)
-            params = local.params = (ctypes.c_void_p * max(len(self.codes), 1))(
-                *[base + 8 * i for i in range(len(self.codes))])
+
+# ---------------------------------------------------------------------------------------------
+# Kernel argument structs.
+
+_PACK_CODES = {ctypes.c_void_p: "Q", ctypes.c_uint64: "Q", ctypes.c_int64: "q",
+               ctypes.c_int32: "i", ctypes.c_uint32: "I", ctypes.c_float: "f"}
+
+Ptr = ctypes.c_void_p  # a device or mapped-host address (a Python int; 0 for null)
+I32, U32, I64, U64, F32 = (ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64,
+                           ctypes.c_float)
+
+
+class _Packer:
+    """A struct's fields packed with one `struct.pack_into` call (ctypes' own per-field setters
+    cost several times more), into one buffer per thread that the launch then passes."""
+
+    def __init__(self, cls):
+        self.names = tuple(name for name, _ in cls._fields_)
+        fmt, end = "<", 0
+        for name, ctype in cls._fields_:
+            if ctype not in _PACK_CODES:
+                raise TypeError(f"{cls.__name__}.{name}: unsupported field type {ctype}")
+            offset = getattr(cls, name).offset
+            fmt += "x" * (offset - end) + _PACK_CODES[ctype]
+            end = offset + ctypes.sizeof(ctype)
+        fmt += "x" * (ctypes.sizeof(cls) - end)
+        self.struct = struct.Struct(fmt)
+        assert self.struct.size == ctypes.sizeof(cls), cls.__name__
+        getter = operator.itemgetter(*self.names)  # the values in field order
+        self.values_of = getter if len(self.names) > 1 else lambda values: (getter(values),)
+        self.local = threading.local()
+
+
+class KernelArgs(ctypes.Structure):
+    """Base of a kernel's argument struct mirror: subclasses list `_fields_` exactly as the CUDA
+    struct (same names, same order, types Ptr/I32/U32/I64/U64/F32) and set `c_name`, the CUDA
+    type the mirror check compiles against (e.g. "mdeep::LayoutArgs<int>")."""
+
+    c_name = ""
+
+    @classmethod
+    def fill(cls, **values) -> "KernelArgs":
+        """The struct with every field set from `values`, by name: this thread's one instance
+        of `cls` (valid until its next `fill`; pass it straight to `Kernel.launch`).
+
+        Raises:
+            TypeError: a field is missing, unknown, or its value does not fit its type.
+        """
+        packer = cls.__dict__.get("_packer")
+        if packer is None:
+            packer = _Packer(cls)
+            cls._packer = packer
+        names = packer.names
         try:
-            self.struct.pack_into(local.buffer, 0, *args)
-        except struct.error as exc:
-            raise TypeError(f"kernel arguments {list(args)} do not match signature "
-                            f"{self.codes!r}: {exc}") from None
-        return params
-
-    def as_numpy(self, args: Sequence) -> tuple:
-        """The same arguments as numpy scalars (for the CuPy launch path)."""
-        return tuple(self._NUMPY[c](a) for c, a in zip(self.codes, args))
-
-
-# Launches that pass numpy scalars get the signature of their types, made once per type tuple.
-_CODE_OF_NUMPY_TYPE = {np.uint64: "q", np.int64: "l", np.int32: "i", np.uint32: "u",
-                       np.float32: "f"}
-_signatures_of_types: Dict[tuple, Signature] = {}
-
-
-def _signature_of(args: Sequence) -> Signature:
-    types = tuple(map(type, args))
-    signature = _signatures_of_types.get(types)
-    if signature is None:
+            ordered = packer.values_of(values)
+        except KeyError as missing:
+            raise TypeError(f"{cls.__name__}: field {missing.args[0]!r} not given") from None
+        if len(values) != len(names):
+            unknown = sorted(set(values) - set(names))
+            raise TypeError(f"{cls.__name__}: unknown fields {unknown}")
+        local = packer.local
+        instance = getattr(local, "instance", None)
+        if instance is None:
+            instance = local.instance = cls()
+            params = (ctypes.c_void_p * 1)(ctypes.addressof(instance))
+            instance._kernel_params = params  # keeps it alive with the struct
+            instance.kernel_params = ctypes.addressof(params)
         try:
-            codes = "".join(_CODE_OF_NUMPY_TYPE[t] for t in types)
-        except KeyError as exc:
-            raise TypeError(f"kernel arguments must be numpy scalars of "
-                            f"{list(_CODE_OF_NUMPY_TYPE)}, got {exc}") from None
-        signature = _signatures_of_types[types] = Signature(codes)
-    return signature
+            packer.struct.pack_into(instance, 0, *ordered)
+        except struct.error:
+            for (name, ctype), value in zip(cls._fields_, ordered):
+                try:
+                    struct.pack("<" + _PACK_CODES[ctype], value)
+                except struct.error as exc:
+                    raise TypeError(f"{cls.__name__}.{name} = {value!r}: {exc}") from None
+            raise
+        return instance
+
+    def as_dict(self) -> dict:
+        """Field name -> value (pointers as ints, 0 for null)."""
+        return {name: (getattr(self, name) or 0) if ctype is Ptr else getattr(self, name)
+                for name, ctype in self._fields_}
 
 
-class _LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: an id, padding to 8 bytes, and a 64-byte value union."""
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("value_rest", ctypes.c_char * 60)]
+# ---------------------------------------------------------------------------------------------
+# Launch.
 
 
-class _LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig of cuLaunchKernelEx."""
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch (Hopper+) for kernels that ask for it (MDEEP_PDL=0: off)."""
+    return _pdl_enabled()
 
 
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+@functools.lru_cache(maxsize=None)
+def _pdl_enabled() -> bool:
+    return bool(knobs.get("PDL"))
+
+
 _launch_configs = threading.local()
 
 
-@functools.lru_cache(maxsize=None)
-def _launch_ex():
-    """cuLaunchKernelEx, for launches that may start before the previous kernel on the stream
-    has finished (programmatic dependent launch; the kernel's griddepcontrol.wait orders it)."""
-    launch_ex = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_void_p]
-    launch_ex.restype = ctypes.c_int
-    return launch_ex
-
-
-_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-
-
-@functools.lru_cache(maxsize=None)
-def _set_function_attribute():
-    """cuFuncSetAttribute (CUfunction, CUfunction_attribute, int) through ctypes."""
-    set_attribute = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute
-    set_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    set_attribute.restype = ctypes.c_int
-    return set_attribute
-
-
-def _programmatic_config() -> _LaunchConfig:
-    """A per-thread launch config carrying the programmatic-serialization attribute."""
+def _programmatic_config():
+    """This thread's CUlaunchConfig carrying the programmatic-serialization attribute."""
     config = getattr(_launch_configs, "programmatic", None)
     if config is None:
-        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        config = _LaunchConfig(num_attrs=1)
-        config.attrs = ctypes.pointer(attr)
-        config._attr = attr  # keep it alive
+        from cuda.bindings import driver
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config = driver.CUlaunchConfig()
+        config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
+        config.attrs = [attr]
+        config.numAttrs = 1
         _launch_configs.programmatic = config
     return config
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_enabled() -> bool:
-    """Programmatic dependent launch (Hopper+) for kernels that ask for it; MEGATRON_DEEPEP_PDL=0
-    turns it off."""
-    return os.environ.get(ENV_PREFIX + "PDL", "1") not in ("0", "false", "False")
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_first_enabled() -> bool:
-    """MEGATRON_DEEPEP_PDL_FIRST=1: the first kernel of a call (the layout, a cached EP = 1
-    dispatch, the EP = 1 combine) is launched programmatically too, after whatever kernel
-    precedes it (it waits for that kernel at its entry): its launch overlaps that kernel's end."""
-    return pdl_enabled() and os.environ.get(ENV_PREFIX + "PDL_FIRST", "0") in ("1", "true",
-                                                                              "True")
-
-
-@functools.lru_cache(maxsize=None)
-def _driver():
-    """libcuda's cuLaunchKernel and cuGetErrorName through ctypes (a call costs ~1 µs, against
-    tens of µs through CuPy's generic argument conversion)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    launch = lib.cuLaunchKernel
-    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    launch.restype = ctypes.c_int
-    error_name = lib.cuGetErrorName
-    error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    error_name.restype = ctypes.c_int
-    return launch, error_name
-
-
-def _cuda_error_name(code: int) -> str:
-    name = ctypes.c_char_p()
-    _driver()[1](code, ctypes.byref(name))
-    return name.value.decode() if name.value else f"CUDA error {code}"
-
-
-@functools.lru_cache(maxsize=None)
-def _launch_via_cupy() -> bool:
-    return _env_flag("LAUNCH_VIA_CUPY")
 
 
 def current_raw_stream() -> "RawStream":
@@ -371,92 +350,104 @@ class RawStream:
     device_index: int
 
 
-@dataclasses.dataclass
+_contexts_checked = threading.local()
+
+
 class Kernel:
-    """A loaded kernel: call it with `launch(grid, block, args, stream, shared_mem)`."""
+    """A loaded kernel: `launch(grid, block, args, stream, shared_mem, programmatic)`.
 
-    name: str
-    function: object
-    _max_dynamic_shared: int = 48 * 1024  # what a launch may ask for without an attribute
+    Args:
+        name: the name expression, for messages.
+        function: the CUfunction.
+        device_index: the device whose context holds it.
+    """
 
-    @functools.cached_property
-    def function_ptr(self) -> int:
-        """The CUfunction handle (CuPy's RawKernel wraps a Function that holds it)."""
-        inner = getattr(self.function, "kernel", self.function)
-        return int(getattr(inner, "ptr"))
+    def __init__(self, name: str, function, device_index: int):
+        self.name = name
+        self.function = function
+        self.device_index = device_index
+        self._max_dynamic_shared = 48 * 1024  # what a launch may ask for without an attribute
 
-    def launch(self, grid: int, block: int, args: Sequence, stream, shared_mem: int = 0,
-               signature: Optional[Signature] = None, programmatic: bool = False) -> None:
-        """Launches on a torch stream (or a `RawStream`); `args` are numpy scalars (pointers
-        as np.uint64), or plain Python numbers typed by `signature`. `programmatic`: the kernel
-        may start while the previous kernel on the stream still runs (it must execute
-        griddepcontrol.wait before reading that kernel's outputs); off when `pdl_enabled()` is.
+    def launch(self, grid: int, block: int, args: KernelArgs, stream, shared_mem: int = 0,
+               programmatic: bool = False) -> None:
+        """Launches on a torch stream (or a `RawStream`) with `args` (a filled `KernelArgs`).
+        `programmatic`: the kernel may start while the previous kernel on the stream still runs
+        (it must execute griddepcontrol.wait before reading that kernel's outputs); ignored when
+        `pdl_enabled()` is false.
 
         Raises:
-            RuntimeError: the launch failed (the CUDA error name and the kernel).
-            TypeError: `args` do not match `signature`.
+            CudaError: the launch failed (the CUDA error name and the kernel).
         """
+        from cuda.bindings import driver
+        if not getattr(_contexts_checked, "done", False):
+            ensure_context(self.device_index)
+            _contexts_checked.done = True
         if shared_mem > self._max_dynamic_shared:
             self._allow_dynamic_shared(shared_mem)
-        if _launch_via_cupy():
-            if signature is not None:
-                args = signature.as_numpy(args)
-            self._launch_cupy(grid, block, args, stream, shared_mem)
-            return
-        params = (signature or _signature_of(args)).params(args)
-        if programmatic and pdl_enabled():
+        grid = max(int(grid), 1)
+        if programmatic and _pdl_enabled():
             config = _programmatic_config()
-            config.grid[0], config.grid[1], config.grid[2] = max(int(grid), 1), 1, 1
-            config.block[0], config.block[1], config.block[2] = int(block), 1, 1
-            config.shared_mem, config.stream = shared_mem, stream.cuda_stream
-            code = _launch_ex()(ctypes.byref(config), self.function_ptr, params, None)
+            config.gridDimX, config.blockDimX = grid, int(block)
+            config.sharedMemBytes, config.hStream = shared_mem, stream.cuda_stream
+            err, = driver.cuLaunchKernelEx(config, self.function, args.kernel_params, 0)
         else:
-            code = _driver()[0](self.function_ptr, max(int(grid), 1), 1, 1, int(block), 1, 1,
-                                shared_mem, stream.cuda_stream, params, None)
-        if code != 0:
-            raise RuntimeError(f"launching {self.name} (grid {grid}, block {block}) failed: "
-                               f"{_cuda_error_name(code)}")
+            err, = driver.cuLaunchKernel(self.function, grid, 1, 1, int(block), 1, 1,
+                                         shared_mem, stream.cuda_stream, args.kernel_params, 0)
+        if int(err) != 0:
+            raise CudaError(f"launching {self.name} (grid {grid}, block {block}, "
+                            f"{shared_mem} B shared) failed: {_error_name(err)}")
 
     def _allow_dynamic_shared(self, shared_mem: int) -> None:
-        """Raises the kernel's dynamic shared-memory limit (48 KB unless set) to `shared_mem`.
-
-        Raises:
-            RuntimeError: the device refuses that size (the CUDA error name and the kernel).
-        """
-        code = _set_function_attribute()(self.function_ptr, _MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                         int(shared_mem))
-        if code != 0:
-            raise RuntimeError(f"allowing {self.name} {shared_mem} bytes of dynamic shared "
-                               f"memory failed: {_cuda_error_name(code)}")
+        """Raises the kernel's dynamic shared-memory limit (48 KB unless set) to `shared_mem`."""
+        from cuda.bindings import driver
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        cu_check(driver.cuFuncSetAttribute(self.function, attribute, int(shared_mem)),
+                 f"cuFuncSetAttribute({self.name}, max dynamic shared memory {shared_mem} B)")
         self._max_dynamic_shared = int(shared_mem)
 
-    def _launch_cupy(self, grid, block, args, stream, shared_mem) -> None:
-        index = stream.device_index if isinstance(stream, RawStream) else stream.device.index
-        with _cupy_stream(stream.cuda_stream, index):
-            self.function((max(int(grid), 1),), (int(block),), tuple(args),
-                          shared_mem=shared_mem)
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Writes `path` through a temporary file and a rename: concurrent ranks compile too."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
-@functools.lru_cache(maxsize=None)
-def _load(source_file: str, name_expr: str, arch: str, device_index: int) -> Kernel:
-    import cupy
+def _cached_cubin(source_file: str, name_expr: str, arch: str) -> Tuple[bytes, str]:
+    """(cubin, lowered name) of one instantiation, from the disk cache or compiled into it."""
     key = hashlib.sha256(f"{source_hash(source_file)}|{name_expr}|{arch}|{_nvrtc_version()}|"
                          f"{_options(arch)}".encode()).hexdigest()[:32]
     cache = _cache_dir()
     cubin_path = cache / f"{key}.cubin"
     name_path = cache / f"{key}.name"
-    if _env_flag("JIT_NO_CACHE") or not (cubin_path.exists() and name_path.exists()):
+    if knobs.get("JIT_NO_CACHE") or not (cubin_path.exists() and name_path.exists()):
         cubin, lowered = compile_cubin(source_file, [name_expr], arch)
         cache.mkdir(parents=True, exist_ok=True)
-        for path, data in ((cubin_path, cubin), (name_path, lowered[name_expr].encode())):
-            fd, tmp = tempfile.mkstemp(dir=cache)  # atomic: concurrent ranks compile too
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(path=str(cubin_path))
-        function = module.get_function(name_path.read_text())
-    return Kernel(name_expr, function)
+        _write_atomic(cubin_path, cubin)
+        _write_atomic(name_path, lowered[name_expr].encode())
+        return cubin, lowered[name_expr]
+    return cubin_path.read_bytes(), name_path.read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _load(source_file: str, name_expr: str, arch: str, device_index: int) -> Kernel:
+    from cuda.bindings import driver
+    cubin, lowered = _cached_cubin(source_file, name_expr, arch)
+    ensure_context(device_index)
+    image = ctypes.create_string_buffer(cubin, len(cubin))
+    module = cu_check(driver.cuModuleLoadData(ctypes.addressof(image)),
+                      f"cuModuleLoadData({source_file}: {name_expr})")
+    function = cu_check(driver.cuModuleGetFunction(module, lowered.encode()),
+                        f"cuModuleGetFunction({name_expr})")
+    kernel = Kernel(name_expr, function, device_index)
+    kernel.module = module  # loaded for the process's lifetime
+    return kernel
 
 
 def get_kernel(source_file: str, name: str, template_args: Sequence = ()) -> Kernel:
@@ -482,8 +473,3 @@ def _render(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-def ptr(tensor) -> np.uint64:
-    """A tensor's device address as a kernel argument (0 for None)."""
-    return np.uint64(0 if tensor is None else tensor.data_ptr())

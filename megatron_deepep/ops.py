@@ -1,8 +1,12 @@
 """One thin typed wrapper per CUDA operation: picks template arguments and launches.
 
-The only module that calls `jit`. Callers (the NVLink transport) have validated the user's
+The only module that calls `jit`. Callers (the transports) have validated the user's
 arguments; wrappers here assert internal invariants (dtypes, contiguity) and pass raw pointers.
 Every launch goes on the torch stream that is current when it is called.
+
+Every kernel takes one argument struct (`cuda_src/common/args.cuh`); the `KernelArgs`
+subclasses below mirror them field by field and are filled by name (a missing field is an
+error). tests/test_kernel_args.py compiles their sizes and offsets against the CUDA side.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
+import math
 import threading
 from typing import Optional, Tuple
 
@@ -18,13 +22,145 @@ import torch
 
 from megatron_deepep import jit
 from megatron_deepep.arena import Arena, ArenaPlan
+from megatron_deepep.jit import F32, I32, I64, U32, U64, KernelArgs, Ptr
 from megatron_deepep.layout import DispatchLayout, layout_fields
 
 LAYOUT_THREADS = 512
 NOTIFY_THREADS = 256
 COMM_THREADS = 512
 
-Sig = jit.Signature
+
+# ---------------------------------------------------------------------------------------------
+# Argument structs: mirrors of cuda_src/common/args.cuh (same names, same order).
+
+class LayoutArgs(KernelArgs):
+    c_name = "mdeep::LayoutArgs<int>"
+    _fields_ = [
+        ("topk_idx", Ptr), ("num_tokens", I32), ("num_experts", I32), ("num_ranks", I32),
+        ("chunk_tokens", I32), ("num_tokens_per_expert", Ptr), ("pos_in_expert", Ptr),
+        ("num_tokens_per_rank", Ptr), ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr),
+        ("slot_token", Ptr), ("state", Ptr), ("chunk_status", Ptr), ("chunk_counts", Ptr),
+        ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr), ("rank", I32),
+        ("recv_tokens_per_expert", Ptr), ("recv_padded", Ptr), ("recv_row_start", Ptr),
+        ("recv_src_offset", Ptr), ("recv_tokens_per_rank", Ptr), ("host_info", Ptr),
+        ("alignment", I32), ("max_recv_rows", I32), ("host_epoch", U32)]
+
+
+class NotifyArgs(KernelArgs):
+    c_name = "mdeep::NotifyArgs"
+    _fields_ = [
+        ("peer_bases", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("num_tokens_per_rank", Ptr), ("num_tokens_per_expert", Ptr), ("num_local", I32),
+        ("hidden", I32), ("num_topk", I32), ("alignment", I32), ("max_recv_rows", I32),
+        ("num_recv_tokens_per_rank", Ptr), ("num_recv_tokens_per_expert", Ptr),
+        ("tokens_per_expert", Ptr), ("expert_row_start", Ptr), ("src_expert_offset", Ptr),
+        ("host_info", Ptr), ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+
+
+class DispatchSendArgs(KernelArgs):
+    c_name = "mdeep::DispatchSendArgs<long long>"
+    _fields_ = [
+        ("x", Ptr), ("x_scales", Ptr), ("num_tokens", I32), ("hidden", I32),
+        ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr), ("pos_in_expert", Ptr),
+        ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr), ("peer_bases", Ptr),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32), ("epoch", U32),
+        ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+
+
+class DispatchRecvArgs(KernelArgs):
+    c_name = "mdeep::DispatchRecvArgs<int>"
+    _fields_ = [
+        ("recv_x", Ptr), ("recv_scales", Ptr), ("recv_weights", Ptr), ("max_rows", I32),
+        ("hidden", I32), ("num_recv_tokens_per_rank", Ptr), ("num_recv_tokens_per_expert", Ptr),
+        ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("slot_rows", Ptr), ("x", Ptr),
+        ("x_scales", Ptr), ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr),
+        ("pos_in_expert", Ptr), ("slot_token", Ptr), ("num_tokens", I32), ("peer_bases", Ptr),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32), ("epoch", U32),
+        ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+
+
+class DispatchLocalArgs(KernelArgs):
+    c_name = "mdeep::DispatchLocalArgs<long long>"
+    _fields_ = [
+        ("recv_x", Ptr), ("recv_scales", Ptr), ("recv_weights", Ptr), ("max_rows", I32),
+        ("hidden", I32), ("num_recv_tokens_per_expert", Ptr), ("expert_row_start", Ptr),
+        ("slot_rows", Ptr), ("x", Ptr), ("x_scales", Ptr), ("amax_epsilon", F32),
+        ("topk_idx", Ptr), ("topk_weights", Ptr), ("pos_in_expert", Ptr),
+        ("token_slot_in_rank", Ptr), ("num_tokens", I32), ("num_local", I32), ("host_info", Ptr),
+        ("tokens_per_expert", Ptr), ("host_epoch", U32)]
+
+
+class CombineSendArgs(KernelArgs):
+    c_name = "mdeep::CombineSendArgs"
+    _fields_ = [
+        ("y", Ptr), ("num_int4", I32), ("recv_weights", Ptr), ("grad_row_weights", Ptr),
+        ("slot_rows", Ptr), ("num_recv_tokens_per_rank", Ptr), ("peer_bases", Ptr),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+
+
+class CombineReduceArgs(KernelArgs):
+    c_name = "mdeep::CombineReduceArgs"
+    _fields_ = [
+        ("out", Ptr), ("out_weights", Ptr), ("num_tokens", I32), ("num_int4", I32), ("y", Ptr),
+        ("recv_weights", Ptr), ("grad_row_weights", Ptr), ("slot_rows", Ptr),
+        ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr), ("peer_bases", Ptr),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+
+
+class CombineLocalArgs(KernelArgs):
+    c_name = "mdeep::CombineLocalArgs"
+    _fields_ = [
+        ("out", Ptr), ("out_weights", Ptr), ("num_tokens", I32), ("num_int4", I32), ("y", Ptr),
+        ("recv_weights", Ptr), ("grad_row_weights", Ptr), ("slot_rows", Ptr),
+        ("token_slot_in_rank", Ptr)]
+
+
+class QuantizeArgs(KernelArgs):
+    c_name = "mdeep::QuantizeArgs<float>"
+    _fields_ = [("x", Ptr), ("q", Ptr), ("scales", Ptr), ("num_tokens", I32), ("hidden", I32),
+                ("amax_epsilon", F32)]
+
+
+class DequantizeArgs(KernelArgs):
+    c_name = "mdeep::DequantizeArgs<float>"
+    _fields_ = [("q", Ptr), ("scales", Ptr), ("out", Ptr), ("num_tokens", I32),
+                ("hidden", I32)]
+
+
+class FillArgs(KernelArgs):
+    c_name = "mdeep::FillArgs"
+    _fields_ = [("dst", Ptr), ("num_int4", I64)]
+
+
+class FanOutArgs(KernelArgs):
+    c_name = "mdeep::FanOutArgs"
+    _fields_ = [("src", Ptr), ("dst_rows", Ptr), ("dst", Ptr), ("num_rows", I32),
+                ("num_int4", I32), ("fan_out", I32)]
+
+
+class FanInArgs(KernelArgs):
+    c_name = "mdeep::FanInArgs"
+    _fields_ = [("src", Ptr), ("src_rows", Ptr), ("dst", Ptr), ("num_rows", I32),
+                ("num_int4", I32)]
+
+
+# Every kernel's argument struct (checked against the CUDA kernels by the CPU tests).
+KERNEL_ARGS = {
+    ("layout.cu", "layout_kernel"): LayoutArgs, ("notify.cu", "notify_kernel"): NotifyArgs,
+    ("dispatch.cu", "dispatch_send"): DispatchSendArgs,
+    ("dispatch.cu", "dispatch_recv"): DispatchRecvArgs,
+    ("dispatch.cu", "dispatch_local"): DispatchLocalArgs,
+    ("combine.cu", "combine_send"): CombineSendArgs,
+    ("combine.cu", "combine_reduce"): CombineReduceArgs,
+    ("combine.cu", "combine_local"): CombineLocalArgs,
+    ("fp8.cu", "quantize_blockwise"): QuantizeArgs, ("fp8.cu", "quantize_mxfp8"): QuantizeArgs,
+    ("fp8.cu", "dequantize_blockwise"): DequantizeArgs,
+    ("fp8.cu", "dequantize_mxfp8"): DequantizeArgs,
+    ("ceiling.cu", "fill_kernel"): FillArgs, ("ceiling.cu", "fan_out_copy"): FanOutArgs,
+    ("ceiling.cu", "fan_in_sum"): FanInArgs,
+}
 
 
 def addr(tensor: Optional[torch.Tensor]) -> int:
@@ -72,21 +208,9 @@ LAYOUT_MAX_CHUNK_ENTRIES = 2 * LAYOUT_THREADS  # kEntriesPerThread in layout.cu
 LAYOUT_MAX_COUNTS = 5 * LAYOUT_THREADS  # kCountsPerThread: experts plus ranks
 
 
-def _layout_chunk_entries() -> int:
-    """Entries per layout block: MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES (a multiple of 32 up to
-    LAYOUT_MAX_CHUNK_ENTRIES), else 512, which scripts/probe_layout.py measured fastest on H200
-    at the bench shapes (7.8 / 7.6 / 6.9 µs against 8.1 / 7.9 / 7.7 µs at 1024)."""
-    text = os.environ.get(jit.ENV_PREFIX + "LAYOUT_CHUNK_ENTRIES", "")
-    if not text:
-        return LAYOUT_THREADS
-    entries = int(text)
-    if entries % 32 or not 32 <= entries <= LAYOUT_MAX_CHUNK_ENTRIES:
-        raise ValueError(f"{jit.ENV_PREFIX}LAYOUT_CHUNK_ENTRIES={text} must be a multiple of 32 "
-                         f"in [32, {LAYOUT_MAX_CHUNK_ENTRIES}]")
-    return entries
-
-
-LAYOUT_CHUNK_ENTRIES = _layout_chunk_entries()
+# Entries per layout block by default: 512 measured fastest on H200 at the bench shapes
+# (7.8 / 7.6 / 6.9 µs against 8.1 / 7.9 / 7.7 µs at 1024).
+LAYOUT_CHUNK_ENTRIES = LAYOUT_THREADS
 
 
 def layout_chunk_tokens(num_experts: int, num_topk: int,
@@ -175,16 +299,21 @@ class LocalRecv:
     max_recv_rows: int
     epoch: int
 
-    def args(self) -> tuple:
-        recv = self.recv
-        return (recv.address("num_recv_tokens_per_expert"), recv.address("tokens_per_expert"),
-                recv.address("expert_row_start"), recv.address("src_expert_offset"),
-                recv.address("num_recv_tokens_per_rank"), self.host_info_ptr, self.alignment,
-                self.max_recv_rows, self.epoch & 0xFFFFFFFF)
+    def fields(self) -> dict:
+        """The `LayoutArgs` fields of the receive layout."""
+        a = self.recv.address
+        return dict(recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
+                    recv_padded=a("tokens_per_expert"), recv_row_start=a("expert_row_start"),
+                    recv_src_offset=a("src_expert_offset"),
+                    recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
+                    host_info=self.host_info_ptr, alignment=self.alignment,
+                    max_recv_rows=self.max_recv_rows, host_epoch=self.epoch & 0xFFFFFFFF)
 
 
-_LAYOUT_SIG = Sig("p iiii pppppp ppp q pp i ppppp p iiu")
-_NO_LOCAL_RECV = (0, 0, 0, 0, 0, 0, 1, -1, 0)
+# No EP = 1 receive layout (recv_tokens_per_expert null: the kernel writes none).
+_NO_LOCAL_RECV = dict(recv_tokens_per_expert=0, recv_padded=0, recv_row_start=0,
+                      recv_src_offset=0, recv_tokens_per_rank=0, host_info=0, alignment=1,
+                      max_recv_rows=-1, host_epoch=0)
 
 
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
@@ -216,18 +345,17 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
     state, status, counts = workspace.get(num_chunks, num_experts + num_ranks, dev)
     a = arena.address
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
-    kernel.launch(num_chunks, LAYOUT_THREADS, (
-        topk_idx.data_ptr(), num_tokens, num_experts, num_ranks, chunk_tokens,
-        a("num_tokens_per_expert"), a("pos_in_expert"), a("num_tokens_per_rank"),
-        a("is_token_in_rank"), a("token_slot_in_rank"), a("slot_token"),
-        state, status, counts, timeout_ns, errors.claim, errors.record, rank,
-        *(local_recv.args() if local_recv is not None else _NO_LOCAL_RECV)),
-        stream, shared_mem=shared_bytes, signature=_LAYOUT_SIG,
-        programmatic=jit.pdl_first_enabled())
+    args = LayoutArgs.fill(
+        topk_idx=topk_idx.data_ptr(), num_tokens=num_tokens, num_experts=num_experts,
+        num_ranks=num_ranks, chunk_tokens=chunk_tokens,
+        num_tokens_per_expert=a("num_tokens_per_expert"), pos_in_expert=a("pos_in_expert"),
+        num_tokens_per_rank=a("num_tokens_per_rank"), is_token_in_rank=a("is_token_in_rank"),
+        token_slot_in_rank=a("token_slot_in_rank"), slot_token=a("slot_token"), state=state,
+        chunk_status=status, chunk_counts=counts, timeout_ns=timeout_ns,
+        error_claim=errors.claim, error_record=errors.record, rank=rank,
+        **(local_recv.fields() if local_recv is not None else _NO_LOCAL_RECV))
+    kernel.launch(num_chunks, LAYOUT_THREADS, args, stream, shared_mem=shared_bytes)
     return DispatchLayout.from_arena(arena)
-
-
-_NOTIFY_SIG = Sig("p iiu pp iiiii ppppp p q pp")
 
 
 def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch: int,
@@ -238,13 +366,17 @@ def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch: int,
     arrays of `recv`) on the device."""
     kernel = jit.get_kernel("notify.cu", "notify_kernel")
     a = recv.address
-    kernel.launch(1, NOTIFY_THREADS, (
-        peer_bases.data_ptr(), rank, num_ranks, epoch & 0xFFFFFFFF,
-        lay.address("num_tokens_per_rank"), lay.address("num_tokens_per_expert"), num_local,
-        hidden, num_topk, alignment, max_recv_rows, a("num_recv_tokens_per_rank"),
-        a("num_recv_tokens_per_expert"), a("tokens_per_expert"), a("expert_row_start"),
-        a("src_expert_offset"), host_info_ptr, timeout_ns, errors.claim, errors.record),
-        _stream(), signature=_NOTIFY_SIG)
+    args = NotifyArgs.fill(
+        peer_bases=peer_bases.data_ptr(), rank=rank, num_ranks=num_ranks,
+        epoch=epoch & 0xFFFFFFFF, num_tokens_per_rank=lay.address("num_tokens_per_rank"),
+        num_tokens_per_expert=lay.address("num_tokens_per_expert"), num_local=num_local,
+        hidden=hidden, num_topk=num_topk, alignment=alignment, max_recv_rows=max_recv_rows,
+        num_recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
+        num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
+        tokens_per_expert=a("tokens_per_expert"), expert_row_start=a("expert_row_start"),
+        src_expert_offset=a("src_expert_offset"), host_info=host_info_ptr,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(1, NOTIFY_THREADS, args, _stream())
 
 
 def _wire(fp8) -> tuple:
@@ -252,9 +384,6 @@ def _wire(fp8) -> tuple:
     if fp8 is None:
         return 0, False, 0.0
     return fp8.wire_code, fp8.dequantize, float(fp8.fmt.amax_epsilon)
-
-
-_SEND_SIG = Sig("pp iif ppppp pp iiiu q pp")
 
 
 def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
@@ -271,15 +400,16 @@ def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: t
     fmt, _, amax_epsilon = _wire(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_send",
                             [topk_idx.shape[1], cached, _index_type(topk_idx), fmt])
-    kernel.launch(num_sms, COMM_THREADS, (
-        x.data_ptr(), addr(x_scales), num_tokens, hidden, amax_epsilon, topk_idx.data_ptr(),
-        addr(topk_weights), lay.address("pos_in_expert"), lay.address("is_token_in_rank"),
-        lay.address("token_slot_in_rank"), peer_bases.data_ptr(), regions.data_ptr(), rank,
-        num_ranks, num_local, epoch & 0xFFFFFFFF, timeout_ns, errors.claim, errors.record),
-        _stream(), signature=_SEND_SIG)
-
-
-_RECV_SIG = Sig("ppp ii ppppp ppf ppppi pp iiiu q pp")
+    args = DispatchSendArgs.fill(
+        x=x.data_ptr(), x_scales=addr(x_scales), num_tokens=num_tokens, hidden=hidden,
+        amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
+        topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
+        is_token_in_rank=lay.address("is_token_in_rank"),
+        token_slot_in_rank=lay.address("token_slot_in_rank"),
+        peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
+        num_ranks=num_ranks, num_local=num_local, epoch=epoch & 0xFFFFFFFF,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
 
 def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
@@ -298,18 +428,20 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
     kernel = jit.get_kernel("dispatch.cu", "dispatch_recv",
                             [topk_idx.shape[1], cached, _index_type(topk_idx), fmt, dequant])
     a = recv.address
-    kernel.launch(num_sms, COMM_THREADS, (
-        recv_x.data_ptr(), addr(recv_scales), addr(recv_weights), recv_x.shape[0],
-        recv_x.shape[1], a("num_recv_tokens_per_rank"), a("num_recv_tokens_per_expert"),
-        a("expert_row_start"), a("src_expert_offset"), a("slot_rows"), x.data_ptr(),
-        addr(x_scales), amax_epsilon, topk_idx.data_ptr(), addr(topk_weights),
-        lay.address("pos_in_expert"), lay.address("slot_token"), x.shape[0],
-        peer_bases.data_ptr(), regions.data_ptr(), rank, num_ranks, num_local,
-        epoch & 0xFFFFFFFF, timeout_ns, errors.claim, errors.record),
-        _stream(), signature=_RECV_SIG)
-
-
-_LOCAL_SIG = Sig("ppp ii ppp ppf pppp ii ppu")
+    args = DispatchRecvArgs.fill(
+        recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
+        recv_weights=addr(recv_weights), max_rows=recv_x.shape[0], hidden=recv_x.shape[1],
+        num_recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
+        num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
+        expert_row_start=a("expert_row_start"), src_expert_offset=a("src_expert_offset"),
+        slot_rows=a("slot_rows"), x=x.data_ptr(), x_scales=addr(x_scales),
+        amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
+        topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
+        slot_token=lay.address("slot_token"), num_tokens=x.shape[0],
+        peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
+        num_ranks=num_ranks, num_local=num_local, epoch=epoch & 0xFFFFFFFF,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
 
 def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
@@ -331,14 +463,18 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
     threads = 1024 if fmt == 0 else COMM_THREADS  # DispatchLocalThreads in dispatch.cu
     stage_bytes = _dispatch_stage_bytes(x.shape[1], threads) if fmt == 0 and not cached else 0
     a = recv.address
-    kernel.launch(num_sms, threads, (
-        recv_x.data_ptr(), addr(recv_scales), addr(recv_weights), recv_x.shape[0],
-        recv_x.shape[1], a("num_recv_tokens_per_expert"), a("expert_row_start"),
-        a("slot_rows"), x.data_ptr(), addr(x_scales), amax_epsilon, topk_idx.data_ptr(),
-        addr(topk_weights), lay.address("pos_in_expert"), lay.address("token_slot_in_rank"),
-        x.shape[0], num_local, host_info_ptr, a("tokens_per_expert"), host_epoch & 0xFFFFFFFF),
-        _stream(), shared_mem=stage_bytes, signature=_LOCAL_SIG,
-        programmatic=after_layout or (cached and jit.pdl_first_enabled()))
+    args = DispatchLocalArgs.fill(
+        recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
+        recv_weights=addr(recv_weights), max_rows=recv_x.shape[0], hidden=recv_x.shape[1],
+        num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
+        expert_row_start=a("expert_row_start"), slot_rows=a("slot_rows"), x=x.data_ptr(),
+        x_scales=addr(x_scales), amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
+        topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
+        token_slot_in_rank=lay.address("token_slot_in_rank"), num_tokens=x.shape[0],
+        num_local=num_local, host_info=host_info_ptr, tokens_per_expert=a("tokens_per_expert"),
+        host_epoch=host_epoch & 0xFFFFFFFF)
+    kernel.launch(num_sms, threads, args, _stream(), shared_mem=stage_bytes,
+                  programmatic=after_layout)
 
 
 # Dynamic shared memory per dispatch_local block for staging its warps' first rows (227 KB is
@@ -356,9 +492,6 @@ def _dispatch_stage_bytes(hidden: int, threads: int) -> int:
     return warps * words_per_lane * 32 * 16
 
 
-_COMBINE_SEND_SIG = Sig("p i pppp pp iiu q pp")
-
-
 def combine_send(y: torch.Tensor, handle, weighted: bool,
                  grad_row_weights: Optional[torch.Tensor], peer_bases: torch.Tensor,
                  regions: torch.Tensor, rank: int, num_ranks: int, epoch: int, num_sms: int,
@@ -366,15 +499,15 @@ def combine_send(y: torch.Tensor, handle, weighted: bool,
     """Sends one fp32-accumulated partial row per received slot back to its source rank."""
     kernel = jit.get_kernel("combine.cu", "combine_send",
                             [handle.num_topk, weighted, grad_row_weights is not None])
-    kernel.launch(num_sms, COMM_THREADS, (
-        y.data_ptr(), y.shape[1] * 2 // 16, handle.recv_weights.data_ptr(),
-        addr(grad_row_weights), handle.address("slot_rows"),
-        handle.address("num_recv_tokens_per_rank"), peer_bases.data_ptr(), regions.data_ptr(),
-        rank, num_ranks, epoch & 0xFFFFFFFF, timeout_ns, errors.claim, errors.record),
-        _stream(), signature=_COMBINE_SEND_SIG)
-
-
-_COMBINE_REDUCE_SIG = Sig("pp ii p ppp pp pp iiu q pp")
+    args = CombineSendArgs.fill(
+        y=y.data_ptr(), num_int4=y.shape[1] * 2 // 16,
+        recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
+        slot_rows=handle.address("slot_rows"),
+        num_recv_tokens_per_rank=handle.address("num_recv_tokens_per_rank"),
+        peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
+        num_ranks=num_ranks, epoch=epoch & 0xFFFFFFFF, timeout_ns=timeout_ns,
+        error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
 
 def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
@@ -385,15 +518,15 @@ def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: to
     kernel = jit.get_kernel("combine.cu", "combine_reduce",
                             [handle.num_topk, weighted, grad_row_weights is not None])
     lay = handle.layout
-    kernel.launch(num_sms, COMM_THREADS, (
-        out.data_ptr(), addr(out_weights), out.shape[0], out.shape[1] * 2 // 16, y.data_ptr(),
-        handle.recv_weights.data_ptr(), addr(grad_row_weights), handle.address("slot_rows"),
-        lay.address("is_token_in_rank"), lay.address("token_slot_in_rank"),
-        peer_bases.data_ptr(), regions.data_ptr(), rank, num_ranks, epoch & 0xFFFFFFFF,
-        timeout_ns, errors.claim, errors.record), _stream(), signature=_COMBINE_REDUCE_SIG)
-
-
-_COMBINE_LOCAL_SIG = Sig("pp ii p ppp p")
+    args = CombineReduceArgs.fill(
+        out=out.data_ptr(), out_weights=addr(out_weights), num_tokens=out.shape[0],
+        num_int4=out.shape[1] * 2 // 16, y=y.data_ptr(),
+        recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
+        slot_rows=handle.address("slot_rows"), is_token_in_rank=lay.address("is_token_in_rank"),
+        token_slot_in_rank=lay.address("token_slot_in_rank"), peer_bases=peer_bases.data_ptr(),
+        regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch=epoch & 0xFFFFFFFF,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
 
 def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
@@ -404,22 +537,14 @@ def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: tor
     kernel = jit.get_kernel("combine.cu", "combine_local",
                             [handle.num_topk, weighted, grad_row_weights is not None])
     threads = 1024 if handle.num_topk <= 8 else 512  # CombineLocalThreads in combine.cu
-    kernel.launch(num_sms, threads, (
-        out.data_ptr(), addr(out_weights), out.shape[0], out.shape[1] * 2 // 16, y.data_ptr(),
-        handle.recv_weights.data_ptr(), addr(grad_row_weights), handle.address("slot_rows"),
-        handle.layout.address("token_slot_in_rank")), _stream(),
-        signature=_COMBINE_LOCAL_SIG, programmatic=jit.pdl_first_enabled())
+    args = CombineLocalArgs.fill(
+        out=out.data_ptr(), out_weights=addr(out_weights), num_tokens=out.shape[0],
+        num_int4=out.shape[1] * 2 // 16, y=y.data_ptr(),
+        recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
+        slot_rows=handle.address("slot_rows"),
+        token_slot_in_rank=handle.layout.address("token_slot_in_rank"))
+    kernel.launch(num_sms, threads, args, _stream())
 
-
-# Every kernel's argument signature, checked against its CUDA parameter list by the CPU tests.
-KERNEL_SIGNATURES = {
-    ("layout.cu", "layout_kernel"): _LAYOUT_SIG, ("notify.cu", "notify_kernel"): _NOTIFY_SIG,
-    ("dispatch.cu", "dispatch_send"): _SEND_SIG, ("dispatch.cu", "dispatch_recv"): _RECV_SIG,
-    ("dispatch.cu", "dispatch_local"): _LOCAL_SIG,
-    ("combine.cu", "combine_send"): _COMBINE_SEND_SIG,
-    ("combine.cu", "combine_reduce"): _COMBINE_REDUCE_SIG,
-    ("combine.cu", "combine_local"): _COMBINE_LOCAL_SIG,
-}
 
 # (kFmt, kDequant) pairs of dispatch_recv beyond bf16: every FP8 wire format, kept or dequantized.
 FP8_RECV_VARIANTS = [(fmt, dequant) for fmt in (1, 2, 3) for dequant in (False, True)]
@@ -459,3 +584,105 @@ def warm_up(num_topks) -> None:
                 name, _, args = expr.partition("<")
                 jit.get_kernel(source, name, [a.strip() for a in args.rstrip(">").split(",")]
                                if args else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# Standalone FP8 quantize / dequantize (cuda_src/fp8.cu): the GPU versions of
+# `fp8.formats.quantize` / `dequantize`, bit for bit.
+
+def quantize_rows(x: torch.Tensor, fmt, num_warps: int = 8
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`fp8.formats.quantize` on the GPU.
+
+    Args:
+        x: `[num_tokens, hidden]`, torch.bfloat16, contiguous, on a CUDA device.
+        fmt: the wire format (`fp8.formats.Fp8Format`).
+        num_warps: warps per CTA (the kernels' template knob).
+
+    Returns:
+        `(x_fp8 [num_tokens, hidden] e4m3, scales [num_tokens, num_blocks])` as `quantize`
+        returns them, on x's device, computed on the current stream.
+    """
+    from megatron_deepep.fp8.formats import ScaleKind
+
+    _check_bf16_rows(x)
+    num_tokens, hidden = x.shape
+    x_fp8 = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(num_tokens, fmt.num_blocks(hidden), dtype=fmt.scale_dtype,
+                         device=x.device)
+    if fmt.scale_kind is ScaleKind.FP32_SCALE_INV:
+        kernel = jit.get_kernel("fp8.cu", "quantize_blockwise", [num_warps, fmt.power_2_scale])
+    else:
+        kernel = jit.get_kernel("fp8.cu", "quantize_mxfp8", [num_warps])
+    args = QuantizeArgs.fill(x=x.data_ptr(), q=x_fp8.data_ptr(), scales=scales.data_ptr(),
+                             num_tokens=num_tokens, hidden=hidden,
+                             amax_epsilon=float(fmt.amax_epsilon))
+    _launch_fp8(kernel, num_tokens, hidden, num_warps, args)
+    return x_fp8, scales
+
+
+def dequantize_rows(x_fp8: torch.Tensor, scales: torch.Tensor, fmt,
+                    num_warps: int = 8) -> torch.Tensor:
+    """`fp8.formats.dequantize` on the GPU; returns `[num_tokens, hidden]` bf16."""
+    from megatron_deepep.fp8.formats import ScaleKind
+
+    if x_fp8.dim() != 2:
+        raise ValueError(f"x_fp8 must be 2-D, got shape {tuple(x_fp8.shape)}")
+    num_tokens, hidden = x_fp8.shape
+    if tuple(scales.shape) != (num_tokens, fmt.num_blocks(hidden)):
+        raise ValueError(f"scales: expected shape {(num_tokens, fmt.num_blocks(hidden))}, got "
+                         f"{tuple(scales.shape)}")
+    if scales.dtype != fmt.scale_dtype or not (x_fp8.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"scales must be contiguous {fmt.scale_dtype} (got {scales.dtype}) and "
+                         "x_fp8 contiguous")
+    out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=x_fp8.device)
+    name = ("dequantize_blockwise" if fmt.scale_kind is ScaleKind.FP32_SCALE_INV
+            else "dequantize_mxfp8")
+    kernel = jit.get_kernel("fp8.cu", name, [num_warps])
+    args = DequantizeArgs.fill(q=x_fp8.data_ptr(), scales=scales.data_ptr(),
+                               out=out.data_ptr(), num_tokens=num_tokens, hidden=hidden)
+    _launch_fp8(kernel, num_tokens, hidden, num_warps, args)
+    return out
+
+
+def _check_bf16_rows(x: torch.Tensor) -> None:
+    if x.dim() != 2 or not x.is_cuda or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous 2-D bf16 CUDA tensor, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+
+
+def _launch_fp8(kernel, num_tokens: int, hidden: int, num_warps: int, args) -> None:
+    total_warps = num_tokens * math.ceil(hidden / 128)  # one per (token, 128-column chunk)
+    if total_warps == 0:
+        return
+    kernel.launch(math.ceil(total_warps / num_warps), 32 * num_warps, args, _stream())
+
+
+# ---------------------------------------------------------------------------------------------
+# Ceiling kernels for the benchmark (cuda_src/ceiling.cu).
+
+def fill(dst: torch.Tensor, num_blocks: int) -> None:
+    """`fill_kernel`: zeroes `dst` (contiguous, a multiple of 16 bytes) with 16-byte stores,
+    `num_blocks` blocks of 256 threads."""
+    args = FillArgs.fill(dst=dst.data_ptr(), num_int4=dst.numel() * dst.element_size() // 16)
+    jit.get_kernel("ceiling.cu", "fill_kernel").launch(num_blocks, 256, args, _stream())
+
+
+def fan_out_copy(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tensor, fan_out: int,
+                 num_blocks: int) -> None:
+    """`fan_out_copy`: row n of `src [N, H]` written to rows `dst_rows[n * fan_out + k]` of
+    `dst` (int32, -1 skips), `num_blocks` blocks of 512 threads."""
+    args = FanOutArgs.fill(src=src.data_ptr(), dst_rows=dst_rows.data_ptr(),
+                           dst=dst.data_ptr(), num_rows=src.shape[0],
+                           num_int4=src.shape[1] * src.element_size() // 16, fan_out=fan_out)
+    jit.get_kernel("ceiling.cu", "fan_out_copy").launch(num_blocks, 512, args, _stream())
+
+
+def fan_in_sum(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
+               num_blocks: int) -> None:
+    """`fan_in_sum`: row n of `dst` = the fp32 sum of the 8 rows `src_rows [N, 8]` (int32,
+    -1 skips) of `src [M, H]` bf16, `num_blocks` blocks of 512 threads."""
+    args = FanInArgs.fill(src=src.data_ptr(), src_rows=src_rows.data_ptr(),
+                          dst=dst.data_ptr(), num_rows=src_rows.shape[0],
+                          num_int4=src.shape[1] * src.element_size() // 16)
+    jit.get_kernel("ceiling.cu", "fan_in_sum").launch(num_blocks, 512, args, _stream())

@@ -1,15 +1,11 @@
-"""CPU tier: one-allocation arenas, lazily viewed dataclass fields, and the kernels' argument
-signatures against their CUDA parameter lists."""
-
-import re
+"""CPU tier: one-allocation arenas and lazily viewed dataclass fields. (The kernels' argument
+structs are checked against CUDA by tests/test_kernel_args.py.)"""
 
 import pytest
 import torch
 
-from megatron_deepep import ops
 from megatron_deepep.arena import ArenaPlan
 from megatron_deepep.handle import DispatchHandle, RecvLayout, recv_fields
-from megatron_deepep.jit import Signature, cuda_src_dir
 from megatron_deepep.layout import DispatchLayout, compute_layout, layout_fields
 
 
@@ -70,34 +66,3 @@ def test_lazy_handle_reads_its_arrays_from_the_arena():
     assert handle.num_recv_tokens_per_rank.tolist() == [6]
     assert handle.tokens_per_expert_list is None  # the dataclass default
     assert handle.recv.address("expert_row_start") == arena.address("expert_row_start")
-
-
-_CODE_OF_TYPE = {"int": "i", "u32": "u", "u64": "q", "float": "f"}
-
-
-def _cuda_signature(source: str, kernel: str) -> str:
-    text = (cuda_src_dir() / source).read_text()
-    match = re.search(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
-                      + kernel + r"\s*\(([^)]*)\)", text)
-    assert match, f"{kernel} not found in {source}"
-    codes = ""
-    for param in match.group(1).split(","):
-        kind = param.strip().rsplit(None, 1)[0].replace("const", "").strip()
-        codes += "p" if "*" in param else _CODE_OF_TYPE[kind]
-    return codes
-
-
-@pytest.mark.parametrize("source,kernel", sorted(ops.KERNEL_SIGNATURES))
-def test_launch_signature_matches_the_cuda_parameters(source, kernel):
-    assert ops.KERNEL_SIGNATURES[(source, kernel)].codes == _cuda_signature(source, kernel)
-
-
-def test_signature_packs_python_numbers_and_names_a_mismatch():
-    sig = Signature("p i u f q")
-    params = sig.params((2**40, -3, 2**32 - 1, 0.5, 7))
-    assert len(params) == 5
-    assert sig.as_numpy((1, 2, 3, 0.5, 4))[1].dtype.name == "int32"
-    with pytest.raises(TypeError, match="do not match signature"):
-        sig.params((1, 2))
-    with pytest.raises(ValueError, match="unknown codes"):
-        Signature("px")

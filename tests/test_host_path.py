@@ -1,7 +1,7 @@
 """CPU tier: the NVLink transport's host path with the kernels replaced by recorders.
 
-No GPU: every launch is packed through its real `jit.Signature` (a wrong argument count or type
-fails here) and recorded, the notify result the host polls is written by the test. This checks
+No GPU: every launch's argument struct is filled by name through the real `KernelArgs.fill`
+(a missing or unknown field, or a value that does not fit, fails here) and recorded, the notify result the host polls is written by the test. This checks
 what runs in which order (EP = 1: layout then the expand, no notify; the sync call's expand
 before or after its host wait), the shapes handed back, and that the handle's arrays are the
 ones the kernels were given.
@@ -28,14 +28,11 @@ class _Recorder:
         recorder = self
 
         class _Kernel:
-            def launch(self, grid, block, args, stream, shared_mem=0, signature=None,
-                       programmatic=False):
-                assert signature is not None, f"{name} launched without a signature"
-                signature.params(args)  # raises on a mismatch
+            def launch(self, grid, block, args, stream, shared_mem=0, programmatic=False):
+                assert isinstance(args, ops.KERNEL_ARGS[(source, name)]), name
                 recorder.events.append(
-                    (name, dict(grid=grid, block=block, args=tuple(args),
-                                programmatic=programmatic, codes=signature.codes,
-                                shared_mem=shared_mem)))
+                    (name, dict(grid=grid, block=block, args=args.as_dict(),
+                                programmatic=programmatic, shared_mem=shared_mem)))
 
         return _Kernel()
 
@@ -101,17 +98,30 @@ def test_ep1_nosync_runs_layout_then_a_programmatic_expand(recorder):
     recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, num_max_recv_rows=300)
     assert _names(recorder) == ["layout_kernel", "dispatch_local"]
     layout_args, expand = recorder.events[0][1]["args"], recorder.events[1][1]
-    assert expand["programmatic"] and expand["args"][3] == 300  # max_rows = the bound
+    assert expand["programmatic"] and expand["args"]["max_rows"] == 300  # the bound
+    assert not recorder.events[0][1]["programmatic"]
     assert recv_x.shape == (300, 256) and recv_w.shape == (300,)
     assert handle.num_recv_rows == 300 and handle.tokens_per_expert_list is None
     arena = handle.transport_state[1]
     # The layout kernel writes the receive layout (EP = 1) into the handle's arena.
-    assert arena.address("num_recv_tokens_per_expert") in layout_args
-    assert layout_args[-3:] == (1, 300, 1)  # alignment, bound, notify epoch
+    assert layout_args["recv_tokens_per_expert"] == arena.address("num_recv_tokens_per_expert")
+    assert layout_args["recv_padded"] == arena.address("tokens_per_expert")
+    assert layout_args["recv_row_start"] == arena.address("expert_row_start")
+    assert layout_args["recv_src_offset"] == arena.address("src_expert_offset")
+    assert layout_args["recv_tokens_per_rank"] == arena.address("num_recv_tokens_per_rank")
+    assert (layout_args["alignment"], layout_args["max_recv_rows"],
+            layout_args["host_epoch"]) == (1, 300, 1)
+    assert layout_args["topk_idx"] != 0
+    assert (layout_args["num_tokens"], layout_args["num_experts"],
+            layout_args["num_ranks"], layout_args["rank"]) == (64, 16, 1, 0)
     # No host wait: nobody publishes the receive layout to the host (no system fences).
-    assert layout_args[-4] == 0 and expand["args"][-3] == 0
-    assert handle.address("slot_rows") == arena.address("slot_rows") in expand["args"]
-    assert handle.layout.address("pos_in_expert") in expand["args"]
+    assert layout_args["host_info"] == 0 and expand["args"]["host_info"] == 0
+    assert handle.address("slot_rows") == arena.address("slot_rows") == expand["args"]["slot_rows"]
+    assert handle.layout.address("pos_in_expert") == expand["args"]["pos_in_expert"]
+    assert layout_args["pos_in_expert"] == expand["args"]["pos_in_expert"]
+    assert handle.layout.address("token_slot_in_rank") == expand["args"]["token_slot_in_rank"]
+    assert expand["args"]["num_tokens"] == 64 and expand["args"]["hidden"] == 256
+    assert expand["args"]["x"] == x.data_ptr() and expand["args"]["recv_x"] == recv_x.data_ptr()
 
 
 def test_ep1_sync_launches_the_expand_before_the_wait_and_trims(recorder):
@@ -119,10 +129,11 @@ def test_ep1_sync_launches_the_expand_before_the_wait_and_trims(recorder):
     x, idx, w = _inputs(64, 256, 16, 4)
     recv_x, recv_w, handle = t.dispatch(x, idx, w, 16, expert_alignment=2)
     assert _names(recorder) == ["layout_kernel", "dispatch_local", "host wait"]
-    assert recorder.events[1][1]["args"][3] == 64 * 4 + 16  # entries + padding bound
+    expand = recorder.events[1][1]["args"]
+    assert expand["max_rows"] == 64 * 4 + 16  # entries + padding bound
     # The expand publishes the receive layout to the host, not the layout kernel it follows.
-    assert recorder.events[0][1]["args"][-4] == 0
-    assert recorder.events[1][1]["args"][-3:] == (
+    assert recorder.events[0][1]["args"]["host_info"] == 0
+    assert (expand["host_info"], expand["tokens_per_expert"], expand["host_epoch"]) == (
         t.host_info.device_ptr, handle.transport_state[1].address("tokens_per_expert"), 1)
     assert recv_x.shape == (250, 256) and recv_w.shape == (250,)
     assert handle.num_recv_rows == 250 and len(handle.tokens_per_expert_list) == 16
@@ -133,10 +144,10 @@ def test_ep1_sync_with_large_padding_waits_first(recorder):
     x, idx, w = _inputs(64, 256, 16, 4)
     recv_x, _, handle = t.dispatch(x, idx, w, 16, expert_alignment=128)
     assert _names(recorder) == ["layout_kernel", "host wait", "dispatch_local"]
-    assert recorder.events[2][1]["args"][3] == 2048 and recv_x.shape == (2048, 256)
+    assert recorder.events[2][1]["args"]["max_rows"] == 2048 and recv_x.shape == (2048, 256)
     # The host waits before the expand: the layout kernel publishes.
-    assert recorder.events[0][1]["args"][-4] == t.host_info.device_ptr
-    assert recorder.events[2][1]["args"][-3] == 0
+    assert recorder.events[0][1]["args"]["host_info"] == t.host_info.device_ptr
+    assert recorder.events[2][1]["args"]["host_info"] == 0
 
 
 def test_ep1_given_layout_runs_notify_and_a_plain_expand(recorder):
@@ -159,8 +170,14 @@ def test_ep1_cached_dispatch_and_combine_reuse_the_handle_arrays(recorder):
     assert _names(recorder) == ["dispatch_local", "combine_local"]
     assert cached.shape == (256, 256) and out.shape == (64, 256) and out_w.shape == (64, 4)
     slot_rows = handle.address("slot_rows")
-    assert all(slot_rows in ev["args"] for _, ev in recorder.events)
-    assert not recorder.events[0][1]["programmatic"]  # x comes from the caller's kernels
+    assert all(ev["args"]["slot_rows"] == slot_rows for _, ev in recorder.events)
+    assert not any(ev["programmatic"] for _, ev in recorder.events)  # x from the caller
+    combine = recorder.events[1][1]["args"]
+    assert combine["y"] == recv_x.data_ptr() and combine["out"] == out.data_ptr()
+    assert combine["out_weights"] == out_w.data_ptr() and combine["num_tokens"] == 64
+    assert combine["num_int4"] == 256 * 2 // 16
+    assert combine["recv_weights"] == handle.recv_weights.data_ptr()
+    assert combine["token_slot_in_rank"] == handle.layout.address("token_slot_in_rank")
 
 
 def test_ep1_expand_stages_its_first_rows_in_shared_memory(recorder):
@@ -189,10 +206,19 @@ def test_ep2_runs_the_protocol_kernels(recorder):
     assert _names(recorder) == ["layout_kernel", "notify_kernel", "dispatch_send",
                                 "host wait", "dispatch_recv"]
     assert recv_x.shape == (200, 256) and handle.slot_rows.shape == (2, 64, 4)
-    assert t.host_info.device_ptr in recorder.events[1][1]["args"]  # notify publishes
+    assert recorder.events[1][1]["args"]["host_info"] == t.host_info.device_ptr  # it publishes
+    send, recv = recorder.events[2][1]["args"], recorder.events[4][1]["args"]
+    for args in (send, recv):
+        assert args["regions"] == t.regions_dev.data_ptr()
+        assert args["peer_bases"] == t.sym.peer_bases.data_ptr()
+        assert (args["rank"], args["num_ranks"], args["num_local"]) == (0, 2, 8)
+        assert args["timeout_ns"] == t.timeout_ns
+    assert send["token_slot_in_rank"] == handle.layout.address("token_slot_in_rank")
+    assert recv["slot_token"] == handle.layout.address("slot_token")
+    assert recv["slot_rows"] == handle.address("slot_rows")
     recorder.events.clear()
     t.dispatch(x, idx, w, 16, num_max_recv_rows=256)
-    assert t.host_info.device_ptr not in recorder.events[1][1]["args"]  # no host wait
+    assert recorder.events[1][1]["args"]["host_info"] == 0  # no host wait
     recorder.events.clear()
     t.cached_dispatch(x, handle)
     t.combine(recv_x, handle)
@@ -209,14 +235,3 @@ def test_rows_before_wait_bound():
     assert t._rows_before_wait(0, 8, 16, 4) == 0
     t.num_ranks = 2
     assert t._rows_before_wait(100, 8, 16, 1) is None
-
-
-def test_layout_chunk_entries_knob(monkeypatch):
-    monkeypatch.setenv("MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES", "1024")
-    assert ops._layout_chunk_entries() == 1024
-    monkeypatch.setenv("MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES", "")
-    assert ops._layout_chunk_entries() == ops.LAYOUT_THREADS
-    for bad in ("100", "2048", "0"):
-        monkeypatch.setenv("MEGATRON_DEEPEP_LAYOUT_CHUNK_ENTRIES", bad)
-        with pytest.raises(ValueError, match="multiple of 32 in \\[32, 1024\\]"):
-            ops._layout_chunk_entries()

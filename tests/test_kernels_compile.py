@@ -23,6 +23,14 @@ def test_ceiling_kernels_compile():
     assert cubin[:4] == b"\x7fELF" and set(lowered) == set(exprs)
 
 
+def test_fp8_kernels_compile():
+    exprs = [f"quantize_blockwise<{w}, {p}>" for w in (4, 8) for p in ("false", "true")]
+    exprs += [f"{k}<{w}>" for k in ("quantize_mxfp8", "dequantize_blockwise", "dequantize_mxfp8")
+              for w in (4, 8)]
+    cubin, lowered = jit.compile_cubin("fp8.cu", exprs, arch="sm_90")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(exprs)
+
+
 @pytest.mark.parametrize("num_topk", [1, 16])
 def test_fp8_dispatch_variants_compile(num_topk):
     exprs = ops.kernel_names(num_topk, fp8=True)["dispatch.cu"]

@@ -4,11 +4,8 @@
 
 namespace mdeep {
 
-#ifndef MDEEP_COPY_UNROLL
-#define MDEEP_COPY_UNROLL 8
-#endif
-// 16 B x 8 in flight per lane: enough bytes to cover latency (a tuning knob, see jit.py).
-constexpr int kCopyUnroll = MDEEP_COPY_UNROLL;
+// 16 B x 8 in flight per lane: enough bytes to cover latency.
+constexpr int kCopyUnroll = 8;
 
 // One lane's share of a chunk of kCopyUnroll x 32 words starting at `base`: word
 // base + u * 32 + lane for u < kCopyUnroll. kStagedSrc: the source was written by a peer during

@@ -14,10 +14,7 @@ namespace fp8 {
 
 // kFmt: the wire format (megatron_deepep/fp8/dispatch.py, WIRE_*).
 constexpr int kWireBf16 = 0, kWireBlockwise = 1, kWireBlockwisePow2 = 2, kWireMxfp8 = 3;
-#ifndef MDEEP_FP8_UNROLL
-#define MDEEP_FP8_UNROLL 8
-#endif
-constexpr int kRowUnroll = MDEEP_FP8_UNROLL;  // 16-byte bf16 vectors in flight per lane
+constexpr int kRowUnroll = 8;  // 16-byte bf16 vectors in flight per lane
 
 template <int kFmt>
 struct Wire {

@@ -12,8 +12,6 @@ from megatron_deepep.fp8.formats import (
     MXFP8_1x32,
     Fp8Format,
     ScaleKind,
-    cuda_dequantize,
-    cuda_quantize,
     dequantize,
     quantize,
 )
@@ -25,8 +23,6 @@ __all__ = [
     "MXFP8_1x32",
     "Fp8Format",
     "ScaleKind",
-    "cuda_dequantize",
-    "cuda_quantize",
     "dequantize",
     "quantize",
 ]

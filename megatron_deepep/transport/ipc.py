@@ -15,10 +15,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_deepep.jit import cu_check
+
 logger = logging.getLogger(__name__)
 
-_IPC_LAZY_ENABLE_PEER_ACCESS = 1
-_HOST_ALLOC_MAPPED = 2
+_IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
+
+
+def _runtime():
+    from cuda.bindings import runtime
+    return runtime
+
+
+def _handle_bytes(handle) -> bytes:
+    """The 64 bytes of a `cudaIpcMemHandle_t` (to send to peers)."""
+    return ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES)
+
+
+def _handle_of(data: bytes):
+    """A `cudaIpcMemHandle_t` holding the 64 bytes a peer sent."""
+    if len(data) != _IPC_HANDLE_BYTES:
+        raise ValueError(f"an IPC handle has {_IPC_HANDLE_BYTES} bytes, got {len(data)}")
+    handle = _runtime().cudaIpcMemHandle_t()
+    ctypes.memmove(handle.getPtr(), data, _IPC_HANDLE_BYTES)
+    return handle
 
 
 class SymmetricBuffer:
@@ -34,23 +54,23 @@ class SymmetricBuffer:
     """
 
     def __init__(self, group, num_bytes: int):
-        import cupy
-        self._rt = cupy.cuda.runtime
+        rt = _runtime()
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_bytes = num_bytes
-        self.ptr = self._rt.malloc(num_bytes)
+        self.ptr = int(cu_check(rt.cudaMalloc(num_bytes), f"cudaMalloc({num_bytes} bytes)"))
         self._opened: List[int] = []
-        self._rt.memset(self.ptr, 0, num_bytes)  # flags start at epoch 0, once for the lifetime
-        self._rt.deviceSynchronize()
-        handle = bytes(self._rt.ipcGetMemHandle(self.ptr))
+        # Flags start at epoch 0, once for the lifetime.
+        cu_check(rt.cudaMemset(self.ptr, 0, num_bytes), "cudaMemset(symmetric buffer)")
+        cu_check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        handle = _handle_bytes(cu_check(rt.cudaIpcGetMemHandle(self.ptr), "cudaIpcGetMemHandle"))
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, (handle, num_bytes), group=group)
         sizes = [info[1] for info in infos]
         if len(set(sizes)) != 1:
-            self._rt.free(self.ptr)
+            cu_check(rt.cudaFree(self.ptr), "cudaFree(symmetric buffer)")
             raise ValueError(f"ranks disagree on the buffer size (per-rank bytes {sizes}): "
                              "every rank must declare the same num_max_tokens_per_rank, hidden "
                              "and num_topk")
@@ -59,7 +79,9 @@ class SymmetricBuffer:
             if r == self.rank:
                 bases.append(self.ptr)
             else:
-                base = self._rt.ipcOpenMemHandle(peer_handle, _IPC_LAZY_ENABLE_PEER_ACCESS)
+                base = int(cu_check(rt.cudaIpcOpenMemHandle(
+                    _handle_of(peer_handle), rt.cudaIpcMemLazyEnablePeerAccess),
+                    f"cudaIpcOpenMemHandle(rank {r}'s buffer)"))
                 self._opened.append(base)
                 bases.append(base)
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
@@ -70,25 +92,14 @@ class SymmetricBuffer:
         """Unmaps the peers, waits for every rank to do the same, then frees (collective)."""
         if self.ptr is None:
             return
-        self._rt.deviceSynchronize()
+        rt = _runtime()
+        cu_check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         for base in self._opened:
-            self._rt.ipcCloseMemHandle(base)
+            cu_check(rt.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
         self._opened = []
         dist.barrier(group=self.group)
-        self._rt.free(self.ptr)
+        cu_check(rt.cudaFree(self.ptr), "cudaFree(symmetric buffer)")
         self.ptr = None
-
-
-def _device_pointer_of_host(host_ptr: int) -> int:
-    """The device address of mapped pinned memory (equal to the host address under UVA)."""
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        return host_ptr
-    err, device_ptr = cudart.cudaHostGetDevicePointer(host_ptr, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
-    return int(device_ptr)
 
 
 class MappedHostArray:
@@ -99,15 +110,18 @@ class MappedHostArray:
     """
 
     def __init__(self, num_int32: int):
-        import cupy
-        self._rt = cupy.cuda.runtime
-        self.host_ptr = self._rt.hostAlloc(num_int32 * 4, _HOST_ALLOC_MAPPED)
-        ctypes.memset(self.host_ptr, 0, num_int32 * 4)
-        self.device_ptr = _device_pointer_of_host(self.host_ptr)
+        rt = _runtime()
+        num_bytes = num_int32 * 4
+        self.host_ptr = int(cu_check(rt.cudaHostAlloc(num_bytes, rt.cudaHostAllocMapped),
+                                     f"cudaHostAlloc({num_bytes} bytes, mapped)"))
+        ctypes.memset(self.host_ptr, 0, num_bytes)
+        # The device address of the mapping (equal to the host address under UVA).
+        self.device_ptr = int(cu_check(rt.cudaHostGetDevicePointer(self.host_ptr, 0),
+                                       "cudaHostGetDevicePointer"))
         self.words = np.ctypeslib.as_array((ctypes.c_int32 * num_int32).from_address(
             self.host_ptr))
 
     def destroy(self) -> None:
         if self.host_ptr is not None:
-            self._rt.freeHost(self.host_ptr)
+            cu_check(_runtime().cudaFreeHost(self.host_ptr), "cudaFreeHost")
             self.host_ptr = None

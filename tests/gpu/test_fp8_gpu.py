@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_deepep import ops
 from megatron_deepep.fp8 import formats as F
 from tests.test_fp8_formats import ALL_FORMATS, FORMAT_IDS, HIDDENS, KINDS, make_input
 
@@ -48,13 +49,13 @@ def _assert_bf16_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_cuda_matches_reference(fmt, hidden, kind):
     x = make_input(kind, 37, hidden, seed=1)
     q_ref, s_ref = F.quantize(x, fmt)
-    q, s = F.cuda_quantize(x.cuda(), fmt)
+    q, s = ops.quantize_rows(x.cuda(), fmt)
     torch.cuda.synchronize()
     _assert_fp8_equal(q, q_ref)
     _assert_scales_equal(s, s_ref)
 
     # Dequantize the reference's bytes so the check does not depend on the quantize kernel.
-    y = F.cuda_dequantize(q_ref.cuda(), s_ref.cuda(), fmt)
+    y = ops.dequantize_rows(q_ref.cuda(), s_ref.cuda(), fmt)
     torch.cuda.synchronize()
     _assert_bf16_equal(y, F.dequantize(q_ref, s_ref, fmt))
 
@@ -63,8 +64,8 @@ def test_cuda_matches_reference(fmt, hidden, kind):
 @pytest.mark.parametrize("num_tokens", [0, 1, 4097])
 def test_cuda_token_counts(fmt, num_tokens):
     x = make_input("random", max(num_tokens, 4), 7168, seed=2)[:num_tokens].contiguous()
-    q, s = F.cuda_quantize(x.cuda(), fmt)
-    y = F.cuda_dequantize(q, s, fmt)
+    q, s = ops.quantize_rows(x.cuda(), fmt)
+    y = ops.dequantize_rows(q, s, fmt)
     torch.cuda.synchronize()
     q_ref, s_ref = F.quantize(x, fmt)
     _assert_fp8_equal(q, q_ref)
@@ -76,7 +77,7 @@ def test_cuda_token_counts(fmt, num_tokens):
 def test_cuda_cta_sizes(num_warps):
     x = make_input("nan_inf", 9, 2880, seed=4)
     for fmt in (F.BLOCKWISE_1x128, F.MXFP8_1x32):
-        q, s = F.cuda_quantize(x.cuda(), fmt, num_warps=num_warps)
+        q, s = ops.quantize_rows(x.cuda(), fmt, num_warps=num_warps)
         torch.cuda.synchronize()
         q_ref, s_ref = F.quantize(x, fmt)
         _assert_fp8_equal(q, q_ref)

@@ -1,0 +1,225 @@
+// Every kernel's argument struct: a kernel takes one of these by value (`const
+// __grid_constant__`, read from parameter space like separate parameters). The Python side
+// mirrors each one field by field, in this order (megatron_deepep/ops.py, `KernelArgs`
+// subclasses of the same name); tests/test_kernel_args.py checks sizes and offsets with NVRTC.
+// Pointers are 64-bit; `regions` points to a `Regions` in device memory (common/buffer.cuh).
+#pragma once
+#include "common/buffer.cuh"
+#include "common/error.cuh"
+#include "common/host_info.cuh"
+
+namespace mdeep {
+
+// layout.cu: layout_kernel. The recv_* fields, host_info .. host_epoch: the EP = 1 receive
+// layout (recv_tokens_per_expert null: none).
+template <typename IdxT>
+struct LayoutArgs {
+    const IdxT* topk_idx;
+    int num_tokens, num_experts, num_ranks, chunk_tokens;
+    int* num_tokens_per_expert;
+    int* pos_in_expert;
+    int* num_tokens_per_rank;
+    u8* is_token_in_rank;
+    int* token_slot_in_rank;
+    int* slot_token;
+    u32* state;
+    u32* chunk_status;
+    int* chunk_counts;
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+    int rank;
+    int* recv_tokens_per_expert;
+    int* recv_padded;
+    int* recv_row_start;
+    int* recv_src_offset;
+    int* recv_tokens_per_rank;
+    HostInfo* host_info;
+    int alignment, max_recv_rows;
+    u32 host_epoch;
+};
+
+// notify.cu: notify_kernel.
+struct NotifyArgs {
+    const u64* peer_bases;
+    int rank, num_ranks;
+    u32 epoch;
+    const int* num_tokens_per_rank;
+    const int* num_tokens_per_expert;
+    int num_local, hidden, num_topk, alignment, max_recv_rows;
+    int* num_recv_tokens_per_rank;
+    int* num_recv_tokens_per_expert;
+    int* tokens_per_expert;
+    int* expert_row_start;
+    int* src_expert_offset;
+    HostInfo* host_info;
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+};
+
+// dispatch.cu: dispatch_send.
+template <typename IdxT>
+struct DispatchSendArgs {
+    const u8* x;
+    const u8* x_scales;
+    int num_tokens, hidden;
+    float amax_epsilon;
+    const IdxT* topk_idx;
+    const float* topk_weights;
+    const int* pos_in_expert;
+    const u8* is_token_in_rank;
+    const int* token_slot_in_rank;
+    const u64* peer_bases;
+    const Regions* regions;
+    int rank, num_ranks, num_local;
+    u32 epoch;
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+};
+
+// dispatch.cu: dispatch_recv.
+template <typename IdxT>
+struct DispatchRecvArgs {
+    u8* recv_x;
+    u8* recv_scales;
+    float* recv_weights;
+    int max_rows, hidden;
+    const int* num_recv_tokens_per_rank;
+    const int* num_recv_tokens_per_expert;
+    const int* expert_row_start;
+    const int* src_expert_offset;
+    int* slot_rows;
+    const u8* x;
+    const u8* x_scales;
+    float amax_epsilon;
+    const IdxT* topk_idx;
+    const float* topk_weights;
+    const int* pos_in_expert;
+    const int* slot_token;
+    int num_tokens;
+    const u64* peer_bases;
+    const Regions* regions;
+    int rank, num_ranks, num_local;
+    u32 epoch;
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+};
+
+// dispatch.cu: dispatch_local (EP = 1). host_info null: nothing published to the host.
+template <typename IdxT>
+struct DispatchLocalArgs {
+    u8* recv_x;
+    u8* recv_scales;
+    float* recv_weights;
+    int max_rows, hidden;
+    const int* num_recv_tokens_per_expert;
+    const int* expert_row_start;
+    int* slot_rows;
+    const u8* x;
+    const u8* x_scales;
+    float amax_epsilon;
+    const IdxT* topk_idx;
+    const float* topk_weights;
+    const int* pos_in_expert;
+    const int* token_slot_in_rank;
+    int num_tokens, num_local;
+    HostInfo* host_info;
+    const int* tokens_per_expert;
+    u32 host_epoch;
+};
+
+// combine.cu: combine_send.
+struct CombineSendArgs {
+    const int4* y;
+    int num_int4;
+    const float* recv_weights;
+    const float* grad_row_weights;
+    const int* slot_rows;
+    const int* num_recv_tokens_per_rank;
+    const u64* peer_bases;
+    const Regions* regions;
+    int rank, num_ranks;
+    u32 epoch;
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+};
+
+// combine.cu: combine_reduce.
+struct CombineReduceArgs {
+    int4* out;
+    float* out_weights;
+    int num_tokens, num_int4;
+    const int4* y;
+    const float* recv_weights;
+    const float* grad_row_weights;
+    const int* slot_rows;
+    const u8* is_token_in_rank;
+    const int* token_slot_in_rank;
+    const u64* peer_bases;
+    const Regions* regions;
+    int rank, num_ranks;
+    u32 epoch;
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+};
+
+// combine.cu: combine_local (EP = 1).
+struct CombineLocalArgs {
+    int4* out;
+    float* out_weights;
+    int num_tokens, num_int4;
+    const int4* y;
+    const float* recv_weights;
+    const float* grad_row_weights;
+    const int* slot_rows;
+    const int* token_slot_in_rank;
+};
+
+// fp8.cu: quantize_blockwise (ScaleT float: scale_inv) and quantize_mxfp8 (ScaleT u8: E8M0,
+// amax_epsilon unused).
+template <typename ScaleT>
+struct QuantizeArgs {
+    const u16* x;
+    u8* q;
+    ScaleT* scales;
+    int num_tokens, hidden;
+    float amax_epsilon;
+};
+
+// fp8.cu: dequantize_blockwise (ScaleT float) and dequantize_mxfp8 (ScaleT u8).
+template <typename ScaleT>
+struct DequantizeArgs {
+    const u8* q;
+    const ScaleT* scales;
+    u16* out;
+    int num_tokens, hidden;
+};
+
+// ceiling.cu: fill_kernel.
+struct FillArgs {
+    int4* dst;
+    i64 num_int4;
+};
+
+// ceiling.cu: fan_out_copy.
+struct FanOutArgs {
+    const int4* src;
+    const int* dst_rows;
+    int4* dst;
+    int num_rows, num_int4, fan_out;
+};
+
+// ceiling.cu: fan_in_sum.
+struct FanInArgs {
+    const int4* src;
+    const int* src_rows;
+    int4* dst;
+    int num_rows, num_int4;
+};
+
+}  // namespace mdeep
