@@ -6,12 +6,14 @@ carry them: they are installed as the package ``megatron_deepep.cuda_src`` throu
 
 from setuptools import find_packages, setup
 
-CUDA_SRC_PATTERNS = ["*.cu", "common/*.cuh"]
+JIT_PACKAGES = ["cuda-bindings>=12.8", "nvidia-cuda-nvrtc", "nvidia-nvjitlink",
+                "nvidia-nvshmem-cu13", "nvidia-cuda-runtime", "nvidia-cuda-cccl"]
+CUDA_SRC_PATTERNS = ["*.cu", "common/*.cuh", "internode/*.cu", "internode/*.cuh"]
 
 setup(
     name="megatron_deepep",
     version="0.1.0",
-    description="Megatron-LM MoE token dispatcher on CuPy-compiled NVLink kernels",
+    description="Megatron-LM MoE token dispatcher on run-time compiled CUDA kernels",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists(
         "README.md") else "",
     long_description_content_type="text/markdown",
@@ -23,9 +25,11 @@ setup(
     include_package_data=False,
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        # NVRTC without a GPU (kernel compile checks in CI) and at run time.
-        "jit": ["cuda-bindings>=12.8", "nvidia-cuda-nvrtc"],
-        "gpu": ["cuda-bindings>=12.8", "nvidia-cuda-nvrtc"],
+        # NVRTC and nvJitLink without a GPU (every kernel compiles and links in CI) and at run
+        # time; NVSHMEM's device library and the CUDA / CCCL headers its headers need, for the
+        # internode kernels.
+        "jit": JIT_PACKAGES,
+        "gpu": JIT_PACKAGES,
         # pyyaml: megatron.training (in the megatron-core wheels from 0.17) imports it.
         "megatron": ["megatron-core>=0.16", "pyyaml"],
         "test": ["pytest", "matplotlib"],

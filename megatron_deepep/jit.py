@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_deepep import knobs
+from megatron_deepep.cuda_calls import CudaError, cu_check, ensure_context, error_name  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -177,42 +178,6 @@ def _nvrtc_version() -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Driver API: every call's status checked, the error named with the call.
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver or runtime call failed; the message names the call and the error."""
-
-
-def _error_name(err) -> str:
-    """The enum name of a CUresult or cudaError_t, e.g. CUDA_ERROR_INVALID_VALUE."""
-    return getattr(err, "name", None) or f"CUDA error {int(err)}"
-
-
-def cu_check(result, what: str):
-    """The values of a driver or runtime call's result tuple (status first).
-
-    Raises:
-        CudaError: the status is not success; the message names `what` and the error.
-    """
-    err = result[0]
-    if int(err) != 0:
-        raise CudaError(f"{what} failed: {_error_name(err)}")
-    if len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
-
-
-def ensure_context(device_index: int) -> None:
-    """Makes sure a context is current in this thread: torch's, else the device's primary
-    context (the one torch uses), retained and made current."""
-    from cuda.bindings import driver
-    ctx = cu_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if int(ctx) != 0:
-        return
-    device = cu_check(driver.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
-    primary = cu_check(driver.cuDevicePrimaryCtxRetain(device),
-                       f"cuDevicePrimaryCtxRetain(device {device_index})")
-    cu_check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +360,7 @@ class Kernel:
                                          shared_mem, stream.cuda_stream, args.kernel_params, 0)
         if int(err) != 0:
             raise CudaError(f"launching {self.name} (grid {grid}, block {block}, "
-                            f"{shared_mem} B shared) failed: {_error_name(err)}")
+                            f"{shared_mem} B shared) failed: {error_name(err)}")
 
     def _allow_dynamic_shared(self, shared_mem: int) -> None:
         """Raises the kernel's dynamic shared-memory limit (48 KB unless set) to `shared_mem`."""

@@ -1,7 +1,9 @@
-"""CPU tier: the NVLink transport's host path with the kernels replaced by recorders.
+"""CPU tier: the kernel transports' host path (local, NVLink) with the kernels replaced by
+recorders.
 
 No GPU: every launch's argument struct is filled by name through the real `KernelArgs.fill`
-(a missing or unknown field, or a value that does not fit, fails here) and recorded, the notify result the host polls is written by the test. This checks
+(a missing or unknown field, or a value that does not fit, fails here) and recorded; the
+row count the host polls comes from the test. This checks
 what runs in which order (EP = 1: layout then the expand, no notify; the sync call's expand
 before or after its host wait), the shapes handed back, and that the handle's arrays are the
 ones the kernels were given.
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from megatron_deepep import jit, ops
-from megatron_deepep.transport import nvlink
+from megatron_deepep.transport import local, nvlink
 from megatron_deepep.transport.regions import BufferRegions
 
 
@@ -37,10 +39,26 @@ class _Recorder:
         return _Kernel()
 
 
-class _HostWords:
-    def __init__(self, n):
-        self.words = np.zeros(n, dtype=np.int32)
-        self.device_ptr = 0x1000
+class _FakeStatus:
+    """Stands in for `KernelStatus`: mailboxes at a fake device address; the host wait is
+    recorded and sees `rows_from_notify()`."""
+
+    host_info_ptr = 0x1000
+
+    def __init__(self, rec, rows_from_notify, num_words=4 + 256):
+        self.rec, self.rows_from_notify = rec, rows_from_notify
+        self.words = np.zeros(num_words, dtype=np.int32)
+        self.errors = ops.ErrorSink(0, 0)
+
+    def check_errors(self):
+        pass
+
+    def wait_num_rows(self, epoch):
+        self.rec.events.append(("host wait", {}))
+        return self.rows_from_notify()
+
+    def tokens_per_expert(self, num_local):
+        return self.words[4:4 + num_local].tolist()
 
 
 @pytest.fixture
@@ -58,26 +76,23 @@ def recorder(monkeypatch):
 
 
 def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify):
-    """An NVLinkTransport on the CPU (no IPC buffer); its host wait sees `rows_from_notify()`."""
-    t = nvlink.NVLinkTransport.__new__(nvlink.NVLinkTransport)
-    t.regions = BufferRegions(num_ranks, max_tokens, hidden, topk)
-    t.rank, t.num_ranks, t.device = 0, num_ranks, torch.device("cpu")
-    t.regions_dev = torch.zeros(16, dtype=torch.int64)
-    t.sym = type("Sym", (), {})()
-    t.sym.peer_bases, t.sym.ptr = torch.zeros(num_ranks, dtype=torch.int64), 0
-    t.num_sms, t.timeout_s, t.timeout_ns = 8, 5.0, 5 * 10**9
-    t.host_info = _HostWords(nvlink.HOST_INFO_WORDS)
-    t.error_record = _HostWords(64)
-    t.errors = ops.ErrorSink(0, 0)
-    t.notify_epoch = t.dispatch_epoch = t.combine_epoch = 0
-    t._broken = None
-
-    def wait(epoch):
-        rec.events.append(("host wait", {}))
-        t.host_info.words[0], t.host_info.words[1] = epoch, rows_from_notify()
-        return nvlink.NVLinkTransport._wait_host_info(t, epoch)
-
-    t._wait_host_info = wait
+    """The transport `auto` picks for `num_ranks` (local or NVLink), built on the CPU with no
+    GPU memory; its host wait sees `rows_from_notify()`."""
+    if num_ranks == 1:
+        t = local.LocalTransport.__new__(local.LocalTransport)
+        t.max_tokens, t.epoch = max_tokens, 0
+        t._meta_bases = torch.zeros(1, dtype=torch.int64)
+    else:
+        t = nvlink.NVLinkTransport.__new__(nvlink.NVLinkTransport)
+        t.regions = BufferRegions(num_ranks, max_tokens, hidden, topk)
+        t.rank, t.num_ranks = 0, num_ranks
+        t.regions_dev = torch.zeros(16, dtype=torch.int64)
+        t.sym = type("Sym", (), {})()
+        t.sym.peer_bases, t.sym.ptr = torch.zeros(num_ranks, dtype=torch.int64), 0
+        t.notify_epoch = t.dispatch_epoch = t.combine_epoch = 0
+    t.device = torch.device("cpu")
+    t.num_sms, t.timeout_ns = 8, 5 * 10**9
+    t.status = _FakeStatus(rec, rows_from_notify)
     return t
 
 
@@ -134,7 +149,7 @@ def test_ep1_sync_launches_the_expand_before_the_wait_and_trims(recorder):
     # The expand publishes the receive layout to the host, not the layout kernel it follows.
     assert recorder.events[0][1]["args"]["host_info"] == 0
     assert (expand["host_info"], expand["tokens_per_expert"], expand["host_epoch"]) == (
-        t.host_info.device_ptr, handle.transport_state[1].address("tokens_per_expert"), 1)
+        t.status.host_info_ptr, handle.transport_state[1].address("tokens_per_expert"), 1)
     assert recv_x.shape == (250, 256) and recv_w.shape == (250,)
     assert handle.num_recv_rows == 250 and len(handle.tokens_per_expert_list) == 16
 
@@ -146,7 +161,7 @@ def test_ep1_sync_with_large_padding_waits_first(recorder):
     assert _names(recorder) == ["layout_kernel", "host wait", "dispatch_local"]
     assert recorder.events[2][1]["args"]["max_rows"] == 2048 and recv_x.shape == (2048, 256)
     # The host waits before the expand: the layout kernel publishes.
-    assert recorder.events[0][1]["args"]["host_info"] == t.host_info.device_ptr
+    assert recorder.events[0][1]["args"]["host_info"] == t.status.host_info_ptr
     assert recorder.events[2][1]["args"]["host_info"] == 0
 
 
@@ -206,7 +221,7 @@ def test_ep2_runs_the_protocol_kernels(recorder):
     assert _names(recorder) == ["layout_kernel", "notify_kernel", "dispatch_send",
                                 "host wait", "dispatch_recv"]
     assert recv_x.shape == (200, 256) and handle.slot_rows.shape == (2, 64, 4)
-    assert recorder.events[1][1]["args"]["host_info"] == t.host_info.device_ptr  # it publishes
+    assert recorder.events[1][1]["args"]["host_info"] == t.status.host_info_ptr  # it publishes
     send, recv = recorder.events[2][1]["args"], recorder.events[4][1]["args"]
     for args in (send, recv):
         assert args["regions"] == t.regions_dev.data_ptr()
@@ -227,11 +242,8 @@ def test_ep2_runs_the_protocol_kernels(recorder):
 
 
 def test_rows_before_wait_bound():
-    t = nvlink.NVLinkTransport.__new__(nvlink.NVLinkTransport)
-    t.num_ranks = 1
-    assert t._rows_before_wait(100, 8, 256, 1) == 800
-    assert t._rows_before_wait(100, 8, 16, 4) == 800 + 16 * 3
-    assert t._rows_before_wait(100, 8, 256, 128) is None  # padding would exceed 1/8
-    assert t._rows_before_wait(0, 8, 16, 4) == 0
-    t.num_ranks = 2
-    assert t._rows_before_wait(100, 8, 16, 1) is None
+    bound = local.LocalTransport._rows_before_wait
+    assert bound(100, 8, 256, 1) == 800
+    assert bound(100, 8, 16, 4) == 800 + 16 * 3
+    assert bound(100, 8, 256, 128) is None  # padding would exceed 1/8
+    assert bound(0, 8, 16, 4) == 0

@@ -17,10 +17,7 @@ A new module must be placed in `LAYERS` (the test fails on a module missing from
 the layers: only `megatron/patching.py` assigns attributes on megatron-core objects, and only
 `knobs.py` reads `MDEEP_*` environment variables.
 
-Every check collects all its violations and reports them together. `PENDING` lists the ones in
-files other branches of issue 16 rewrite (they fail on this branch alone, and must be gone once
-those are merged): while only those remain the test is an expected failure that names them;
-delete `PENDING` when the merged tree passes.
+Every check collects all its violations and reports them together.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import os
 import re
 from typing import Dict, Iterator, List, Optional, Set
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "megatron_deepep"
@@ -40,6 +36,7 @@ PACKAGE_DIR = os.path.join(ROOT, PACKAGE)
 LAYERS: Dict[str, int] = {
     "megatron_deepep.cuda_src": 0,  # the CUDA sources' folder in the wheel (no Python)
     "megatron_deepep.knobs": 0,
+    "megatron_deepep.cuda_calls": 0,
     "megatron_deepep.logs": 0,
     "megatron_deepep.jit": 1,
     "megatron_deepep.nvshmem_link": 1,  # jit's linker for kernels on NVSHMEM's device API
@@ -78,20 +75,6 @@ PATCHING_MODULE = "megatron_deepep.megatron.patching"
 
 #: The only module that reads the environment for our knobs.
 KNOBS_MODULE = "megatron_deepep.knobs"
-
-#: Violations in files other issue-16 branches rewrite (see the module docstring).
-PENDING = {
-    # fp8/formats.py and bench.py launch kernels through jit (they move to ops wrappers).
-    "jit: megatron_deepep.fp8.formats imports megatron_deepep.jit",
-    "jit: megatron_deepep.bench imports megatron_deepep.jit",
-    # reference.py moves to transport/reference.py.
-    "table: megatron_deepep.reference is in no layer",
-    "table: megatron_deepep.buffer imports megatron_deepep.reference (in no layer)",
-    # jit.py and ops.py read the old MEGATRON_DEEPEP_* variables (they move to knobs).
-    "environ: megatron_deepep.jit reads a knob from os.environ",
-    "environ: megatron_deepep.ops reads a knob from os.environ",
-}
-
 
 # ----------------------------------------------------------------------------------------------
 def _module_files() -> Dict[str, str]:
@@ -341,10 +324,7 @@ def environ_violations() -> List[str]:
 
 
 def _check(violations: List[str]) -> None:
-    unexpected = [v for v in violations if not any(v.startswith(p) for p in PENDING)]
-    assert not unexpected, "\n" + "\n".join(unexpected)
-    if violations:
-        pytest.xfail("pending on other branches of issue 16:\n" + "\n".join(violations))
+    assert not violations, "\n" + "\n".join(violations)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ class ReferenceTransport(Transport):
                        ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Dispatches rows `x [N, W]` of any dtype; the handle records `hidden` (the token width,
         W for bf16, the element count of the FP8 data otherwise)."""
-        group, num_ranks, rank = self.group, self.num_ranks, self.rank
+        group, num_ranks = self.group, self.num_ranks
         num_local = num_experts // num_ranks
         num_tokens, num_topk = topk_idx.shape
         width = x.shape[1]

@@ -12,7 +12,6 @@ megatron-core (scripts/gpu_tier.sh installs the wheel from .whl/).
 
 from __future__ import annotations
 
-import os
 import socket
 import warnings
 

@@ -1,0 +1,44 @@
+"""Checked calls into the one CUDA binding (`cuda.bindings`): the error type, the result
+check every driver / runtime call goes through, and the current context.
+
+The bottom layer: kernels are compiled and launched by `jit`, memory is mapped by
+`transport/ipc.py`; both check their calls here.
+"""
+
+from __future__ import annotations
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver or runtime call failed; the message names the call and the error."""
+
+
+def error_name(err) -> str:
+    """The enum name of a CUresult or cudaError_t, e.g. CUDA_ERROR_INVALID_VALUE."""
+    return getattr(err, "name", None) or f"CUDA error {int(err)}"
+
+
+def cu_check(result, what: str):
+    """The values of a driver or runtime call's result tuple (status first).
+
+    Raises:
+        CudaError: the status is not success; the message names `what` and the error.
+    """
+    err = result[0]
+    if int(err) != 0:
+        raise CudaError(f"{what} failed: {error_name(err)}")
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def ensure_context(device_index: int) -> None:
+    """Makes sure a context is current in this thread: torch's, else the device's primary
+    context (the one torch uses), retained and made current."""
+    from cuda.bindings import driver
+    ctx = cu_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(ctx) != 0:
+        return
+    device = cu_check(driver.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
+    primary = cu_check(driver.cuDevicePrimaryCtxRetain(device),
+                       f"cuDevicePrimaryCtxRetain(device {device_index})")
+    cu_check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
