@@ -27,9 +27,8 @@ struct LegArgs {
     ErrorRecord* error_record;  // ErrorState
     i64* info;                  // internode_leg_wait: [my_pe, num_pes]
 };
-static_assert(sizeof(LegArgs) == 80 && __builtin_offsetof(LegArgs, peer) == 48 &&
-                  __builtin_offsetof(LegArgs, info) == 72,
-              "tests/gpu/test_internode_leg_gpu.py mirrors this layout");
+// (sizeof only: NVRTC 13.0 with the NVSHMEM headers rejects __builtin_offsetof here.)
+static_assert(sizeof(LegArgs) == 80, "tests/gpu/test_internode_leg_gpu.py mirrors this layout");
 
 __global__ void internode_leg_send(const __grid_constant__ LegArgs args) {
     if (args.peer < 0) return;

@@ -247,3 +247,25 @@ def test_rows_before_wait_bound():
     assert bound(100, 8, 16, 4) == 800 + 16 * 3
     assert bound(100, 8, 256, 128) is None  # padding would exceed 1/8
     assert bound(0, 8, 16, 4) == 0
+
+
+def test_nvlink_adopts_a_handle_of_a_smaller_buffer(recorder):
+    """After get_buffer grew (N_max 64 -> 128), a pending handle's slot_rows move into an
+    arena of the new N_max (the kernels index them with it), padded with -1."""
+    t = _transport(recorder, 2, 64, 256, 4, lambda: 200)
+    x, idx, w = _inputs(64, 256, 16, 4)
+    _, _, handle = t.dispatch(x, idx, w, 16)
+    handle.slot_rows.copy_(torch.arange(handle.slot_rows.numel()).view(2, 64, 4))
+    old_slot_rows = handle.slot_rows.clone()
+    old_offsets = handle.recv.src_expert_offset.clone()
+    t.regions = BufferRegions(2, 128, 256, 4)
+    recorder.events.clear()
+    t.combine(torch.zeros(200, 256, dtype=torch.bfloat16), handle)
+    assert handle.slot_rows.shape == (2, 128, 4)
+    assert torch.equal(handle.slot_rows[:, :64], old_slot_rows)
+    assert (handle.slot_rows[:, 64:] == -1).all()
+    assert torch.equal(handle.recv.src_expert_offset, old_offsets)
+    assert recorder.events[0][1]["args"]["slot_rows"] == handle.address("slot_rows")
+    assert handle.transport_state[1].address("slot_rows") == handle.address("slot_rows")
+    t.cached_dispatch(x, handle)
+    assert recorder.events[-1][1]["args"]["slot_rows"] == handle.address("slot_rows")

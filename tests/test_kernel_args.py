@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_deepep import jit, ops
-from megatron_deepep.transport import errors, nvlink
+from megatron_deepep.transport import errors, status
 from megatron_deepep.transport.regions import BufferRegions
 
 pytest.importorskip("cuda.bindings.nvrtc")
@@ -116,8 +116,8 @@ def test_regions_host_info_and_error_record_mirrors():
                     if i * 4 not in taken and words32[i] == getattr(regions, name)]
         offsets[name] = 4 * where
     body = _asserts("mdeep::Regions", len(raw), offsets)
-    # HostInfo: the words transport/nvlink.py reads (epoch, rows, then the per-expert rows).
-    body += "\n" + _asserts("mdeep::HostInfo", 4 * nvlink.HOST_INFO_WORDS,
+    # HostInfo: the words transport/status.py reads (epoch, rows, then the per-expert rows).
+    body += "\n" + _asserts("mdeep::HostInfo", 4 * status.HOST_INFO_WORDS,
                             {"epoch": 0, "num_recv_rows": 4, "tokens_per_expert": 16})
     # ErrorRecord: the words transport/errors.py decodes.
     body += "\n" + _asserts("mdeep::ErrorRecord", 4 * errors.ERROR_RECORD_WORDS,

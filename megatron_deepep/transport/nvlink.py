@@ -127,9 +127,32 @@ class NVLinkTransport(Transport):
             transport_state=(topk_idx, arena))
         return as_recv_x(recv_x, recv_scales), recv_weights, handle
 
+    def _adopt(self, handle: DispatchHandle) -> None:
+        """Makes a handle of a smaller buffer (one `get_buffer` has since replaced) usable here:
+        the kernels index `slot_rows [R, slots, K]` with this buffer's N_max, so its receive
+        arrays move into an arena of this buffer's size, the new slots unused (-1)."""
+        slots = handle.shape_of("slot_rows")[1]
+        if slots == self.regions.max_tokens:
+            return
+        topk_idx, old = handle.transport_state
+        num_tokens, num_topk = topk_idx.shape
+        arena = dispatch_plan(num_tokens, num_topk, handle.num_experts, self.num_ranks,
+                              self.regions.max_tokens, False).allocate(self.device)
+        for name in arena.plan.fields:
+            if name == "slot_rows":
+                arena.view(name).fill_(-1)[:, :slots].copy_(old.view(name))
+            else:
+                arena.view(name).copy_(old.view(name))
+        for name in arena.plan.fields:  # drop views of the old arena
+            handle.__dict__.pop(name, None)
+        handle.__dict__["_arena"] = arena
+        handle.recv = RecvLayout.from_arena(arena)
+        handle.transport_state = (topk_idx, arena)
+
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8=None,
                         x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
+        self._adopt(handle)
         num_local = handle.num_local_experts
         topk_idx, arena = handle.transport_state
         self.dispatch_epoch += 1
@@ -146,6 +169,7 @@ class NVLinkTransport(Transport):
                 grad_row_weights: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         self.check_errors()
+        self._adopt(handle)
         self.combine_epoch += 1
         peers = self._peers(self.combine_epoch)
         ops.combine_send(y, handle, weighted, grad_row_weights, **peers)
