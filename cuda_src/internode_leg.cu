@@ -4,31 +4,17 @@
 //   internode_leg_send: block b puts chunk b of `send` into slot [my_pe] of the peer's `recv`
 //     and adds 1 to the peer's signals[my_pe] (so after round r the peer sees r * gridDim.x),
 //     then completes its puts (quiet). peer < 0: sends nothing (a planted stall for tests).
-//   internode_leg_wait: one thread waits until signals[from] >= expected, or records a timeout
-//     naming `from` in the error record; writes what the kernel saw (my_pe, num_pes) to `info`.
-// Built by megatron_deepep/nvshmem_link.py (NVRTC -rdc + nvJitLink with libnvshmem_device.a).
+//   internode_leg_wait: one thread waits until signals[source] >= expected, or records a
+//     timeout naming `source`; writes what the kernel saw (my_pe, num_pes) to `info`.
+// Built by megatron_deepep/nvshmem_link.py (NVRTC -rdc + nvJitLink with libnvshmem_device.a);
+// launched by ops.internode_leg_send / internode_leg_wait with `LegArgs` (common/args.cuh).
+#include "common/args.cuh"
 #include "internode/net.cuh"
 
 using namespace mdeep;
 
 // Error-record phase of the network leg (error.cuh's phases are the NVLink path's 0-5).
 constexpr int kPhaseNetLeg = 6;
-
-struct LegArgs {
-    char* recv;                 // symmetric [num_pes][bytes]: slot p receives PE p's bytes
-    const char* send;           // symmetric [bytes]: what I send
-    u64* signals;               // symmetric [num_pes]: signals[p] counts PE p's chunks landed
-    i64 bytes;                  // bytes per PE
-    u64 expected;               // internode_leg_wait: signals[from] to wait for
-    u64 timeout_ns;             // internode_leg_wait: give up (and record) after this long
-    int peer;                   // internode_leg_send: destination PE, < 0: send nothing
-    int from;                   // internode_leg_wait: source PE
-    int* error_claim;           // ErrorState
-    ErrorRecord* error_record;  // ErrorState
-    i64* info;                  // internode_leg_wait: [my_pe, num_pes]
-};
-// (sizeof only: NVRTC 13.0 with the NVSHMEM headers rejects __builtin_offsetof here.)
-static_assert(sizeof(LegArgs) == 80, "tests/gpu/test_internode_leg_gpu.py mirrors this layout");
 
 __global__ void internode_leg_send(const __grid_constant__ LegArgs args) {
     if (args.peer < 0) return;
@@ -48,8 +34,8 @@ __global__ void internode_leg_wait(const __grid_constant__ LegArgs args) {
     if (threadIdx.x != 0) return;
     const ErrorState err{args.error_claim, args.error_record};
     const int me = net::my_pe();
-    net::wait_signal_ge(args.signals + args.from, args.expected, args.timeout_ns, err, me,
-                        args.from, kPhaseNetLeg);
+    net::wait_signal_ge(args.signals + args.source, args.expected, args.timeout_ns, err, me,
+                        args.source, kPhaseNetLeg);
     args.info[0] = me;
     args.info[1] = net::num_pes();
 }

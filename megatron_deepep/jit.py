@@ -161,7 +161,7 @@ def _cache_dir() -> Path:
     return Path(knobs.get("CACHE_DIR") or Path.home() / ".cache" / "megatron_deepep")
 
 
-def _device_arch() -> str:
+def device_arch() -> str:
     override = knobs.get("ARCH")
     if override:
         return override
@@ -429,12 +429,12 @@ def get_kernel(source_file: str, name: str, template_args: Sequence = ()) -> Ker
 
 @functools.lru_cache(maxsize=None)
 def _get_kernel(source_file: str, name: str, template_args: tuple, device_index: int) -> Kernel:
-    args = ", ".join(_render(a) for a in template_args)
+    args = ", ".join(render_template_arg(a) for a in template_args)
     expr = f"{name}<{args}>" if template_args else name
-    return _load(source_file, expr, _device_arch(), device_index)
+    return _load(source_file, expr, device_arch(), device_index)
 
 
-def _render(value) -> str:
+def render_template_arg(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -6,8 +6,8 @@ NVSHMEM's device library. So `link_cubin` compiles the kernel source with `-rdc=
 our ABI thunk (`cuda_src/internode/nvshmem_abi_thunk.cu`: the library mangles uint64_t as
 `unsigned long`, NVRTC as `unsigned long long`), and links both with the `nvidia-nvshmem-cu13`
 wheel's `lib/libnvshmem_device.a` through nvJitLink into one cubin. None of it needs a GPU, so CI
-links every internode kernel for sm_90. Loading the cubin and `nvshmemx_cumodule_init` are the
-caller's (`transport/nvshmem_heap.py`).
+links every internode kernel for sm_90. `get_kernel` loads the cubin, fills its NVSHMEM state
+(`nvshmemx_cumodule_init`, through torch) and hands back a `jit.Kernel`.
 
 Headers come from pip wheels (no NVSHMEM or CUDA toolkit install): NVSHMEM's from
 `nvidia-nvshmem-cu13`, the CUDA runtime's from `nvidia-cuda-runtime` (else /usr/local/cuda), and
@@ -32,11 +32,13 @@ import logging
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_deepep import knobs
-from megatron_deepep.jit import CompileError, cuda_src_dir
+from megatron_deepep.cuda_calls import cu_check, ensure_context
+from megatron_deepep.jit import CompileError, Kernel, cuda_src_dir, device_arch, render_template_arg
 
 logger = logging.getLogger(__name__)
 
@@ -356,3 +358,82 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
     _write_atomic(names_path, json.dumps(lowered).encode())
     _write_atomic(cubin_path, linked)
     return linked, lowered
+
+
+_FALLBACK = "or use transport='reference', which works without NVSHMEM"
+
+
+def cumodule_init():
+    """torch's binding of nvshmemx_cumodule_init (only in builds with NVSHMEM).
+
+    Raises:
+        NvshmemUnavailable: this torch was built without NVSHMEM.
+    """
+    import torch
+    init = getattr(torch._C._distributed_c10d, "_nvshmemx_cumodule_init", None)
+    if init is None:
+        raise NvshmemUnavailable(
+            f"megatron_deepep: torch {torch.__version__} was built without NVSHMEM (no "
+            f"torch._C._distributed_c10d._nvshmemx_cumodule_init); the internode transport "
+            f"needs torch >= 2.11 built for CUDA 13 with NVSHMEM, {_FALLBACK}.")
+    return init
+
+
+def init_module(module) -> None:
+    """Fills a loaded module's NVSHMEM device state (`nvshmemx_cumodule_init`); call it once per
+    module, after NVSHMEM has started (after this process's first `SymmetricHeap.empty`) and
+    before launching any of its kernels.
+
+    Args:
+        module: the CUmodule (a `cuda.bindings.driver.CUmodule` or its address as an int).
+
+    Raises:
+        NvshmemUnavailable: this torch cannot do it.
+        RuntimeError: NVSHMEM refused (not started yet, or the cubin lacks its device state).
+    """
+    init = cumodule_init()
+    try:
+        init(int(module))
+    except Exception as exc:
+        raise RuntimeError(
+            f"megatron_deepep: nvshmemx_cumodule_init failed: {exc}. It needs NVSHMEM started "
+            "(a symmetric allocation first) and a cubin linked by nvshmem_link.link_cubin."
+            ) from exc
+
+
+def load_module(cubin: bytes):
+    """Loads a linked cubin into the current device's context and inits its NVSHMEM state.
+
+    Returns:
+        The `cuda.bindings.driver.CUmodule`.
+    """
+    import torch
+    from cuda.bindings import driver
+    ensure_context(torch.cuda.current_device())
+    module = cu_check(driver.cuModuleLoadData(cubin), "cuModuleLoadData(NVSHMEM cubin)")
+    init_module(module)
+    return module
+
+
+def get_kernel(source_file: str, name: str, template_args: Sequence = ()) -> Kernel:
+    """`name<template_args...>` of an NVSHMEM-linked `cuda_src/<source_file>`, linked, loaded
+    and initialized for the current device once; launched like any `jit.Kernel`. NVSHMEM must
+    have started in this process (a symmetric allocation) before the first call."""
+    import torch
+    return _get_kernel(source_file, name, tuple(template_args), torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _get_kernel(source_file: str, name: str, template_args: tuple,
+                device_index: int) -> Kernel:
+    from cuda.bindings import driver
+    args = ", ".join(render_template_arg(a) for a in template_args)
+    expr = f"{name}<{args}>" if template_args else name
+    start = time.perf_counter()
+    cubin, lowered = link_cubin(source_file, [expr], device_arch())
+    module = load_module(cubin)
+    function = cu_check(driver.cuModuleGetFunction(module, lowered[expr].encode()),
+                        f"cuModuleGetFunction({expr})")
+    logger.info("loaded %s from %s (NVSHMEM-linked) in %.1f s", expr, source_file,
+                time.perf_counter() - start)
+    return Kernel(expr, function, device_index)

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_deepep import jit
+from megatron_deepep import jit, nvshmem_link
 from megatron_deepep.arena import Arena, ArenaPlan
 from megatron_deepep.jit import F32, I32, I64, U32, U64, KernelArgs, Ptr
 from megatron_deepep.layout import DispatchLayout, layout_fields
@@ -146,6 +146,13 @@ class FanInArgs(KernelArgs):
                 ("num_int4", I32)]
 
 
+class LegArgs(KernelArgs):
+    c_name = "mdeep::LegArgs"
+    _fields_ = [("recv", Ptr), ("send", Ptr), ("signals", Ptr), ("bytes", I64),
+                ("expected", U64), ("timeout_ns", U64), ("peer", I32), ("source", I32),
+                ("error_claim", Ptr), ("error_record", Ptr), ("info", Ptr)]
+
+
 # Every kernel's argument struct (checked against the CUDA kernels by the CPU tests).
 KERNEL_ARGS = {
     ("layout.cu", "layout_kernel"): LayoutArgs, ("notify.cu", "notify_kernel"): NotifyArgs,
@@ -160,6 +167,8 @@ KERNEL_ARGS = {
     ("fp8.cu", "dequantize_mxfp8"): DequantizeArgs,
     ("ceiling.cu", "fill_kernel"): FillArgs, ("ceiling.cu", "fan_out_copy"): FanOutArgs,
     ("ceiling.cu", "fan_in_sum"): FanInArgs,
+    ("internode_leg.cu", "internode_leg_send"): LegArgs,
+    ("internode_leg.cu", "internode_leg_wait"): LegArgs,
 }
 
 
@@ -686,3 +695,32 @@ def fan_in_sum(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
                           dst=dst.data_ptr(), num_rows=src_rows.shape[0],
                           num_int4=src.shape[1] * src.element_size() // 16)
     jit.get_kernel("ceiling.cu", "fan_in_sum").launch(num_blocks, 512, args, _stream())
+
+
+# ---------------------------------------------------------------------------------------------
+# The network leg (NVSHMEM-linked kernels: nvshmem_link builds and loads them).
+
+LEG_SEND_THREADS = 256
+
+
+def internode_leg_send(recv: torch.Tensor, send: torch.Tensor, signals: torch.Tensor,
+                       peer: int, num_blocks: int, errors: ErrorSink) -> None:
+    """Puts `send [bytes]` uint8 into slot [my PE] of PE `peer`'s symmetric `recv
+    [num_pes * bytes]` in `num_blocks` chunks, each adding 1 to the peer's `signals [num_pes]`
+    int64 word of this PE; `peer` < 0 sends nothing."""
+    args = LegArgs.fill(recv=recv.data_ptr(), send=send.data_ptr(), signals=signals.data_ptr(),
+                        bytes=send.numel(), expected=0, timeout_ns=0, peer=peer, source=-1,
+                        error_claim=errors.claim, error_record=errors.record, info=0)
+    nvshmem_link.get_kernel("internode_leg.cu", "internode_leg_send").launch(
+        num_blocks, LEG_SEND_THREADS, args, _stream())
+
+
+def internode_leg_wait(signals: torch.Tensor, source: int, expected: int, timeout_ns: int,
+                       errors: ErrorSink, info: torch.Tensor) -> None:
+    """Waits until `signals[source] >= expected` (or records a timeout naming `source`);
+    `info [2]` int64 gets (my PE, number of PEs) as the kernel saw them."""
+    args = LegArgs.fill(recv=0, send=0, signals=signals.data_ptr(), bytes=0, expected=expected,
+                        timeout_ns=timeout_ns, peer=-1, source=source, error_claim=errors.claim,
+                        error_record=errors.record, info=info.data_ptr())
+    nvshmem_link.get_kernel("internode_leg.cu", "internode_leg_wait").launch(
+        1, 32, args, _stream())

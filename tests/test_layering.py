@@ -65,6 +65,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.megatron.register": 7,
     "megatron_deepep.bench": 8,
     "megatron_deepep.internode_model": 8,
+    "megatron_deepep.bench_network": 8,
 }
 
 #: The only modules that may import `jit` (they launch the kernels).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_deepep import nvshmem_link
 from megatron_deepep.nvshmem_link import NvshmemUnavailable
 from megatron_deepep.transport import nvshmem_heap
 
@@ -19,7 +20,7 @@ def test_torch_calls_exist_in_this_torch():
 def test_torch_built_without_nvshmem_says_so(monkeypatch):
     monkeypatch.delattr(torch._C._distributed_c10d, "_nvshmemx_cumodule_init", raising=False)
     with pytest.raises(NvshmemUnavailable, match="built without NVSHMEM.*transport='reference'"):
-        nvshmem_heap.init_module(0)
+        nvshmem_link.init_module(0)
 
 
 def test_no_cuda_names_the_fallback(monkeypatch):

@@ -222,4 +222,20 @@ struct FanInArgs {
     int num_rows, num_int4;
 };
 
+// internode_leg.cu: internode_leg_send and internode_leg_wait (the network leg alone: the
+// GPU tier's smoke test and the per-byte cost the internode model takes).
+struct LegArgs {
+    u8* recv;                   // symmetric [num_pes][bytes]: slot p receives PE p's bytes
+    const u8* send;             // [bytes]: what I send
+    u64* signals;               // symmetric [num_pes]: signals[p] counts PE p's chunks landed
+    i64 bytes;                  // bytes per PE
+    u64 expected;               // wait: signals[source] to wait for
+    u64 timeout_ns;             // wait: give up (and record) after this long
+    int peer;                   // send: destination PE, < 0: send nothing
+    int source;                 // wait: source PE
+    int* error_claim;
+    ErrorRecord* error_record;
+    i64* info;                  // wait: [my_pe, num_pes]
+};
+
 }  // namespace mdeep

@@ -8,9 +8,8 @@ NVSHMEM install step or a compiled extension:
 2. `heap.empty(shape, dtype)` allocates on the symmetric heap (`symm_mem.empty`). Allocation is
    collective: every PE makes the same allocations, same sizes, same order. The tensor's
    `data_ptr()` is a symmetric address valid for the device API on every PE.
-3. `init_module(module)` after `cuModuleLoadData` of a cubin from `nvshmem_link.link_cubin`
-   (`torch._C._distributed_c10d._nvshmemx_cumodule_init`: fills the module's NVSHMEM device
-   state); `load_module(cubin)` does both.
+3. kernels come from `nvshmem_link.get_kernel`, which links, loads and inits their module
+   (`torch._C._distributed_c10d._nvshmemx_cumodule_init`: fills its NVSHMEM device state).
 
 Never call `symm_mem.rendezvous` (nor torch's NVSHMEM collectives, which need it): it splits an
 NVSHMEM team, and in NVSHMEM's limited several-processes-per-GPU mode (how the tests model nodes
@@ -28,7 +27,7 @@ from typing import List, Sequence, Union
 
 import torch
 
-from megatron_deepep.nvshmem_link import PIP_PACKAGES, NvshmemUnavailable
+from megatron_deepep.nvshmem_link import PIP_PACKAGES, NvshmemUnavailable, cumodule_init
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +59,6 @@ def _symm_mem():
     return symm_mem
 
 
-def _cumodule_init():
-    """torch's binding of nvshmemx_cumodule_init (only in builds with NVSHMEM).
-
-    Raises:
-        NvshmemUnavailable: this torch was built without NVSHMEM.
-    """
-    init = getattr(torch._C._distributed_c10d, "_nvshmemx_cumodule_init", None)
-    if init is None:
-        raise NvshmemUnavailable(
-            f"megatron_deepep: torch {torch.__version__} was built without NVSHMEM (no "
-            f"torch._C._distributed_c10d._nvshmemx_cumodule_init); the internode transport "
-            f"needs torch >= 2.11 built for CUDA 13 with NVSHMEM, {_FALLBACK}.")
-    return init
-
-
 def check_available() -> None:
     """Raises unless this process can use NVSHMEM through torch (CUDA, torch's NVSHMEM
     support, the NVSHMEM library at run time).
@@ -87,7 +71,7 @@ def check_available() -> None:
             f"megatron_deepep: the internode transport runs CUDA kernels, but torch "
             f"{torch.__version__} sees no CUDA device; {_FALLBACK}.")
     symm_mem = _symm_mem()
-    _cumodule_init()
+    cumodule_init()
     if not symm_mem.is_nvshmem_available():
         raise NvshmemUnavailable(
             f"megatron_deepep: torch {torch.__version__} cannot load NVSHMEM (is the "
@@ -116,54 +100,6 @@ def use_nvshmem_backend(device: torch.device) -> None:
             f"{device}: {current}): {exc}. The backend is fixed by the first symmetric "
             f"allocation of the process; create the internode transport before anything else "
             f"allocates symmetric memory, {_FALLBACK}.") from exc
-
-
-def init_module(module) -> None:
-    """Fills a loaded module's NVSHMEM device state (`nvshmemx_cumodule_init`); call it once per
-    module, after NVSHMEM has started (after this process's first `SymmetricHeap.empty`) and
-    before launching any of its kernels.
-
-    Args:
-        module: the CUmodule (a `cuda.bindings.driver.CUmodule` or its address as an int).
-
-    Raises:
-        NvshmemUnavailable: this torch cannot do it.
-        RuntimeError: NVSHMEM refused (not started yet, or the cubin lacks its device state).
-    """
-    cumodule_init = _cumodule_init()
-    try:
-        cumodule_init(int(module))
-    except Exception as exc:
-        raise RuntimeError(
-            f"megatron_deepep: nvshmemx_cumodule_init failed: {exc}. It needs NVSHMEM started "
-            "(a symmetric allocation first) and a cubin linked by nvshmem_link.link_cubin."
-            ) from exc
-
-
-def load_module(cubin: bytes):
-    """Loads a linked cubin into the current device's context and inits its NVSHMEM state.
-
-    Returns:
-        The `cuda.bindings.driver.CUmodule`; get kernels with `cuModuleGetFunction` and the
-        lowered names `link_cubin` returned.
-    """
-    from cuda.bindings import driver
-    torch.cuda.init()
-    err, context = driver.cuCtxGetCurrent()
-    if int(err) == 0 and int(context) == 0:  # torch made no context current yet: its primary one
-        device = torch.cuda.current_device()
-        err, primary = driver.cuDevicePrimaryCtxRetain(driver.cuDeviceGet(device)[1])
-        if int(err) == 0:
-            err = driver.cuCtxSetCurrent(primary)[0]
-        if int(err) != 0:
-            raise RuntimeError(f"megatron_deepep: making device {device}'s primary context "
-                               f"current failed: {err}")
-    err, module = driver.cuModuleLoadData(cubin)
-    if int(err) != 0:
-        raise RuntimeError(f"megatron_deepep: cuModuleLoadData of an NVSHMEM cubin failed: "
-                           f"{err}")
-    init_module(module)
-    return module
 
 
 class SymmetricHeap:
