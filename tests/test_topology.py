@@ -142,3 +142,14 @@ def _detect_worker(rank, world_size):
 
 def test_detect_topology_over_gloo():
     run_distributed(4, _detect_worker)
+
+
+def _count_hosts_worker(rank, world):
+    from megatron_deepep.transport import topology
+    assert topology.count_hosts() == 1
+    topology._host_name = lambda: f"node{rank // 2}"  # planted: two hosts of two ranks
+    assert topology.count_hosts() == 2
+
+
+def test_count_hosts():
+    run_distributed(4, _count_hosts_worker)

@@ -30,6 +30,14 @@ def test_resolve(name, num_ranks, cuda, expected):
     assert transport.resolve(name, num_ranks, cuda) == expected
 
 
+def test_a_group_across_hosts_gets_the_reference_or_an_error():
+    assert transport.resolve("auto", 16, True, num_nodes=2) == "reference"
+    assert transport.resolve("reference", 16, True, num_nodes=2) == "reference"
+    for name in ("nvlink", "local"):
+        with pytest.raises(ValueError, match="spans 2 hosts.*transport='reference'"):
+            transport.resolve(name, 8, True, num_nodes=2)
+
+
 @pytest.mark.parametrize("name, num_ranks, cuda, message", [
     ("nvl", 2, True, "transport must be one of"),
     ("nvlink", 2, False, "no CUDA device"),

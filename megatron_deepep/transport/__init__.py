@@ -7,7 +7,9 @@
 | `reference` | any (CPU included)        | pure torch over `all_to_all_single`               |
 
 `create` picks one for "auto" (and "nvlink" at EP = 1, where there are no peers) from the group
-and the machine; the caller never asks its name again.
+and the machine; the caller never asks its name again. An EP group that spans hosts gets the
+reference under "auto" (a logged warning) and an error under "local" / "nvlink", until the
+internode transport (`docs/internode.md`) lands.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ logger = logging.getLogger(__name__)
 TRANSPORT_NAMES = ("auto", "local", "nvlink", "reference")
 
 
-def resolve(name: str, num_ranks: int, cuda_available: bool) -> str:
-    """The transport `name` means for an EP group of `num_ranks` ranks.
+def resolve(name: str, num_ranks: int, cuda_available: bool, num_nodes: int = 1) -> str:
+    """The transport `name` means for an EP group of `num_ranks` ranks on `num_nodes` hosts.
 
     Raises:
         ValueError: an unknown name, or a transport that cannot serve this group here.
@@ -34,6 +36,14 @@ def resolve(name: str, num_ranks: int, cuda_available: bool) -> str:
         raise ValueError(f"transport must be one of {TRANSPORT_NAMES}, got {name!r}")
     if name == "reference":
         return name
+    if num_nodes > 1:
+        # The kernels reach peers through CUDA IPC, which ends at the node (docs/internode.md
+        # designs the transport that crosses it).
+        if name == "auto":
+            return "reference"
+        raise ValueError(f"transport={name!r} reaches peers through CUDA IPC inside one node, "
+                         f"but this EP group spans {num_nodes} hosts; use transport='reference' "
+                         "(pure torch over all_to_all_single, correct on any network) or 'auto'")
     if not cuda_available:
         if name == "auto":
             return "reference"
@@ -68,7 +78,16 @@ def transport_class(name: str) -> type:
 def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
            num_sms: int, timeout_s: float) -> Transport:
     """Builds the transport `name` resolves to for `group` (collective for `nvlink`)."""
-    resolved = resolve(name, dist.get_world_size(group), torch.cuda.is_available())
+    num_ranks = dist.get_world_size(group)
+    num_nodes = 1
+    if name != "reference" and num_ranks > 1:
+        from megatron_deepep.transport.topology import count_hosts
+        num_nodes = count_hosts(group)
+    resolved = resolve(name, num_ranks, torch.cuda.is_available(), num_nodes)
+    if name == "auto" and resolved == "reference" and num_nodes > 1:
+        logger.warning("megatron_deepep: the EP group spans %d hosts; the kernel transports "
+                       "reach peers inside one node, so transport='auto' runs the pure-torch "
+                       "reference (all_to_all_single: correct, not fast)", num_nodes)
     return transport_class(resolved)(group, num_max_tokens_per_rank, hidden, num_topk,
                                      num_sms=num_sms, timeout_s=timeout_s)
 

@@ -198,6 +198,14 @@ def topology_from_hosts(hosts: Sequence[str], rank: int,
     return Topology(num_ranks, per_node, rank)
 
 
+def count_hosts(group=None) -> int:
+    """How many hosts the ranks of `group` run on (a collective: host names go round with
+    `all_gather_object`)."""
+    hosts: List[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, _host_name(), group=group)
+    return len(set(hosts))
+
+
 def detect_topology(group=None, num_ranks_per_node: Optional[int] = None) -> Topology:
     """Finds the nodes of an EP process group.
 
