@@ -12,6 +12,7 @@ Streams: kernel transports run on the Buffer's communication stream. Operations 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Optional, Tuple
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = transport_module.TRANSPORT_NAMES
 DEFAULT_NUM_SMS = 24
 DEFAULT_TIMEOUT_S = 100.0
+_LINEAGES = itertools.count()
 
 
 class Buffer:
@@ -72,7 +74,7 @@ class Buffer:
         self._successor: Optional[Buffer] = None
         # Stamped on every handle this Buffer makes; a successor keeps its predecessor's, so
         # handles of a replaced Buffer stay valid and handles of other Buffers are refused.
-        self._lineage = object()
+        self._lineage = next(_LINEAGES)
         logger.info("megatron_deepep Buffer: rank %d/%d, transport %s, %d bytes", self.rank,
                     self.num_ranks, self._transport.name, self.num_bytes)
 
@@ -280,7 +282,7 @@ class Buffer:
     def _check_handle(self, handle) -> None:
         validate.check_handle(handle, hidden=self.hidden, num_topk=self.num_topk,
                               num_ranks=self.num_ranks, max_tokens=self.num_max_tokens_per_rank)
-        if getattr(handle, "_buffer_lineage", None) is not self._lineage:
+        if getattr(handle, "_buffer_lineage", None) != self._lineage:
             raise ValueError("handle was made by another Buffer (another group, or another "
                              "Buffer on this group); pass it to the Buffer whose dispatch "
                              "returned it")
