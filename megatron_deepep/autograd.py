@@ -30,6 +30,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron_deepep import validate
+from megatron_deepep.buffer import Buffer
 from megatron_deepep.handle import DispatchHandle
 from megatron_deepep.logs import log_once
 
@@ -151,13 +153,11 @@ def dispatch(buffer, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
     """
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch, check_output
 
+    _check_buffer(buffer)
     spec, wrap = resolve_fp8_output(as_fp8_dispatch(fp8, check_output(fp8_output)))
     x_scales = None
     if isinstance(x, (tuple, list)):
-        if spec is None:
-            raise ValueError("x is a pre-quantized (x_fp8, x_scales) pair: pass fp8=<format>")
-        if len(x) != 2:
-            raise ValueError(f"a pre-quantized x must be a pair (x_fp8, x_scales), got {len(x)}")
+        validate.check_x_sequence(x, spec is not None)
         x, x_scales = x
     box = []
     recv_x, recv_weights = _Dispatch.apply(x, topk_weights, buffer, topk_idx, num_experts,
@@ -168,4 +168,12 @@ def dispatch(buffer, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
 
 def combine(buffer, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Differentiable (unweighted) combine of `y [M, H]` back to `[N, H]`."""
+    _check_buffer(buffer)
+    validate.check_handle(handle, hidden=buffer.hidden, num_topk=buffer.num_topk,
+                          num_ranks=buffer.num_ranks, max_tokens=buffer.num_max_tokens_per_rank)
     return _Combine.apply(y, buffer, handle, False)
+
+
+def _check_buffer(buffer) -> None:
+    if not isinstance(buffer, Buffer):
+        raise ValueError(f"buffer must be a megatron_deepep.Buffer, got {type(buffer).__name__}")

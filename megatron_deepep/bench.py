@@ -1,4 +1,6 @@
-"""Benchmark: `python -m megatron_deepep.bench` (speed is shown here, never by timed tests).
+"""Benchmark of dispatch and combine, beside Megatron's all-to-all dispatcher.
+
+`python -m megatron_deepep.bench` (one GPU), or under torchrun (every GPU of a node).
 
 Per shape (tokens, hidden, experts, top-k), bf16, random routing, on one GPU at EP=1 (or on every
 GPU of the node with torchrun): µs and GB/s of dispatch and combine, the floor (bytes that must
@@ -262,9 +264,10 @@ def profile_kernels(buf, x, idx, w, num_experts: int) -> str:
 
 
 def _fp8_formats(names: str):
-    from megatron_deepep.fp8 import FORMATS
-    from megatron_deepep.fp8.dispatch import Fp8Dispatch
-    return [Fp8Dispatch(FORMATS[n], "fp8") for n in names.split(",") if n]
+    """`--fp8`'s names (those `fp8=` takes) as specs; "off" and "auto" without TE drop out."""
+    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    specs = (as_fp8_dispatch(n.strip(), "fp8") for n in names.split(",") if n.strip())
+    return [spec for spec in specs if spec is not None]
 
 
 def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
@@ -401,7 +404,8 @@ def plot(rows: List[dict], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib missing: no plot written")
+        logger.warning("matplotlib is not installed (pip install matplotlib): %s not written; "
+                       "bench.json holds every figure", path)
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, op in zip(axes, ("dispatch_us", "combine_us")):
@@ -422,10 +426,16 @@ def plot(rows: List[dict], path: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_deepep.bench",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=None,
-                        help="semicolon-separated N,H,E,K tuples (default: the three of the issue)")
-    parser.add_argument("--num-sms", default="24,132", help="SM budgets to run, comma-separated")
+                        help="semicolon-separated N,H,E,K tuples: tokens per rank, hidden, "
+                             "experts, top-k (default: " + ";".join(
+                                 ",".join(str(v) for v in shape) for shape in DEFAULT_SHAPES)
+                        + ")")
+    parser.add_argument("--num-sms", default="24,132",
+                        help="SM budgets to run, comma-separated (each capped at the GPU's SM "
+                             "count)")
     parser.add_argument("--out", default=".bench_out", help="folder for bench.json/bench.png")
     parser.add_argument("--no-megatron", action="store_true", help="skip Megatron's dispatcher")
     parser.add_argument("--profile", action="store_true",
@@ -433,7 +443,8 @@ def main(argv=None) -> None:
     parser.add_argument("--profile-host", action="store_true",
                         help="print a cProfile of the host side for the first shape")
     parser.add_argument("--fp8", default="blockwise_1x128,mxfp8_1x32",
-                        help="FP8 wire formats to bench against bf16 ('' for none)")
+                        help="FP8 formats to bench against bf16, comma-separated, as fp8= "
+                             "takes them (blockwise, mxfp8 or a format name; '' for none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():

@@ -12,6 +12,7 @@ Streams: kernel transports run on the Buffer's communication stream. Operations 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Optional, Tuple
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = transport_module.TRANSPORT_NAMES
 DEFAULT_NUM_SMS = 24
 DEFAULT_TIMEOUT_S = 100.0
+_LINEAGES = itertools.count()
 
 
 class Buffer:
@@ -48,14 +50,12 @@ class Buffer:
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                  transport: str = "auto", num_sms: int = DEFAULT_NUM_SMS,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        if group is None:
-            group = dist.group.WORLD
         _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                       num_topk=num_topk)
-        if not isinstance(num_sms, int) or num_sms < 1:
-            raise ValueError(f"num_sms must be an int >= 1, got {num_sms!r}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        _check_transport(transport)
+        validate.check_int("num_sms", num_sms, low=1)
+        timeout_s = validate.check_timeout("timeout_s", timeout_s)
+        group = validate.check_group(group)
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -72,6 +72,9 @@ class Buffer:
                              if self.device is not None else None)
         # Set when get_buffer grows past this Buffer: calls then go to the larger one.
         self._successor: Optional[Buffer] = None
+        # Stamped on every handle this Buffer makes; a successor keeps its predecessor's, so
+        # handles of a replaced Buffer stay valid and handles of other Buffers are refused.
+        self._lineage = next(_LINEAGES)
         logger.info("megatron_deepep Buffer: rank %d/%d, transport %s, %d bytes", self.rank,
                     self.num_ranks, self._transport.name, self.num_bytes)
 
@@ -87,13 +90,16 @@ class Buffer:
             hidden: the widest row (bf16 elements).
             num_ranks: the EP size.
             num_topk: the largest top-k.
-            transport: as for `Buffer` ("auto" resolves as it would on this machine).
+            transport: as for `Buffer` ("auto" resolves as it would on this machine; "local"
+                and "nvlink" are sized without needing a GPU).
         """
         _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                       num_topk=num_topk)
-        if not isinstance(num_ranks, int) or num_ranks < 1:
-            raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
-        name = transport_module.resolve(transport, num_ranks, torch.cuda.is_available())
+        validate.check_int("num_ranks", num_ranks, low=1)
+        _check_transport(transport)
+        # A size needs no GPU: "nvlink" and "local" are sized as if one were present.
+        name = transport_module.resolve(transport, num_ranks,
+                                        transport != "auto" or torch.cuda.is_available())
         return transport_module.transport_class(name).size_hint(
             num_ranks, num_max_tokens_per_rank, hidden, num_topk)
 
@@ -120,7 +126,7 @@ class Buffer:
 
     # ----------------------------------------------------------------------------------------
     def _device_of(self, x: torch.Tensor) -> Optional[torch.device]:
-        return self.device if self.device is not None else x.device
+        return self.device if self.device is not None else getattr(x, "device", None)
 
     def _run(self, fn, inputs, previous_event: Optional[EventHandle], async_finish: bool):
         """Runs `fn` on the comm stream (NVLink) or inline (reference); returns (result, event)."""
@@ -168,6 +174,10 @@ class Buffer:
         validate.check_tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int32, torch.int64),
                               device=self._device_of(topk_idx))
         validate.check_num_experts(num_experts, self.num_ranks)
+        _check_topk_shape(topk_idx, self.num_max_tokens_per_rank, self.num_topk)
+        if not topk_idx.is_cuda:  # a host check costs no synchronization here
+            validate.check_expert_ids_on_host(topk_idx, num_experts)
+        _check_call_options(previous_event, async_finish)
         return self._run(lambda: self._transport.get_dispatch_layout(topk_idx, num_experts),
                          [topk_idx], previous_event, async_finish)
 
@@ -218,6 +228,7 @@ class Buffer:
                 layout=layout, expert_alignment=expert_alignment,
                 num_max_recv_rows=num_max_recv_rows, previous_event=previous_event,
                 async_finish=async_finish, fp8=fp8, fp8_output=fp8_output)
+        _check_call_options(previous_event, async_finish)
         x, x_scales, spec = self._dispatch_input(x, fp8, fp8_output)
         device = self._device_of(x)
         if spec is None:
@@ -237,6 +248,7 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle=...) takes no topk_idx/topk_weights")
+            self._check_handle(handle)
             if tuple(x.shape) != (handle.num_tokens, handle.hidden):
                 raise ValueError(f"cached dispatch: x has shape {tuple(x.shape)}, the handle was"
                                  f" made for {(handle.num_tokens, handle.hidden)}")
@@ -251,9 +263,11 @@ class Buffer:
                                max_topk=self.num_topk, device=device)
         validate.check_num_experts(num_experts, self.num_ranks)
         validate.check_alignment(expert_alignment)
-        if num_max_recv_rows is not None and (not isinstance(num_max_recv_rows, int)
-                                              or num_max_recv_rows < 0):
-            raise ValueError(f"num_max_recv_rows must be an int >= 0, got {num_max_recv_rows!r}")
+        if num_max_recv_rows is not None:
+            validate.check_int("num_max_recv_rows", num_max_recv_rows, low=0)
+        if layout is not None:
+            validate.check_layout(layout, num_tokens=x.shape[0], num_experts=num_experts,
+                                  num_ranks=self.num_ranks)
 
         def run():
             return self._transport.dispatch(x, topk_idx, topk_weights, num_experts,
@@ -262,7 +276,16 @@ class Buffer:
 
         (recv_x, recv_weights, new_handle), event = self._run(
             run, inputs + [topk_idx, topk_weights], previous_event, async_finish)
+        new_handle._buffer_lineage = self._lineage
         return recv_x, recv_weights, new_handle, event
+
+    def _check_handle(self, handle) -> None:
+        validate.check_handle(handle, hidden=self.hidden, num_topk=self.num_topk,
+                              num_ranks=self.num_ranks, max_tokens=self.num_max_tokens_per_rank)
+        if getattr(handle, "_buffer_lineage", None) != self._lineage:
+            raise ValueError("handle was made by another Buffer (another group, or another "
+                             "Buffer on this group); pass it to the Buffer whose dispatch "
+                             "returned it")
 
     def _dispatch_input(self, x, fp8, fp8_output: str):
         """Splits `x` into (rows, scales or None, `Fp8Dispatch` or None), checking the pair."""
@@ -271,15 +294,12 @@ class Buffer:
         check_output(fp8_output)
         spec = as_fp8_dispatch(fp8, fp8_output)
         if isinstance(x, (tuple, list)):
-            if spec is None:
-                raise ValueError(
-                    "x is a pre-quantized (x_fp8, x_scales) pair: pass fp8=<format> (e.g. "
-                    "fp8='blockwise_1x128') so the scales can be read")
+            validate.check_x_sequence(x, spec is not None)
             x_fp8, x_scales = validate.check_fp8_pair(x, spec.fmt, device=self.device)
             return x_fp8, x_scales, spec
         if isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn:
             raise ValueError("x is float8_e4m3fn without its scales: pass the pair "
-                             "(x_fp8, x_scales) with fp8=<format>")
+                             "(x_fp8, x_scales) with fp8=<format> (e.g. fp8='blockwise')")
         return x, None, spec
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = False,
@@ -305,6 +325,9 @@ class Buffer:
                                            grad_row_weights=grad_row_weights,
                                            previous_event=previous_event,
                                            async_finish=async_finish)
+        self._check_handle(handle)
+        validate.check_bool("weighted", weighted)
+        _check_call_options(previous_event, async_finish)
         validate.check_tensor("y", y, ndim=2, dtypes=self._row_dtypes(), device=self._device_of(y))
         if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
             raise ValueError(f"combine: y has shape {tuple(y.shape)}, the handle expects "
@@ -340,6 +363,7 @@ class Buffer:
         every rank grows at the same call."""
         self.destroy()
         self._successor = successor
+        successor._lineage = self._lineage
 
 
 def _check_limits(*, num_max_tokens_per_rank, hidden, num_topk) -> None:
@@ -355,6 +379,28 @@ def _check_limits(*, num_max_tokens_per_rank, hidden, num_topk) -> None:
         raise ValueError(f"hidden={hidden} gives bf16 rows of {2 * hidden} bytes; rows must be a "
                          f"multiple of {validate.ROW_ALIGN_BYTES} bytes (hidden a multiple of "
                          f"{rows_per_vector})")
+
+
+def _check_transport(transport) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+
+
+def _check_topk_shape(topk_idx: torch.Tensor, max_tokens: int, max_topk: int) -> None:
+    num_tokens, num_topk = topk_idx.shape
+    if num_tokens > max_tokens:
+        raise ValueError(f"topk_idx has {num_tokens} tokens, more than the Buffer's "
+                         f"num_max_tokens_per_rank={max_tokens}")
+    if not 1 <= num_topk <= max_topk:
+        raise ValueError(f"topk_idx has top-k={num_topk}; the limit is {max_topk} (the Buffer's "
+                         f"num_topk)")
+
+
+def _check_call_options(previous_event, async_finish) -> None:
+    if previous_event is not None and not isinstance(previous_event, EventHandle):
+        raise ValueError(f"previous_event must be an EventHandle (the event a call returned) or "
+                         f"None, got {type(previous_event).__name__}")
+    validate.check_bool("async_finish", async_finish)
 
 
 def _flatten(obj):
@@ -379,6 +425,14 @@ def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, 
     valid, and calls on the old Buffer object go to the new one. Every rank of the group must
     ask for the same sizes in the same order (growth is collective).
     """
+    _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
+                  num_topk=num_topk)
+    _check_transport(transport)
+    unknown = sorted(set(kwargs) - {"num_sms", "timeout_s"})
+    if unknown:
+        raise TypeError(f"get_buffer got unexpected keyword argument(s) {unknown}; it takes "
+                        f"transport, num_sms and timeout_s")
+    group = validate.check_group(group)
     key = (id(group), transport)
     buf = _BUFFERS.get(key)
     if buf is not None and (buf.num_max_tokens_per_rank >= num_max_tokens_per_rank

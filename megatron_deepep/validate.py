@@ -2,14 +2,60 @@
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 import torch
+import torch.distributed as dist
 
 MAX_TOPK = 16
 MAX_LOCAL_EXPERTS = 256
 MAX_RANKS = 8
 ROW_ALIGN_BYTES = 16
+
+
+def check_int(name: str, value, *, low: int, high: Optional[int] = None) -> int:
+    """Raises ValueError unless `value` is an int (not a bool) in `[low, high]`; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+            high is not None and value > high):
+        limit = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {limit}, got {value!r}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    """Raises ValueError unless `value` is a bool; returns it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_timeout(name: str, value) -> float:
+    """Raises ValueError unless `value` is a finite number of seconds > 0; returns it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def check_group(group):
+    """The EP process group to use: `group`, or the default group for None.
+
+    Raises:
+        ValueError: torch.distributed is not initialized, or `group` is not a process group.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "group: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first (one process on CPU: "
+            "init_process_group('gloo', init_method='tcp://127.0.0.1:29500', rank=0, "
+            "world_size=1)) and pass its EP group (None: the default group)")
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed.ProcessGroup (or None for the "
+                         f"default group), got {type(group).__name__}")
+    return group
 
 
 def check_tensor(name: str, t, *, ndim: int, dtypes: Iterable[torch.dtype],
@@ -42,7 +88,7 @@ def check_hidden(name: str, hidden: int, element_size: int, max_hidden: int) -> 
 
 def check_num_experts(num_experts, num_ranks: int) -> int:
     """Checks E against the rank count and the per-rank expert limit; returns E_local."""
-    if not isinstance(num_experts, int) or num_experts <= 0:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     if num_experts % num_ranks != 0:
         raise ValueError(
@@ -89,8 +135,7 @@ def check_expert_ids_on_host(topk_idx: torch.Tensor, num_experts: int) -> None:
 
 
 def check_alignment(expert_alignment) -> None:
-    if not isinstance(expert_alignment, int) or not 1 <= expert_alignment <= 1024:
-        raise ValueError(f"expert_alignment must be an int in [1, 1024], got {expert_alignment!r}")
+    check_int("expert_alignment", expert_alignment, low=1, high=1024)
 
 
 def check_fp8_hidden(name: str, hidden: int, max_hidden: int) -> None:
@@ -129,3 +174,51 @@ def check_fp8_pair(x, fmt, *, device: Optional[torch.device] = None):
     check_tensor("x_scales", x_scales, ndim=2, dtypes=(fmt.scale_dtype,),
                  device=x_fp8.device if device is None else device)
     return x_fp8, x_scales
+
+
+def check_x_sequence(x, has_fp8: bool) -> None:
+    """`x` given as a tuple or list must be a pre-quantized pair of tensors, with `fp8=` set."""
+    items = list(x)
+    if len(items) != 2 or not all(isinstance(t, torch.Tensor) for t in items):
+        kinds = ", ".join(type(t).__name__ for t in items[:4]) + (", ..." if len(items) > 4 else "")
+        raise ValueError(
+            f"x must be a torch.Tensor [N, H] or, with fp8=, a pre-quantized x, which must be a "
+            f"pair (x_fp8, x_scales) of 2 tensors; got a {type(x).__name__} of {len(items)} "
+            f"items ({kinds})")
+    if not has_fp8:
+        raise ValueError(
+            "x is a pair of tensors, i.e. a pre-quantized (x_fp8, x_scales): pass "
+            "fp8=<format> (e.g. fp8='blockwise') so the scales can be read")
+
+
+def check_handle(handle, *, hidden: int, num_topk: int, num_ranks: int,
+                 max_tokens: int) -> None:
+    """Checks a dispatch handle against the Buffer it is given to."""
+    from megatron_deepep.handle import DispatchHandle
+
+    if not isinstance(handle, DispatchHandle):
+        raise ValueError(f"handle must be the DispatchHandle a dispatch returned, got "
+                         f"{type(handle).__name__}")
+    if handle.layout.num_ranks != num_ranks:
+        raise ValueError(f"handle was made on an EP group of {handle.layout.num_ranks} ranks; "
+                         f"this Buffer's group has {num_ranks}")
+    for name, value, limit in (("hidden", handle.hidden, hidden),
+                               ("num_topk", handle.num_topk, num_topk),
+                               ("num_max_tokens_per_rank", handle.num_tokens, max_tokens)):
+        if value > limit:
+            raise ValueError(f"handle was made for {name}={value}, more than this Buffer's "
+                             f"{name}={limit}")
+
+
+def check_layout(layout, *, num_tokens: int, num_experts: int, num_ranks: int) -> None:
+    """Checks a `get_dispatch_layout` result against the dispatch it is given to."""
+    from megatron_deepep.layout import DispatchLayout
+
+    if not isinstance(layout, DispatchLayout):
+        raise ValueError(f"layout must be the DispatchLayout get_dispatch_layout returned, got "
+                         f"{type(layout).__name__}")
+    got = (layout.num_tokens, layout.shape_of("num_tokens_per_expert")[0], layout.num_ranks)
+    if got != (num_tokens, num_experts, num_ranks):
+        raise ValueError(
+            f"layout was computed for (tokens, num_experts, ranks) = {got}, this dispatch has "
+            f"{(num_tokens, num_experts, num_ranks)}")

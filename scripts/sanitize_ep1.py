@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """EP = 1 dispatch (sync, no-sync, cached) and combine at a few hidden sizes, for a memory checker.
 
-Run under NVIDIA's checker, e.g.
+Run under NVIDIA's checker (it ships with the CUDA toolkit), e.g.
 
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_ep1.py
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_ep1.py [--shapes N,H,E,K;...]
 
 Each call is checked against the reference transport (dispatch bit-exact, combine within
 bf16 rounding), so the script also fails on its own when a kernel writes a wrong row. Hidden
@@ -13,8 +13,10 @@ sizes cover a row held in registers only (2048), one staged partly in shared mem
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,7 @@ def check_shape(num_tokens: int, hidden: int, num_experts: int, num_topk: int) -
     idx = torch.rand(num_tokens, num_experts, device=dev, generator=g).topk(num_topk).indices
     idx[::7, -1] = -1  # some entries routed nowhere
     w = torch.rand(num_tokens, num_topk, device=dev, generator=g)
-    buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, transport="nvlink")
+    buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, transport="local")
     ref = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, transport="reference")
     try:
         recv, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts)
@@ -59,18 +61,51 @@ def check_shape(num_tokens: int, hidden: int, num_experts: int, num_topk: int) -
              (num_tokens, hidden, num_experts, num_topk))
 
 
-def main() -> None:
+def _shapes(text: str):
+    try:
+        shapes = [tuple(int(v) for v in item.split(",")) for item in text.split(";") if item]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(shape) != 4 for shape in shapes):
+        raise argparse.ArgumentTypeError(
+            f"expected semicolon-separated N,H,E,K tuples (tokens, hidden, experts, top-k), "
+            f"got {text!r}")
+    return shapes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    default = ";".join(",".join(str(v) for v in shape) for shape in SHAPES)
+    parser = argparse.ArgumentParser(
+        description="Runs every EP = 1 call kind (dispatch sync, no-sync and cached, combine) "
+                    "at a few shapes and checks it against the pure-torch reference; meant to "
+                    "run under compute-sanitizer. Needs a CUDA GPU.")
+    parser.add_argument("--shapes", type=_shapes, default=list(SHAPES),
+                        help=f"semicolon-separated N,H,E,K tuples: tokens, hidden, experts, "
+                             f"top-k (default: {default})")
+    parser.add_argument("--master-port", type=int,
+                        default=int(os.environ.get("MASTER_PORT", "29541")),
+                        help="TCP port of the 1-process NCCL group (default: $MASTER_PORT or "
+                             "29541)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sanitize_ep1.py needs a CUDA GPU (torch sees none here)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29541"))
+                      MASTER_PORT=str(args.master_port))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
     try:
-        for shape in SHAPES:
+        for shape in args.shapes:
             check_shape(*shape)
     finally:
         dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

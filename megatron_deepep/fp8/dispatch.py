@@ -21,6 +21,10 @@ import torch
 from megatron_deepep.fp8.formats import FORMATS, Fp8Format, ScaleKind
 
 OUTPUTS = ("fp8", "bf16")
+#: The values of Megatron's `--moe-mdeep-fp8-dispatch` flag, which `fp8=` accepts too.
+FLAG_NAMES = ("off", "blockwise", "mxfp8", "auto")
+#: Flag values that name one format.
+ALIASES = {"blockwise": "blockwise_1x128", "mxfp8": "mxfp8_1x32"}
 # Kernel template codes of the wire format (cuda_src/common/fp8_row.cuh, kFmt).
 WIRE_BF16 = 0
 WIRE_BLOCKWISE = 1
@@ -60,14 +64,50 @@ class Fp8Dispatch:
 
 def as_fp8_dispatch(value: Union[None, str, Fp8Format, Fp8Dispatch],
                     output: str = "fp8") -> "Fp8Dispatch | None":
-    """Normalizes a user's `fp8=` argument: None, a format name, an `Fp8Format` or a spec."""
+    """Normalizes a user's `fp8=` argument.
+
+    Args:
+        value: None or "off" (bf16 rows on the wire); a name of Megatron's
+            `--moe-mdeep-fp8-dispatch` flag ("blockwise", "mxfp8", "auto": TE's active recipe,
+            bf16 when there is none or it has no matching format) or of `formats.FORMATS`; an
+            `Fp8Format`; or an `Fp8Dispatch` (returned as is: it carries its output).
+        output: "fp8" or "bf16" (see the module docstring).
+
+    Returns:
+        The `Fp8Dispatch`, or None for a bf16 dispatch.
+    """
     if value is None or isinstance(value, Fp8Dispatch):
         return value
     if isinstance(value, str):
-        if value not in FORMATS:
-            raise ValueError(f"unknown FP8 format {value!r}; known: {sorted(FORMATS)}")
-        value = FORMATS[value]
-    return Fp8Dispatch(value, output)
+        fmt = format_for_name(value)
+        return None if fmt is None else Fp8Dispatch(fmt, check_output(output))
+    if not isinstance(value, Fp8Format):
+        raise ValueError(f"fp8 must be None, a name ({', '.join(repr(n) for n in names())}), an "
+                         f"Fp8Format or an Fp8Dispatch; got {type(value).__name__} {value!r}")
+    return Fp8Dispatch(value, check_output(output))
+
+
+def names() -> Tuple[str, ...]:
+    """Every name `fp8=` accepts: Megatron's flag values, then the format names."""
+    return FLAG_NAMES + tuple(sorted(FORMATS))
+
+
+def format_for_name(name: str) -> "Fp8Format | None":
+    """The wire format a name of `names()` means now (None: bf16 dispatch).
+
+    "auto" asks Transformer Engine for its active recipe each time it is read.
+    """
+    if name == "off":
+        return None
+    if name == "auto":
+        from megatron_deepep.fp8 import te_bridge
+
+        return te_bridge.format_for_recipe(te_bridge.active_recipe())[0]
+    fmt = FORMATS.get(ALIASES.get(name, name))
+    if fmt is None:
+        raise ValueError(f"fp8={name!r}: unknown FP8 format; use one of "
+                         f"{', '.join(repr(n) for n in names())}")
+    return fmt
 
 
 def check_output(output: str) -> str:

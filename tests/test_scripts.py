@@ -1,0 +1,121 @@
+"""CPU tier: the scripts in `scripts/` explain every argument, name missing dependencies, and
+plot metrics that make sense at EP = 1 (no bandwidth axis when no bytes cross ranks) and EP = 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}",
+                                                  os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_metrics(folder, ep_size: int, num_steps: int = 3) -> None:
+    """A small metrics file as `megatron_deepep.megatron.metrics` writes it."""
+    num_experts = 4 * ep_size
+    with open(os.path.join(folder, "deepep_metrics_rank0.jsonl"), "w", encoding="utf-8") as f:
+        for step in range(num_steps):
+            layers = {}
+            for layer in (1, 2):
+                tokens = [10 + (e * step + layer) % 7 for e in range(num_experts)]
+                per_rank = [sum(tokens[r * 4:(r + 1) * 4]) for r in range(ep_size)]
+                moved = 0.0 if ep_size == 1 else 3.5e6
+                layers[str(layer)] = {
+                    "num_micro_batches": 1, "dispatch_ms": 0.2 + 0.01 * step,
+                    "combine_ms": 0.25, "dispatch_ms_max": 0.3, "combine_ms_max": 0.3,
+                    "bytes_sent": moved, "bytes_recv": moved,
+                    "dispatch_GBps": moved / 0.2e-3 / 1e9, "combine_GBps": moved / 0.25e-3 / 1e9,
+                    "tokens_per_expert": tokens, "tokens_per_rank": per_rank,
+                    "load_imbalance": max(tokens) / (sum(tokens) / len(tokens)),
+                    "rank_imbalance": 1.0, "idle_share": 0.0, "num_layers": 2}
+            f.write(json.dumps({"step": step, "layers": layers}) + "\n")
+
+
+@pytest.mark.parametrize("name", ["plot_metrics", "sanitize_ep1"])
+def test_every_argument_has_help(name):
+    parser = _script(name).build_parser()
+    missing = [a.dest for a in parser._actions if not a.help]
+    assert not missing, f"{name}.py arguments without help: {missing}"
+    assert parser.description
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_plot_metrics_renders(tmp_path, capsys, ep_size):
+    pytest.importorskip("matplotlib", reason="plot_metrics.py draws with matplotlib "
+                                             "(pip install matplotlib)")
+    plot_metrics = _script("plot_metrics")
+    _write_metrics(tmp_path, ep_size)
+    _, steps = plot_metrics.load(str(tmp_path))
+    assert plot_metrics.ep_size(steps) == ep_size
+    assert plot_metrics.bytes_cross_ranks(steps) == (ep_size > 1)
+
+    texts = []
+    import matplotlib.figure
+
+    original = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):  # records what each figure shows
+        texts.append((os.path.basename(path), len(fig.axes),
+                      [t.get_text() for ax in fig.axes for t in ax.texts],
+                      [ax.get_ylabel() for ax in fig.axes]))
+        return original(fig, path, *args, **kwargs)
+
+    matplotlib.figure.Figure.savefig = savefig
+    try:
+        assert plot_metrics.main([str(tmp_path), "--out", str(tmp_path / "png")]) == 0
+    finally:
+        matplotlib.figure.Figure.savefig = original
+    printed = capsys.readouterr().out
+    for name in ("expert_load_heatmap.png", "comm_time_per_layer.png"):
+        assert (tmp_path / "png" / name).stat().st_size > 1000
+        assert name in printed
+    comm = next(t for t in texts if t[0] == "comm_time_per_layer.png")
+    _, num_axes, notes, ylabels = comm
+    if ep_size == 1:
+        assert num_axes == 1 and not any("GB/s" in y for y in ylabels)
+        assert any("no bytes cross ranks" in n for n in notes)
+    else:
+        assert num_axes == 2 and any("GB/s" in y for y in ylabels) and not notes
+
+
+def test_plot_metrics_without_matplotlib(tmp_path, capsys, monkeypatch):
+    plot_metrics = _script("plot_metrics")
+    _write_metrics(tmp_path, 1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    assert plot_metrics.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib" in err and "pip install matplotlib" in err
+    assert "Traceback" not in err
+
+
+def test_plot_metrics_names_the_knobs_the_readme_lists(tmp_path, capsys):
+    from megatron_deepep import knobs
+
+    assert _script("plot_metrics").main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    named = set(re.findall(r"MDEEP_[A-Z_]+", err))
+    assert named == {"MDEEP_METRICS", "MDEEP_METRICS_DIR"}
+    assert named <= {k.env_name for k in knobs.KNOBS.values()}
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert all(f"`{name}`" in readme for name in named)
+
+
+def test_sanitize_ep1_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert _script("sanitize_ep1").main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
