@@ -17,6 +17,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists(
         "README.md") else "",
     long_description_content_type="text/markdown",
+    license="MIT",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_deepep", "megatron_deepep.*"])
     + ["megatron_deepep.cuda_src"],

@@ -276,13 +276,13 @@ class Buffer:
 
         (recv_x, recv_weights, new_handle), event = self._run(
             run, inputs + [topk_idx, topk_weights], previous_event, async_finish)
-        new_handle._buffer_lineage = self._lineage
+        new_handle.buffer_lineage = self._lineage
         return recv_x, recv_weights, new_handle, event
 
     def _check_handle(self, handle) -> None:
         validate.check_handle(handle, hidden=self.hidden, num_topk=self.num_topk,
                               num_ranks=self.num_ranks, max_tokens=self.num_max_tokens_per_rank)
-        if getattr(handle, "_buffer_lineage", None) != self._lineage:
+        if handle.buffer_lineage != self._lineage:
             raise ValueError("handle was made by another Buffer (another group, or another "
                              "Buffer on this group); pass it to the Buffer whose dispatch "
                              "returned it")

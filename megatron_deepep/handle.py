@@ -88,6 +88,8 @@ class DispatchHandle(ArenaFields):
         num_recv_rows: M, the row count of `recv_x` (exact, or the caller's upper bound).
         tokens_per_expert_list: padded segment sizes on the host, when the dispatch synchronized.
         transport_state: anything the transport keeps for replay (opaque).
+        buffer_lineage: the Buffer that made it (kept across `get_buffer` growth), so another
+            Buffer's handle is refused.
     """
 
     layout: DispatchLayout
@@ -102,6 +104,7 @@ class DispatchHandle(ArenaFields):
     num_recv_rows: int
     tokens_per_expert_list: Optional[List[int]] = None
     transport_state: object = None
+    buffer_lineage: Optional[int] = None
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:

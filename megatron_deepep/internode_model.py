@@ -24,7 +24,7 @@ H = 7168); combine rows are bf16. Links are full duplex, so the busiest rank set
     t     = fixed + max(B_net / network rate, B_nvl / NVLink rate)     (legs pipelined)
     t_serial = fixed + B_net / network rate + B_nvl / NVLink rate    (no overlap: an upper bound)
 
-Rates assumed by default (see `shared/reference/peers.md`, "Physical limits"): 50 GB/s per
+Rates assumed by default (NVIDIA's H100/H200 SXM NVLink 4 and ConnectX-7 400 Gb/s figures): 50 GB/s per
 400 Gb/s NIC, one NIC per GPU (DGX/HGX H100/H200 line rate; about 46-48 GB/s practical); NVLink4
 on H100/H200 SXM 450 GB/s per direction (18 links, 900 GB/s bidirectional; NCCL reaches about
 370 GB/s). `fixed` is 0 unless measured. `--measured-json FILE` replaces them with the kernels'
@@ -37,7 +37,7 @@ Routing: "uniform" picks each token's top-k experts uniformly (top-k of uniform 
 "node-limited" runs Megatron's group-limited routing (`node_layout.node_limited_topk`, groups =
 nodes, M groups per token) on the same scores, so the two differ only by the node limit. Seeded.
 
-Reported figures (per GPU, one 400 Gb/s NIC each; `shared/reference/internode_nvshmem.md`):
+Reported figures (per GPU, one 400 Gb/s NIC each; the DeepEP README, github.com/deepseek-ai/DeepEP, and NVIDIA's HybridEP notes):
 DeepEP V1 (H800 + CX7, IBGDA, bottleneck bandwidth = network bytes / time) and HybridEP (H100, IB,
 kernel only, algorithm bandwidth, which can exceed the line rate). Beside each model row, the time
 those rates would take for the row's network bytes; the metrics differ, so read them as context.
@@ -293,7 +293,7 @@ def format_table(result: dict) -> str:
         lines.append(f"  skipped: {note}")
     lines.append("  all figures are a model from the layout (no kernel ran); reported: "
                  "DeepEP V1 H800+CX7 (bottleneck GB/s), HybridEP H100 kernel only (algorithm "
-                 "GB/s), from shared/reference/internode_nvshmem.md")
+                 "GB/s), as their authors report them")
     return "\n".join(lines)
 
 
@@ -301,19 +301,19 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_deepep.internode_model",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size of a token")
+    p.add_argument("--experts", type=int, default=256, help="experts in all")
+    p.add_argument("--topk", type=int, default=8, help="experts per token")
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 8],
                    help="node counts to model (EP = nodes x --ranks-per-node)")
-    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node")
     p.add_argument("--nic-gbps", type=float, default=50.0,
                    help="network GB/s per NIC per direction (400 Gb/s line rate: 50)")
     p.add_argument("--nvlink-gbps", type=float, default=450.0,
                    help="NVLink GB/s per direction (NVLink4 H100/H200 SXM: 450)")
     p.add_argument("--node-limited", type=int, default=4, metavar="M",
                    help="also model group-limited routing with M nodes per token (0: off)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="routing seed")
     p.add_argument("--json", metavar="OUT", help="write every figure and input as JSON")
     p.add_argument("--measured-json", metavar="IN",
                    help="measured rates replacing the assumed ones (see the module docstring)")

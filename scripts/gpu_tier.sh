@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tier and the benchmark on the GPU machine, in one call:
+# The GPU tier and the benchmark on a GPU machine:
 #   bash scripts/gpu_tier.sh            # tests (N = 1,2,3,4,8 processes) then the benchmark
 # Knobs: MDEEP_TEST_PROCS (default 1,2,3,4,8), MDEEP_TEST_CALLS (default 1000), SKIP_TESTS=1,
 # SKIP_BENCH=1, OUT (log folder; default .bench_out), PYTEST_ARGS, BENCH_ARGS. Wheels in .whl/
@@ -9,8 +9,8 @@
 # FP8_STEPS=N (FP8 vs bf16 dispatch, N steps), SANITIZE=1 (compute-sanitizer memcheck of
 # scripts/sanitize_ep1.py), MAIN_JOB=N (the README's main job, examples/run_gpt_moe.sh, N
 # iterations with deepep and with alltoall, metrics on). On one H200 the 1000-call tier takes
-# about 10 minutes (N = 8 alone ~170 s): to stay under a 600 s limit split it, e.g.
-# MDEEP_TEST_PROCS=1,2,3 in one call and MDEEP_TEST_PROCS=4,8 in the next.
+# about 10 minutes (N = 8 alone ~170 s): to run it in shorter pieces, split it, e.g.
+# MDEEP_TEST_PROCS=1,2,3, then MDEEP_TEST_PROCS=4,8.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_deepep.fp8.dispatch import ALIASES, FLAG_NAMES
 from megatron_deepep import knobs
 
 #: The value of `moe_token_dispatcher_type` that selects this dispatcher.
@@ -22,8 +23,8 @@ CONFIG_PREFIX = "moe_mdeep_"
 TRANSPORT_CHOICES = ("auto", "local", "nvlink", "reference")
 
 #: Values of the `fp8_dispatch` option besides the names in `megatron_deepep.fp8.FORMATS`.
-FP8_DISPATCH_CHOICES = ("off", "blockwise", "mxfp8", "auto")
-_FP8_ALIASES = {"blockwise": "blockwise_1x128", "mxfp8": "mxfp8_1x32"}
+FP8_DISPATCH_CHOICES = FLAG_NAMES  # one list: fp8/dispatch.py's
+_FP8_ALIASES = ALIASES
 
 
 @dataclasses.dataclass
