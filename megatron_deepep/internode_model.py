@@ -24,8 +24,8 @@ H = 7168); combine rows are bf16. Links are full duplex, so the busiest rank set
     t     = fixed + max(B_net / network rate, B_nvl / NVLink rate)     (legs pipelined)
     t_serial = fixed + B_net / network rate + B_nvl / NVLink rate    (no overlap: an upper bound)
 
-Rates assumed by default (NVIDIA's H100/H200 SXM NVLink 4 and ConnectX-7 400 Gb/s figures): 50 GB/s per
-400 Gb/s NIC, one NIC per GPU (DGX/HGX H100/H200 line rate; about 46-48 GB/s practical); NVLink4
+Rates assumed by default (NVIDIA's H100/H200 SXM NVLink 4 and ConnectX-7 400 Gb/s figures):
+50 GB/s per 400 Gb/s NIC, one NIC per GPU (DGX/HGX H100/H200 line rate; about 46-48 GB/s practical); NVLink4
 on H100/H200 SXM 450 GB/s per direction (18 links, 900 GB/s bidirectional; NCCL reaches about
 370 GB/s). `fixed` is 0 unless measured. `--measured-json FILE` replaces them with the kernels'
 own per-byte costs measured on a GPU: a JSON object with optional keys `network_gbps`,
@@ -37,7 +37,8 @@ Routing: "uniform" picks each token's top-k experts uniformly (top-k of uniform 
 "node-limited" runs Megatron's group-limited routing (`node_layout.node_limited_topk`, groups =
 nodes, M groups per token) on the same scores, so the two differ only by the node limit. Seeded.
 
-Reported figures (per GPU, one 400 Gb/s NIC each; the DeepEP README, github.com/deepseek-ai/DeepEP, and NVIDIA's HybridEP notes):
+Reported figures (per GPU, one 400 Gb/s NIC each; the DeepEP README,
+github.com/deepseek-ai/DeepEP, and NVIDIA's HybridEP notes):
 DeepEP V1 (H800 + CX7, IBGDA, bottleneck bandwidth = network bytes / time) and HybridEP (H100, IB,
 kernel only, algorithm bandwidth, which can exceed the line rate). Beside each model row, the time
 those rates would take for the row's network bytes; the metrics differ, so read them as context.

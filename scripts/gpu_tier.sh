@@ -21,7 +21,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, cuda.bindings as cb; print('torch', torch.__version__, 'cuda-bindings', cb.__version__)"
+python3 -c "import torch, cuda.bindings as cb; print('torch', torch.__version__,
+  'cuda-bindings', cb.__version__)"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu tests/gpu -x -q -rs ${PYTEST_ARGS:-} 2>&1 \
