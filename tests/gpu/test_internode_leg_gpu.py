@@ -6,7 +6,8 @@ per-GPU mode; gloo is the control plane). Each PE bootstraps the symmetric heap 
 loads and initializes them). For a few rounds each PE puts its bytes (in several blocks, each
 adding 1 to the signal) to the PE with the same local index on the next node and waits for its
 own incoming slot; every rank checks every byte it received. Then a planted stall: one PE sends
-nothing, and its receiver's wait must expire and record (rank, peer, phase, expected, seen) naming that PE instead of hanging.
+nothing, and its receiver's wait must expire and record (rank, peer, phase, expected, seen)
+naming that PE instead of hanging.
 """
 
 from __future__ import annotations
