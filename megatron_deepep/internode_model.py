@@ -27,7 +27,8 @@ H = 7168); combine rows are bf16. Links are full duplex, so the busiest rank set
 Rates assumed by default (NVIDIA's H100/H200 SXM NVLink 4 and ConnectX-7 400 Gb/s figures):
 50 GB/s per 400 Gb/s NIC, one NIC per GPU (DGX/HGX H100/H200 line rate; about 46-48 GB/s
 practical); NVLink4 on H100/H200 SXM 450 GB/s per direction (18 links, 900 GB/s
-bidirectional; NCCL reaches about 370 GB/s). `fixed` is 0 unless measured. `--measured-json FILE` replaces them with the kernels'
+bidirectional; NCCL reaches about 370 GB/s). `fixed` is 0 unless measured. `--measured-json
+FILE` replaces them with the kernels'
 own per-byte costs measured on a GPU: a JSON object with optional keys `network_gbps`,
 `nvlink_gbps`, `fixed_us` at the top level (both phases) or inside `"dispatch"` / `"combine"`
 (one phase), and an optional `"source"` string printed with the table. A cost per byte is
