@@ -1,10 +1,11 @@
 """`python -m megatron_deepep.bench_network`: the network leg's own cost per byte, on this GPU.
 
 Starts nodes x ranks-per-node processes that share the GPU as virtual nodes (gloo control plane,
-NVSHMEM heap through torch's symmetric memory). Every round each PE puts `size` bytes to the PE
-with the same local index on the next node (`ops.internode_leg_send`, the internode transport's
-pattern) and waits for its own incoming slot (`ops.internode_leg_wait`). The median of CUDA-event
-times per round at each size gives GB/s per PE, and the smallest size the fixed cost; both go to
+NVSHMEM heap through torch's symmetric memory). Every round each PE in turn puts `size` bytes to
+the PE with the same local index on the next node (`ops.internode_leg_send`, the internode
+transport's pattern: its CUDA-event time is what is measured, with no other process's kernel
+beside it), then every PE waits for its own incoming slot (`ops.internode_leg_wait`). The
+median time at each size gives GB/s per PE, and the smallest size the fixed cost; both go to
 a JSON file that `python -m megatron_deepep.internode_model --measured-json` takes in place of
 its assumed network rate.
 
@@ -33,11 +34,11 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 TIMEOUT_NS = 60 * 10**9
 
 
-def _round_us(ops, recv, send, signals, peer, source, expected, blocks, errors, info) -> float:
+def _send_us(ops, recv, send, signals, peer, blocks, errors) -> float:
+    """CUDA-event µs of one send kernel (its puts and their completion)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     ops.internode_leg_send(recv, send, signals, peer, blocks, errors)
-    ops.internode_leg_wait(signals, source, expected, TIMEOUT_NS, errors, info)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3
@@ -73,8 +74,15 @@ def _worker(rank: int, args, port: int, queue) -> None:
         times = []
         for i in range(args.warmup + args.rounds):
             rounds += 1
-            us = _round_us(ops, recv, send, signals, peer, source, rounds * args.blocks,
-                           args.blocks, errors, info)
+            # PEs take turns: the processes share one GPU, and a kernel of another process
+            # running beside the timed one would be timed too.
+            for turn in range(world):
+                if turn == rank:
+                    us = _send_us(ops, recv, send, signals, peer, args.blocks, errors)
+                dist.barrier()
+            ops.internode_leg_wait(signals, source, rounds * args.blocks, TIMEOUT_NS, errors,
+                                   info)
+            torch.cuda.synchronize()
             if i >= args.warmup:
                 times.append(us)
         error = error_from_record(record.cpu().numpy(), TIMEOUT_NS / 1e9)
