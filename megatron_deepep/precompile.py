@@ -248,7 +248,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"precompile: FAILED {failure}", file=sys.stderr)
     print(f"precompile: {len(kernels)} kernels for {arch} in {seconds:.1f} s: {compiled} "
           f"compiled, {cached} already cached, {len(failures)} failed; cache: {cache}"
-          + ("" if failures else f" (jobs: export MDEEP_CACHE_DIR={cache})"))
+          + (f" (give jobs MDEEP_CACHE_DIR={cache})" if cache_dir and not failures else ""))
     return 1 if failures else 0
 
 
