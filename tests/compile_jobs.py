@@ -8,10 +8,11 @@ other tests run meanwhile and the compile tests, ordered last, collect the resul
 Two sweeps:
 - every instantiation `ops.kernel_names` lists for top-k 1-16, bf16 and FP8 dispatch, plus
   `fp8.cu` and `ceiling.cu`, compiled with `jit.FAST_COMPILE_OPTIONS` (front end, template
-  instantiation and ptxas, ~30x faster than -O3);
+  instantiation and ptxas, ~30x faster than -O3), up to 60 instantiations a program;
 - one instantiation of each (kernel, wire format, dequantize) at top-k 8 with the options the
   kernels run with (-O3), as `jit.get_kernel` compiles them.
-(`python -m megatron_deepep.precompile --topk 1 2 ... 16 --fp8 ...` compiles the lot at -O3.)
+Together ~60 CPU-seconds (a one-program-per-source sweep at -O3 took ~370). `python -m
+megatron_deepep.precompile --topk $(seq 16) --fp8 ...` compiles the lot at -O3.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Job:
     source: str
     exprs: Tuple[str, ...]
     fast: bool
-    cost: float  # rough CPU seconds, to start the costly ones first
+    cost: float  # CPU seconds measured on a 2-core CI machine, to start the costly first
 
 
 def _names(k: int, fp8: bool = False) -> Dict[str, List[str]]:
@@ -71,16 +72,16 @@ def jobs() -> Dict[str, Job]:
     dispatch = [e for e in k8["dispatch.cu"] + k8_fp8 if e.startswith(
         ("dispatch_send<8, false, long long", "dispatch_recv<8, false, long long",
          "dispatch_local<8, false, long long"))]
-    for kind in ("dispatch_send", "dispatch_recv", "dispatch_local"):
+    for kind, cost in (("dispatch_send", 2.0), ("dispatch_recv", 14.0),
+                       ("dispatch_local", 5.0)):
         out[f"O3-dispatch.cu-{kind}-k8"] = Job(
-            "dispatch.cu", tuple(e for e in dispatch if e.startswith(kind + "<")), False, 20.0)
+            "dispatch.cu", tuple(e for e in dispatch if e.startswith(kind + "<")), False, cost)
     out["O3-combine.cu-k8"] = Job(
-        "combine.cu", tuple(e for e in k8["combine.cu"] if e.endswith("true, true>")), False, 4.0)
-    out["O3-layout.cu-k8"] = Job(
-        "layout.cu", ("layout_kernel<long long, 8>",), False, 1.0)
-    out["O3-notify.cu"] = Job("notify.cu", ("notify_kernel",), False, 0.5)
-    out["O3-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), False, 1.0)
-    out["O3-ceiling.cu"] = Job("ceiling.cu", tuple(CEILING_KERNELS), False, 0.5)
+        "combine.cu", tuple(e for e in k8["combine.cu"] if e.endswith("true, true>")), False, 1.0)
+    out["O3-layout.cu-k8"] = Job("layout.cu", ("layout_kernel<long long, 8>",), False, 0.3)
+    out["O3-notify.cu"] = Job("notify.cu", ("notify_kernel",), False, 0.1)
+    out["O3-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), False, 0.4)
+    out["O3-ceiling.cu"] = Job("ceiling.cu", tuple(CEILING_KERNELS), False, 0.2)
     return out
 
 
