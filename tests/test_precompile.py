@@ -78,7 +78,7 @@ def test_builds_into_the_cache_a_job_then_loads(tmp_path, monkeypatch, capsys):
     argv = ["--topk", "8", "--cache-dir", str(cache), "--arch", "sm_90", "-j", "2"]
     assert precompile.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"3 kernels for sm_90 in" in out and "3 compiled, 0 already cached, 0 failed" in out
+    assert "3 kernels for sm_90 in" in out and "3 compiled, 0 already cached, 0 failed" in out
     assert str(cache) in out and "fill_kernel" in out
     assert len(list(cache.glob("*.kernel"))) == 3
     assert not [p for p in cache.iterdir() if p.name.startswith(jit.TEMP_PREFIX)]
