@@ -3,8 +3,10 @@
 This module knows no kernel. It reads a `.cu` file, hashes it together with every `cuda_src/`
 header it includes (recursively), compiles the requested template instantiations (name
 expressions) with NVRTC (which needs no GPU, so CI compiles every kernel for sm_90), caches the
-cubin on disk under that hash (written atomically: concurrent ranks compile too), loads it with
-the driver API (`cuModuleLoadData`) into torch's primary context and launches with
+cubin on disk under that hash (one self-checking file per instantiation, written atomically, so
+hundreds of ranks may share a cache directory; `python -m megatron_deepep.precompile` fills it
+ahead of a job), logs each kernel's first use (INFO: compiled or loaded, and how long), loads it
+with the driver API (`cuModuleLoadData`) into torch's primary context and launches with
 `cuLaunchKernel` (`cuLaunchKernelEx` for programmatic dependent launch).
 
 Every kernel takes one by-value argument struct; `KernelArgs` is the base of their Python
@@ -20,6 +22,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import operator
 import os
@@ -27,8 +30,9 @@ import re
 import struct
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_deepep import knobs
 from megatron_deepep.cuda_calls import CudaError, cu_check, ensure_context, error_name  # noqa: F401
@@ -94,14 +98,18 @@ def _nvrtc_check(result, what: str):
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
 
-def compile_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "sm_90"
-                  ) -> Tuple[bytes, Dict[str, str]]:
+def compile_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "sm_90",
+                  extra_options: Sequence[str] = ()) -> Tuple[bytes, Dict[str, str]]:
     """Compiles `cuda_src/<source_file>` for `arch` (no GPU needed).
+
+    Several name expressions compile in one NVRTC program (one cubin holding them all).
 
     Args:
         source_file: path relative to `cuda_src/`, e.g. "dispatch.cu".
         name_expressions: template instantiations, e.g. ["dispatch_send<8>"].
         arch: NVRTC target, e.g. "sm_90".
+        extra_options: NVRTC options after the usual ones (the tests' compile checks pass
+            `FAST_COMPILE_OPTIONS`).
 
     Returns:
         The cubin bytes and a map from name expression to lowered (mangled) name.
@@ -110,11 +118,11 @@ def compile_cubin(source_file: str, name_expressions: Sequence[str], arch: str =
         CompileError: with the kernel names, options and the NVRTC log.
     """
     code = (cuda_src_dir() / source_file).read_bytes()
-    return compile_code(code, source_file, name_expressions, arch)
+    return compile_code(code, source_file, name_expressions, arch, extra_options)
 
 
-def compile_code(code, name: str, name_expressions: Sequence[str] = (), arch: str = "sm_90"
-                 ) -> Tuple[bytes, Dict[str, str]]:
+def compile_code(code, name: str, name_expressions: Sequence[str] = (), arch: str = "sm_90",
+                 extra_options: Sequence[str] = ()) -> Tuple[bytes, Dict[str, str]]:
     """Compiles CUDA source text (which may include `cuda_src/` headers) like `compile_cubin`.
 
     Args:
@@ -122,12 +130,13 @@ def compile_code(code, name: str, name_expressions: Sequence[str] = (), arch: st
         name: its file name, for messages.
         name_expressions: template instantiations to keep and lower.
         arch: NVRTC target.
+        extra_options: NVRTC options after the usual ones.
     """
     from cuda.bindings import nvrtc
 
     if isinstance(code, str):
         code = code.encode()
-    opts = _options(arch)
+    opts = _options(arch) + list(extra_options)
     prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(code, name.encode(), 0, [], []), "create")
     try:
         for expr in name_expressions:
@@ -155,6 +164,12 @@ def compile_code(code, name: str, name_expressions: Sequence[str] = (), arch: st
         return cubin, lowered
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+# NVRTC 12.8+: the fastest device code generation (little optimization; ptxas still runs).
+# For compile checks: the front end, template instantiation and ptxas see every kernel ~30x
+# faster than at the default -O3, which the kernels that run are compiled with.
+FAST_COMPILE_OPTIONS = ("--Ofast-compile=max",)
 
 
 def _cache_dir() -> Path:
@@ -371,33 +386,181 @@ class Kernel:
         self._max_dynamic_shared = int(shared_mem)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Writes `path` through a temporary file and a rename: concurrent ranks compile too."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent)
+# ---------------------------------------------------------------------------------------------
+# Disk cache: one file per kernel instantiation, safe for many ranks on a shared filesystem.
+#
+# An entry is ONE file, `<key>.kernel`: a magic line, a JSON line (the lowered names, the
+# cubin's size and sha256), then the cubin. It is written to a temporary file in the same
+# directory, flushed to disk and renamed into place (`os.replace` is atomic on local and
+# network filesystems), so a reader sees a whole entry or none, and the names always belong to
+# the cubin beside them. A reader that finds a short, corrupt or foreign entry recompiles and
+# replaces it. Concurrent writers of one key write the same bytes; the last rename wins.
+
+_ENTRY_MAGIC = b"MDEEP-KERNEL 1\n"
+_ENTRY_SUFFIX = ".kernel"
+TEMP_PREFIX = ".tmp-"  # temporary files in the cache directory (never read as entries)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Writes `path` through a temporary file in its directory, fsync and a rename.
+
+    Readers (other ranks, other nodes) see the old file, or the whole new one, never a part.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache is read by other users
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        try:
             os.unlink(tmp)
+        except FileNotFoundError:
+            pass
         raise
 
 
-def _cached_cubin(source_file: str, name_expr: str, arch: str) -> Tuple[bytes, str]:
-    """(cubin, lowered name) of one instantiation, from the disk cache or compiled into it."""
-    key = hashlib.sha256(f"{source_hash(source_file)}|{name_expr}|{arch}|{_nvrtc_version()}|"
-                         f"{_options(arch)}".encode()).hexdigest()[:32]
-    cache = _cache_dir()
-    cubin_path = cache / f"{key}.cubin"
-    name_path = cache / f"{key}.name"
-    if knobs.get("JIT_NO_CACHE") or not (cubin_path.exists() and name_path.exists()):
+
+def pack_entry(cubin: bytes, lowered: Dict[str, str]) -> bytes:
+    """A cache entry: the cubin and its lowered names in one self-checking blob."""
+    header = json.dumps({"names": lowered, "size": len(cubin),
+                         "sha256": hashlib.sha256(cubin).hexdigest()}, sort_keys=True)
+    return _ENTRY_MAGIC + header.encode() + b"\n" + cubin
+
+
+def unpack_entry(data: bytes, name_expressions: Sequence[str]) -> Tuple[bytes, Dict[str, str]]:
+    """The (cubin, lowered names) of an entry that holds `name_expressions`.
+
+    Raises:
+        ValueError: the entry is short, corrupt or holds other kernels (the reason).
+    """
+    if not data.startswith(_ENTRY_MAGIC):
+        raise ValueError("no entry header")
+    end = data.find(b"\n", len(_ENTRY_MAGIC))
+    if end < 0:
+        raise ValueError("truncated header")
+    try:
+        header = json.loads(data[len(_ENTRY_MAGIC):end])
+        lowered, size, digest = header["names"], header["size"], header["sha256"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"unreadable header ({exc})") from None
+    cubin = data[end + 1:]
+    if len(cubin) != size:
+        raise ValueError(f"cubin is {len(cubin)} bytes, the header says {size}")
+    if hashlib.sha256(cubin).hexdigest() != digest:
+        raise ValueError("cubin checksum mismatch")
+    missing = [e for e in name_expressions if e not in lowered]
+    if missing:
+        raise ValueError(f"holds other kernels (missing {missing})")
+    return cubin, lowered
+
+
+def read_entry(path: Path, name_expressions: Sequence[str]
+               ) -> Optional[Tuple[bytes, Dict[str, str]]]:
+    """The entry at `path`, or None when it is absent or unusable (logged; the caller rebuilds
+    and replaces it)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("megatron_deepep: cannot read cache entry %s (%s); recompiling", path,
+                       exc)
+        return None
+    try:
+        return unpack_entry(data, name_expressions)
+    except ValueError as exc:
+        logger.warning("megatron_deepep: cache entry %s is unusable (%s); recompiling", path,
+                       exc)
+        return None
+
+
+def _cache_key(source_file: str, name_expr: str, arch: str) -> str:
+    # The -I path is left out (the source hash covers every included header), so a cache
+    # built from one install (say, on a login node) serves another install of the same code.
+    options = [o for o in _options(arch) if not o.startswith("-I")]
+    text = f"{source_hash(source_file)}|{name_expr}|{arch}|{_nvrtc_version()}|{options}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def cache_path(source_file: str, name_expr: str, arch: str,
+               cache_dir: Optional[Path] = None) -> Path:
+    """The cache entry of one instantiation (it may not exist yet), in `cache_dir` (default:
+    knob CACHE_DIR, else `~/.cache/megatron_deepep`)."""
+    return (Path(cache_dir) if cache_dir else _cache_dir()) / (
+        _cache_key(source_file, name_expr, arch) + _ENTRY_SUFFIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """One instantiation, compiled or found in the disk cache.
+
+    Attributes:
+        cubin: the cubin bytes.
+        lowered: the mangled name of `name_expr` (for cuModuleGetFunction).
+        seconds: the time it took (compile, or read).
+        from_cache: found in the disk cache (no compile).
+        path: its cache entry (None with MDEEP_JIT_NO_CACHE).
+    """
+
+    source_file: str
+    name_expr: str
+    arch: str
+    cubin: bytes
+    lowered: str
+    seconds: float
+    from_cache: bool
+    path: Optional[Path]
+
+
+def build(source_file: str, name_expr: str, arch: str, cache_dir: Optional[Path] = None
+          ) -> Build:
+    """Compiles one instantiation into the disk cache, or reads it from there (no GPU needed).
+
+    Args:
+        source_file: e.g. "dispatch.cu".
+        name_expr: the instantiation, e.g. "dispatch_send<8, false, int, 0>".
+        arch: NVRTC target, e.g. "sm_90".
+        cache_dir: the cache (default: knob CACHE_DIR, else `~/.cache/megatron_deepep`).
+    """
+    start = time.perf_counter()
+    if knobs.get("JIT_NO_CACHE"):
         cubin, lowered = compile_cubin(source_file, [name_expr], arch)
-        cache.mkdir(parents=True, exist_ok=True)
-        _write_atomic(cubin_path, cubin)
-        _write_atomic(name_path, lowered[name_expr].encode())
-        return cubin, lowered[name_expr]
-    return cubin_path.read_bytes(), name_path.read_text()
+        return Build(source_file, name_expr, arch, cubin, lowered[name_expr],
+                     time.perf_counter() - start, False, None)
+    path = cache_path(source_file, name_expr, arch, cache_dir)
+    entry = read_entry(path, [name_expr])
+    if entry is not None:
+        cubin, lowered = entry
+        return Build(source_file, name_expr, arch, cubin, lowered[name_expr],
+                     time.perf_counter() - start, True, path)
+    cubin, lowered = compile_cubin(source_file, [name_expr], arch)
+    write_atomic(path, pack_entry(cubin, {name_expr: lowered[name_expr]}))
+    return Build(source_file, name_expr, arch, cubin, lowered[name_expr],
+                 time.perf_counter() - start, False, path)
+
+
+_logged_builds = set()  # (source, name expression, arch) already logged by this process
+
+
+def _cached_cubin(source_file: str, name_expr: str, arch: str) -> Tuple[bytes, str]:
+    """(cubin, lowered name) of one instantiation, from the disk cache or compiled into it;
+    logs (INFO, once per kernel and process) which it was and how long it took."""
+    result = build(source_file, name_expr, arch)
+    if (source_file, name_expr, arch) not in _logged_builds:
+        _logged_builds.add((source_file, name_expr, arch))
+        where = f"cache {result.path.parent}" if result.path else "disk cache off"
+        if result.from_cache:
+            logger.info("megatron_deepep: loaded %s %s (%s) from the disk cache in %.2f s (%s)",
+                        source_file, name_expr, arch, result.seconds, where)
+        else:
+            logger.info("megatron_deepep: compiled %s %s for %s in %.1f s (%s; `python -m "
+                        "megatron_deepep.precompile` builds them ahead of a job)", source_file,
+                        name_expr, arch, result.seconds, where)
+    return result.cubin, result.lowered
 
 
 @functools.lru_cache(maxsize=None)

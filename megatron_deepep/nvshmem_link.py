@@ -29,16 +29,15 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_deepep import knobs
 from megatron_deepep.cuda_calls import cu_check, ensure_context
-from megatron_deepep.jit import CompileError, Kernel, cuda_src_dir, device_arch, render_template_arg
+from megatron_deepep.jit import (CompileError, Kernel, cuda_src_dir, device_arch, pack_entry,
+                                 read_entry, render_template_arg, write_atomic)
 
 logger = logging.getLogger(__name__)
 
@@ -161,26 +160,12 @@ def _cache_dir() -> Path:
     return Path(knobs.get("CACHE_DIR") or Path.home() / ".cache" / "megatron_deepep")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` through a temporary file and a rename (ranks race to write)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _shim_path() -> Path:
     """The pre-included std-traits shim, written once into the cache directory (by content)."""
     digest = hashlib.sha256(_SHIM.encode()).hexdigest()[:16]
     path = _cache_dir() / "nvshmem" / f"std_traits_shim_{digest}.h"
     if not path.is_file():
-        _write_atomic(path, _SHIM.encode())
+        write_atomic(path, _SHIM.encode())
     return path
 
 
@@ -339,24 +324,23 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
     kernel_opts, thunk_opts = _kernel_options(arch, paths), _base_options(arch)
     key = _cache_key(files, thunk, name_expressions, kernel_opts, thunk_opts, arch, paths,
                      nvrtc, nvjitlink)
-    cache = _cache_dir() / "nvshmem"
-    cubin_path, names_path = cache / f"{key}.cubin", cache / f"{key}.names.json"
-    if not knobs.get("JIT_NO_CACHE") and cubin_path.is_file() and names_path.is_file():
-        lowered = json.loads(names_path.read_text())
-        if set(lowered) == set(name_expressions):
-            return cubin_path.read_bytes(), lowered
+    entry_path = _cache_dir() / "nvshmem" / f"{key}.kernel"  # one file: names and cubin
+    if not knobs.get("JIT_NO_CACHE"):
+        entry = read_entry(entry_path, name_expressions)  # None: absent or unusable
+        if entry is not None:
+            return entry
+    start = time.perf_counter()
     kernel, lowered = _nvrtc_compile(nvrtc, files[0].read_bytes(), source_file,
                                      name_expressions, kernel_opts)
     thunk_cubin, _ = _nvrtc_compile(nvrtc, thunk.read_bytes(), THUNK_FILE, (), thunk_opts)
     linked = _nvjitlink(nvjitlink, [(source_file, kernel), (THUNK_FILE, thunk_cubin)],
                         paths.device_library, arch,
                         f"{source_file} {list(name_expressions)}")
-    if knobs.get("JIT_DEBUG"):
-        logger.info("linked %s %s for %s against %s: %d bytes", source_file,
-                    list(name_expressions), arch, paths.device_library, len(linked))
-    # The names first: a reader that finds the cubin finds its names too.
-    _write_atomic(names_path, json.dumps(lowered).encode())
-    _write_atomic(cubin_path, linked)
+    logger.info("megatron_deepep: linked %s %s for %s against NVSHMEM's device library in "
+                "%.1f s", source_file, list(name_expressions), arch,
+                time.perf_counter() - start)
+    if not knobs.get("JIT_NO_CACHE"):
+        write_atomic(entry_path, pack_entry(linked, lowered))
     return linked, lowered
 
 

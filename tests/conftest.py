@@ -1,3 +1,12 @@
+"""Session set-up shared by every test.
+
+- Tests marked `gpu` are skipped without a CUDA GPU, with the reason and the command that runs
+  them on a GPU machine.
+- Tests marked `nvrtc_job` (`test_kernels_compile.py`) run last: once collection ends, their
+  NVRTC compiles start in two low-priority background processes (`compile_jobs.py`), so they
+  overlap the rest of the suite instead of adding to it.
+"""
+
 import os
 import sys
 
@@ -6,16 +15,46 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def pytest_collection_modifyitems(config, items):
+def _no_gpu_reason():
+    """None with a usable CUDA GPU, else why not and what runs the GPU tier."""
+    run_there = "the GPU tier runs on a CUDA machine: `python -m pytest -m gpu tests/gpu`"
     try:
         import torch
-        has_gpu = torch.cuda.is_available()
     except ImportError:
-        has_gpu = False
-    if has_gpu:
+        return f"needs torch with CUDA and a GPU (torch is not installed); {run_there}"
+    if torch.version.cuda is None:
+        return (f"needs a CUDA GPU (this torch {torch.__version__} is a CPU-only build); "
+                f"{run_there}")
+    if not torch.cuda.is_available():
+        return f"needs a CUDA GPU (none visible to torch {torch.__version__}); {run_there}"
+    return None
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(config, items):
+    reason = _no_gpu_reason()
+    if reason is not None:
+        # Ahead of the files' own skipif marks, so every GPU test gives this one reason.
+        skip = pytest.mark.skipif(True, reason=reason)
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip, append=False)
+    jobs = [item for item in items if item.get_closest_marker("nvrtc_job")]
+    if jobs:
+        others = [item for item in items if not item.get_closest_marker("nvrtc_job")]
+        items[:] = others + jobs
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `python -m pytest -m gpu tests/gpu` "
-                                   "on the GPU machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    job_ids = [item.callspec.params["job"] for item in session.items
+               if item.get_closest_marker("nvrtc_job")]
+    if job_ids:
+        from tests import compile_jobs
+        compile_jobs.start(job_ids)
+
+
+def pytest_sessionfinish(session):
+    if "tests.compile_jobs" in sys.modules:
+        sys.modules["tests.compile_jobs"].stop()

@@ -72,7 +72,7 @@ def test_cu_check_names_the_call_and_the_error():
 
 def test_cache_writes_are_atomic(tmp_path):
     target = tmp_path / "k.cubin"
-    jit._write_atomic(target, b"abc")
+    jit.write_atomic(target, b"abc")
     assert target.read_bytes() == b"abc" and [p.name for p in tmp_path.iterdir()] == ["k.cubin"]
 
 

@@ -64,12 +64,14 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.megatron.patching": 7,
     "megatron_deepep.megatron.register": 7,
     "megatron_deepep.bench": 8,
+    "megatron_deepep.precompile": 8,  # the command that fills the kernel cache ahead of a job
     "megatron_deepep.internode_model": 8,
     "megatron_deepep.bench_network": 8,
 }
 
 #: The only modules that may import `jit` (they launch the kernels).
-JIT_IMPORTERS = ("megatron_deepep.ops", "megatron_deepep.ops.*", "megatron_deepep.nvshmem_link")
+JIT_IMPORTERS = ("megatron_deepep.ops", "megatron_deepep.ops.*", "megatron_deepep.nvshmem_link",
+                 "megatron_deepep.precompile")
 
 #: The only module that assigns attributes on megatron-core modules, classes and objects.
 PATCHING_MODULE = "megatron_deepep.megatron.patching"

@@ -52,7 +52,7 @@ def test_leg_links_against_device_library(leg_link):
 @needs_wheel
 def test_linked_cubin_is_cached(leg_link, monkeypatch):
     cache, cubin, lowered = leg_link
-    assert len(list((cache / "nvshmem").glob("*.cubin"))) == 1
+    assert len(list((cache / "nvshmem").glob("*.kernel"))) == 1
     monkeypatch.setenv("MDEEP_CACHE_DIR", str(cache))
 
     def no_compile(*args, **kwargs):
