@@ -37,7 +37,8 @@ def launcher_flags(launcher: str = "run_gpt_moe.sh", num_gpus: int = 1,
     node (shell defaults filled in)."""
     with open(os.path.join(ROOT, "examples", launcher)) as f:
         text = f.read().replace("\\\n", " ")
-    line = next(ln for ln in text.splitlines() if "pretrain_gpt_moe.py" in ln)
+    line = next(ln for ln in text.splitlines()
+                if "pretrain_gpt_moe.py" in ln and not ln.lstrip().startswith("#"))
     line = re.split(r'pretrain_gpt_moe\.py"?', line, maxsplit=1)[1]
     line = re.split(r'"\$\{METRIC_FLAGS\[@\]\}"|" 2>&1', line, maxsplit=1)[0]
     values = {"NGPU": num_gpus, "GPUS_PER_NODE": num_gpus, "NNODES": 1, "EP": num_gpus,
