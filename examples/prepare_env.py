@@ -179,7 +179,7 @@ def pip_install(requirements: list, found: Found) -> None:
         f"\n    (torch is not installed: pip's {TORCH_PIN} for Linux x86-64 is the CUDA build, "
         "about 3 GB with its CUDA libraries, unless pip finds a local wheel)" if big else ""))
     cmd = [sys.executable, "-m", "pip", "install", *requirements]
-    done = subprocess.run(cmd)
+    done = subprocess.run(cmd, stdout=sys.stderr)  # stdout carries only the result line
     if done.returncode != 0:
         say(f"pip failed (exit {done.returncode}): {' '.join(cmd)}\n    In a system Python pip "
             "may refuse to install: make a virtual environment first, e.g. python3 -m venv "

@@ -29,7 +29,11 @@ export PYTHONPATH="${REPO}:${MEGATRON_LM:+${MEGATRON_LM}:}${PYTHONPATH:-}"
 TEST_COMMAND='pip install torch==2.13.0 -e ".[jit,test,megatron]" && python -m pytest -q -rs tests'
 
 PLAN=$("$PY" "$HERE/prepare_env.py")
-read -r JOB_PATH NGPU <<< "$PLAN"
+read -r JOB_PATH NGPU <<< "$(tail -n 1 <<< "$PLAN")"
+case "$JOB_PATH" in
+  cpu-demo|megatron-core|megatron-training) ;;
+  *) echo "run_gpt_moe.sh: examples/prepare_env.py gave no path (got: $PLAN)" >&2; exit 1 ;;
+esac
 
 if [ "$JOB_PATH" = cpu-demo ]; then
   OUT=${OUT:-runs/cpu_demo}
