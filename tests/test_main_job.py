@@ -138,3 +138,11 @@ def test_cpu_demo_trains_deepep_beside_alltoall_with_the_same_losses(tmp_path):
     losses = [(float(r[1]), float(r[2])) for r in rows]
     assert all(abs(a - b) < 1e-3 for a, b in losses), losses
     assert losses[-1][0] < losses[0][0]  # it learns
+
+
+def test_supported_megatron_core_range_is_the_readmes():
+    low, end = prepare.MEGATRON_CORE_MIN, prepare.MEGATRON_CORE_END
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert f"megatron-core {low[0]}.{low[1]} to {end[0]}.{end[1] - 1}" in text
+    assert prepare.MEGATRON_CORE == f">={low[0]}.{low[1]},<{end[0]}.{end[1]}"

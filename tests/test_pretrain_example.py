@@ -1,7 +1,8 @@
 """CPU tier: `examples/pretrain_gpt_moe.py` against the installed `megatron.training`.
 
-It ships in the megatron-core wheels from 0.17 on (Python >= 3.12); with 0.16 (CI's Python 3.11)
-the model test skips (the launcher parsing runs everywhere). In a fresh interpreter: the
+It ships in the megatron-core wheels from 0.17 on (Python >= 3.12): CI's Python 3.12 leg runs
+these with 0.19.x; with 0.16 (the 3.11 leg) the model tests skip (the launcher parsing runs
+everywhere). In a fresh interpreter: the
 launchers' own flags (one GPU) parse and validate with ours added, the example's call binds to
 this version's `pretrain`, and its model provider builds the GPT-MoE (on the CPU) with
 `DeepEPTokenDispatcher` in every MoE layer and our flag's value in the dispatcher's options.
