@@ -150,6 +150,16 @@ def _python_ok(code: str) -> bool:
     return done.returncode == 0
 
 
+def _has_megatron_training(num_gpus: int) -> bool:
+    """On GPUs: `megatron.training` imports (it is what trains); without: it is there (the CPU
+    demonstration does not use it, and importing it takes seconds)."""
+    if importlib.util.find_spec("megatron") is None:
+        return False
+    if num_gpus == 0:
+        return importlib.util.find_spec("megatron.training") is not None
+    return _python_ok("import megatron.training")
+
+
 def look() -> Found:
     num_gpus, seen = find_gpus()
     say(f"Python {sys.version.split()[0]} ({sys.executable})")
@@ -157,8 +167,7 @@ def look() -> Found:
     return Found(
         python=sys.version_info[:3], num_gpus=num_gpus, torch=installed("torch"),
         megatron_core=installed("megatron-core"),
-        megatron_training=importlib.util.find_spec("megatron") is not None
-        and _python_ok("import megatron.training"),
+        megatron_training=_has_megatron_training(num_gpus),
         pyyaml=installed("pyyaml") or installed("PyYAML"),
         nvrtc=num_gpus > 0 and _python_ok(
             "from cuda.bindings import nvrtc; assert nvrtc.nvrtcVersion()[0] == 0"))
