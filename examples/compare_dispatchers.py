@@ -6,6 +6,14 @@
     python examples/compare_dispatchers.py --fp8-dispatch blockwise_1x128 --steps 200
     python examples/compare_dispatchers.py --plot-only compare_out/step_times.json  # no GPU
     python examples/compare_dispatchers.py --steps 20 --profile-steps 3   # + torch.profiler tables
+    torchrun --nproc-per-node 2 examples/compare_dispatchers.py --cpu     # no GPU: 2 gloo ranks
+
+`--cpu` (what `bash examples/run_gpt_moe.sh` runs on a machine without a GPU) trains a smaller
+GPT-MoE (2 layers, hidden 128, 4 experts) on the CPU over gloo, `deepep` on the pure-torch
+reference transport beside Megatron's `alltoall`, both in one process per rank, and prints the
+two loss curves side by side. Megatron-core's modules put their buffers on
+`torch.cuda.current_device()` and its `alltoall` dispatcher copies counts on a CUDA side stream:
+`--cpu` maps both to the CPU in this process (`allow_megatron_on_cpu`).
 
 `--fp8-dispatch FORMAT` compares `deepep` with FP8 dispatch (FORMAT on the wire; the local spec's
 experts get bf16 rows dequantized on the receiver) against `deepep` with bf16 dispatch instead of
@@ -40,20 +48,34 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+#: Sizes of the GPU runs and of the `--cpu` demonstration (an option left unset takes these).
+GPU_DEFAULTS = dict(steps=50, seq_length=512, micro_batch_size=4, num_layers=4, hidden_size=512,
+                    num_experts=8, vocab_size=8192, lr=3e-4, motifs=0)
+CPU_DEFAULTS = dict(steps=20, seq_length=128, micro_batch_size=2, num_layers=2, hidden_size=128,
+                    num_experts=4, vocab_size=1024, lr=3e-3, motifs=4)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--cpu", action="store_true",
+                   help="train on the CPU over gloo (deepep on the reference transport); "
+                        "smaller defaults: " + ", ".join(f"{k}={v}" for k, v in
+                                                         CPU_DEFAULTS.items()))
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (50)")
     p.add_argument("--warmup-steps", type=int, default=5, help="left out of the median time")
-    p.add_argument("--out", default="compare_out")
-    p.add_argument("--seq-length", type=int, default=512)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default="compare_out", help="output folder (rank 0 writes there)")
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (512)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank (4)")
+    p.add_argument("--num-layers", type=int, default=None, help="transformer layers (4)")
+    p.add_argument("--hidden-size", type=int, default=None, help="hidden size (512)")
+    p.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (8)")
+    p.add_argument("--topk", type=int, default=2, help="experts per token")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (8192)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (3e-4)")
+    p.add_argument("--motifs", type=int, default=None,
+                   help="distinct 16-token motifs the sequences repeat (0: a fresh random motif "
+                        "per sequence, learned only in context; a few: learned within steps)")
+    p.add_argument("--seed", type=int, default=1234, help="weights and data seed")
     p.add_argument("--dispatchers", default="deepep,alltoall",
                    help="runs to compare (ignored with --fp8-dispatch)")
     p.add_argument("--fp8-dispatch", default=None, choices=FP8_CHOICES,
@@ -64,11 +86,20 @@ def parse_args(argv=None):
     p.add_argument("--same-process", action="store_true",
                    help="train every run in this process (default: each in a fresh process, "
                         "so none inherits the kernel and GEMM-heuristic caches warmed by the "
-                        "one before: with the same seed the expert GEMM shapes repeat)")
+                        "one before: with the same seed the expert GEMM shapes repeat); "
+                        "always so with --cpu")
     p.add_argument("--only-run", default=None, help=argparse.SUPPRESS)  # a child's one run
     p.add_argument("--plot-only", default=None, metavar="JSON",
                    help="redraw loss_curves.png from a step_times.json (no GPU needed)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for key, value in (CPU_DEFAULTS if args.cpu else GPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.cpu:
+        args.same_process = True
+        if args.fp8_dispatch:
+            p.error("--fp8-dispatch needs a GPU (the FP8 formats travel through the kernels)")
+    return args
 
 
 FP8_CHOICES = ["blockwise", "mxfp8", "blockwise_1x128", "blockwise_1x128_fp32_scales",
@@ -83,16 +114,95 @@ def run_names(args):
     return args.dispatchers.split(",")
 
 
-def init_distributed():
+def init_distributed(cpu: bool = False):
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if cpu:
+        dist.init_process_group("gloo")
+    else:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+
+
+def allow_megatron_without_te() -> None:
+    """megatron-core 0.16's router names `te_general_gemm` without defining it when Transformer
+    Engine is missing (a NameError at the first MoE forward); defines it as None (unused)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class _HostStream:
+    """Stands in for `torch.cuda.Stream` in a process without CUDA: work is already ordered."""
+
+    def __new__(cls, *args, **kwargs):
+        return _HOST_STREAM
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return _HostEvent()
+
+    def synchronize(self):
+        pass
+
+
+class _HostEvent:
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+_HOST_STREAM = object.__new__(_HostStream)
+
+
+def allow_megatron_on_cpu() -> None:
+    """Lets megatron-core's GPT-MoE train on the CPU in this process (which uses no CUDA).
+
+    Megatron-core allocates on `torch.cuda.current_device()`, forks the CUDA RNG tracker for
+    dropout, and its `alltoall` dispatcher copies the split sizes to the host on a side stream
+    (a no-op for CPU tensors, which it then hands to `all_to_all_single` as tensors, not
+    numpy arrays). Maps the device to the CPU, the streams and the RNG fork to no-ops (dropout
+    is 0 here), and the split sizes to numpy as on the GPU.
+    """
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import token_dispatcher
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    tp_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host_numpy(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host_numpy
+
+
+def _synchronize(args) -> None:
+    if not args.cpu:
+        torch.cuda.synchronize()
 
 
 def build_model(args, dispatcher):
@@ -102,7 +212,8 @@ def build_model(args, dispatcher):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+    if not args.cpu:
+        model_parallel_cuda_manual_seed(args.seed)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=4 * args.hidden_size, moe_ffn_hidden_size=2 * args.hidden_size,
@@ -111,22 +222,33 @@ def build_model(args, dispatcher):
         moe_router_dtype="fp32", moe_token_dispatcher_type=dispatcher,
         expert_model_parallel_size=dist.get_world_size(), add_bias_linear=False,
         gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0)
+        pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=args.cpu)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
                      max_sequence_length=args.seq_length, position_embedding_type="rope")
     # As Megatron's Float16Module does: the local spec's norms are created in fp32.
-    return model.bfloat16().cuda()
+    model = model.bfloat16()
+    return model if args.cpu else model.cuda()
 
 
 def batches(args, rank):
-    gen = torch.Generator(device="cuda").manual_seed(args.seed * 7 + rank)
+    device = "cpu" if args.cpu else "cuda"
+    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + rank)
     s, b = args.seq_length, args.micro_batch_size
-    mask = torch.tril(torch.ones(s, s, device="cuda")).view(1, 1, s, s) < 0.5
-    pos = torch.arange(s, device="cuda").unsqueeze(0).expand(b, -1)
+    mask = torch.tril(torch.ones(s, s, device=device)).view(1, 1, s, s) < 0.5
+    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+    pool = None
+    if args.motifs:  # the same few motifs on every rank and step
+        pool_gen = torch.Generator(device=device).manual_seed(args.seed)
+        pool = torch.randint(0, args.vocab_size, (args.motifs, 16), device=device,
+                             generator=pool_gen)
     for _ in range(args.steps + 2 * args.profile_steps):
-        # A learnable signal: each sequence repeats a short random motif.
-        motif = torch.randint(0, args.vocab_size, (b, 16), device="cuda", generator=gen)
+        # A learnable signal: each sequence repeats a short motif (random, or one of the pool).
+        if pool is None:
+            motif = torch.randint(0, args.vocab_size, (b, 16), device=device, generator=gen)
+        else:
+            motif = pool[torch.randint(0, args.motifs, (b,), device=device, generator=gen)]
         tokens = motif.repeat(1, s // 16 + 2)[:, : s + 1]
         yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), pos, mask
 
@@ -137,7 +259,8 @@ def train(args, name):
 
     dispatcher, _, fp8 = name.partition(FP8_SUFFIX)
     # Dispatchers read their options when built: set the FP8 switch for this model only.
-    mdm.register_deepep_dispatcher(fp8_dispatch=fp8 or "off")
+    mdm.register_deepep_dispatcher(fp8_dispatch=fp8 or "off",
+                                   transport="reference" if args.cpu else "auto")
     model = build_model(args, dispatcher)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
@@ -153,7 +276,7 @@ def train(args, name):
             profiler.__exit__(None, None, None)
             host_profiler = cProfile.Profile()
             host_profiler.enable()
-        torch.cuda.synchronize()
+        _synchronize(args)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         per_token = model(tokens, pos, mask, labels=labels)
@@ -166,7 +289,7 @@ def train(args, name):
                 if p.grad is not None and getattr(p, "allreduce", True):
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         opt.step()
-        torch.cuda.synchronize()
+        _synchronize(args)
         if profiler is not None:
             clear_tracker(clear_aux_losses_tracker)
             continue
@@ -175,7 +298,7 @@ def train(args, name):
         dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG)
         losses.append(loss_avg.item())
         clear_tracker(clear_aux_losses_tracker)
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+        if rank == 0 and (step % (5 if args.cpu else 10) == 0 or step == args.steps - 1):
             print(f"[{name}] step {step:3d} loss {losses[-1]:.4f} "
                   f"time {times[-1] * 1e3:.1f} ms", flush=True)
     if host_profiler is not None:
@@ -183,7 +306,8 @@ def train(args, name):
         if rank == 0:
             write_profile(args, name, profiler, host_profiler)
     del model, opt
-    torch.cuda.empty_cache()
+    if not args.cpu:
+        torch.cuda.empty_cache()
     return losses, times
 
 
@@ -267,20 +391,40 @@ def plot_only(args):
     return 0
 
 
+def side_by_side(curves) -> str:
+    """The loss curves as a table: one row per step, one column per run, and, for two runs,
+    the absolute difference of the second from the first."""
+    names = list(curves)
+    head = f"{'step':>4}  " + "  ".join(f"{n:>12}" for n in names)
+    if len(names) == 2:
+        head += f"  {'|diff|':>9}"
+    rows = [head]
+    for step, values in enumerate(zip(*curves.values())):
+        row = f"{step:>4}  " + "  ".join(f"{v:>12.4f}" for v in values)
+        if len(values) == 2:
+            row += f"  {abs(values[1] - values[0]):>9.2e}"
+        rows.append(row)
+    return "\n".join(rows)
+
+
 def main(argv=None):
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
     if args.plot_only:
         return plot_only(args)
-    if not torch.cuda.is_available():
-        print("compare_dispatchers.py needs CUDA GPUs (it compares the deepep kernels with "
-              "Megatron's alltoall). On a CPU machine run: python -m pytest "
-              "tests/test_megatron_dispatcher.py tests/test_register.py", file=sys.stderr)
+    if not args.cpu and not torch.cuda.is_available():
+        print("compare_dispatchers.py: no CUDA GPU. Without one, train on the CPU over 2 gloo "
+              "ranks: torchrun --nproc-per-node 2 examples/compare_dispatchers.py --cpu "
+              "(or bash examples/run_gpt_moe.sh, which does that on a machine without a GPU)",
+              file=sys.stderr)
         return 2
+    if args.cpu:
+        allow_megatron_on_cpu()
+    allow_megatron_without_te()
     if args.only_run is not None:
         return train_one_run(args)
     if args.same_process:
-        init_distributed()
+        init_distributed(cpu=args.cpu)
         results = {name: train_with_plugin(args, name) for name in run_names(args)}
         rank, world_size = dist.get_rank(), dist.get_world_size()
         dist.destroy_process_group()
@@ -290,16 +434,28 @@ def main(argv=None):
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        png = plot(args.out, {k: v[0] for k, v in results.items()}, args.steps, world_size)
+        curves = {k: v[0] for k, v in results.items()}
         summary = summarize(results, args.steps, args.warmup_steps, world_size,
-                            torch.cuda.get_device_name())
+                            "cpu" if args.cpu else torch.cuda.get_device_name())
         summary["fresh_process_per_run"] = not args.same_process
         if args.fp8_dispatch:
             summary["fp8_dispatch"] = args.fp8_dispatch
         with open(os.path.join(args.out, "step_times.json"), "w") as f:
             json.dump(summary, f, indent=1)
-        print(json.dumps({k: summary[k] for k in summary if k != "losses"}, indent=1))
-        print(png)
+        print("LM loss per step (mean over ranks):\n" + side_by_side(curves))
+        if args.cpu:
+            times = " / ".join(f"{v:.0f}" for v in summary["median_step_time_ms"].values())
+            print(f"{' and '.join(curves)}: max |loss difference| "
+                  f"{summary.get('max_abs_loss_diff', 0.0):.2e} over {args.steps} steps; "
+                  f"median step {times} ms on the CPU (the reference transport is the "
+                  f"correctness oracle, not a speed comparison)")
+        else:
+            print(json.dumps({k: summary[k] for k in summary if k != "losses"}, indent=1))
+        try:
+            print(plot(args.out, curves, args.steps, world_size))
+        except ImportError:
+            print(f"(no matplotlib: loss_curves.png not drawn; the losses are in "
+                  f"{os.path.join(args.out, 'step_times.json')})")
     return 0
 
 
@@ -321,7 +477,7 @@ def _run_file(args, name) -> str:
 
 def train_one_run(args) -> int:
     """A child process: trains `--only-run` and (rank 0) writes its losses and step times."""
-    init_distributed()
+    init_distributed(cpu=args.cpu)
     losses, times = train_with_plugin(args, args.only_run)
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)

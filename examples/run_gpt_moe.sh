@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Tiny GPT-MoE on every local GPU with --moe-token-dispatcher-type deepep (EP = number of GPUs).
-#   bash examples/run_gpt_moe.sh [extra Megatron flags]   # megatron-core >= 0.17 (Python >= 3.12)
-#   MEGATRON_LM=/path/to/Megatron-LM bash examples/run_gpt_moe.sh   # 0.16: a Megatron-LM checkout
+# The main job: sets itself up, then trains the tiny GPT-MoE with --moe-token-dispatcher-type
+# deepep on every local GPU (EP = number of GPUs), or, without a GPU, runs a short CPU
+# demonstration. Run from anywhere, in the Python environment (a venv) to install into:
+#   bash examples/run_gpt_moe.sh [extra Megatron flags]
+# First examples/prepare_env.py looks for GPUs (nvidia-smi) and says what it found and which path
+# it takes, then installs only what is missing (torch pinned as for the tests, megatron-core
+# 0.16-0.19: 0.17+ ships megatron.training and needs Python >= 3.12; this package's GPU extra):
+#   megatron-training  GPUs + megatron.training: examples/pretrain_gpt_moe.py (below)
+#   megatron-core      GPUs, megatron-core alone (Python 3.10/3.11: 0.16):
+#                      examples/compare_dispatchers.py, TRAIN_ITERS steps of DISPATCHER
+#   cpu-demo           no GPU: examples/compare_dispatchers.py --cpu on 2 gloo ranks, deepep
+#                      (reference transport) beside alltoall, losses side by side (~1 minute)
+# Env: PYTHON (default python3), INSTALL=0 (install nothing), MEGATRON_LM (a Megatron-LM
+# checkout, for megatron.training with megatron-core 0.16), DISPATCHER (default deepep;
+# alltoall to compare), TRAIN_ITERS (50; the CPU demo: 20), METRICS=1 (per-layer comm/load
+# metrics, JSON lines in $OUT/metrics -> python scripts/plot_metrics.py $OUT/metrics), OUT (run
+# folder, default runs/gpt_moe_<dispatcher>).
 # The local (non-TE) layers need --no-rope-fusion and --no-persist-layer-norm without TE / Apex.
-# Env: DISPATCHER (default deepep; alltoall to compare), TRAIN_ITERS (50), METRICS=1 (per-layer
-# comm/load metrics, JSON lines in $OUT/metrics -> python scripts/plot_metrics.py $OUT/metrics),
-# OUT (run folder, default runs/gpt_moe_<dispatcher>).
 # FP8 dispatch (README, "FP8 dispatch"; hidden size % 16 == 0): pass our flag through, e.g.
 #   bash examples/run_gpt_moe.sh --moe-mdeep-fp8-dispatch blockwise   # or mxfp8, auto, off
 # (auto follows the active TE FP8 recipe and dispatches bf16 without one; with no TE recipe
@@ -13,39 +24,50 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
+PY=${PYTHON:-python3}
+export PYTHONPATH="${REPO}:${MEGATRON_LM:+${MEGATRON_LM}:}${PYTHONPATH:-}"
+TEST_COMMAND='pip install torch==2.13.0 -e ".[jit,test,megatron]" && python -m pytest -q -rs tests'
 
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "${NGPU}" -lt 1 ]; then
+PLAN=$("$PY" "$HERE/prepare_env.py")
+read -r JOB_PATH NGPU <<< "$(tail -n 1 <<< "$PLAN")"
+case "$JOB_PATH" in
+  cpu-demo|megatron-core|megatron-training) ;;
+  *) echo "run_gpt_moe.sh: examples/prepare_env.py gave no path (got: $PLAN)" >&2; exit 1 ;;
+esac
+
+if [ "$JOB_PATH" = cpu-demo ]; then
+  OUT=${OUT:-runs/cpu_demo}
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node 2 "$HERE/compare_dispatchers.py" --cpu --steps "${TRAIN_ITERS:-20}" \
+    --out "$OUT"
   cat >&2 <<MSG
-run_gpt_moe.sh: no CUDA GPU found. This example trains on GPUs (EP = number of GPUs).
-On a machine without a GPU, run the CPU tier instead:
-    python -m pytest -q tests/test_megatron_dispatcher.py tests/test_register.py \
-        tests/test_metrics.py
+run_gpt_moe.sh: that was the CPU demonstration: the same model and seed with deepep (on the
+pure-torch reference transport, over gloo) and with Megatron's alltoall. On a machine with
+NVIDIA GPUs the same command trains with the deepep kernels. Tests (from the repository root):
+    $TEST_COMMAND
 MSG
-  exit 1
-fi
-if ! python3 -c "import megatron.training" 2>/dev/null; then
-  if [ -n "${MEGATRON_LM:-}" ]; then
-    export PYTHONPATH="${MEGATRON_LM}:${PYTHONPATH:-}"
-  else
-    echo "run_gpt_moe.sh: megatron.training not importable (megatron-core wheels ship it" \
-      "from 0.17 on, Python >= 3.12; 0.16 does not)." >&2
-    echo "pip install 'megatron-core>=0.17' pyyaml, or set MEGATRON_LM=/path/to/Megatron-LM" \
-      "(0.16+), or run python examples/compare_dispatchers.py (megatron-core only)." >&2
-    exit 1
-  fi
+  exit 0
 fi
 
 DISPATCHER=${DISPATCHER:-deepep}
 OUT=${OUT:-runs/gpt_moe_${DISPATCHER}}
 mkdir -p "$OUT"
-export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 PYTHONPATH="${REPO}:${PYTHONPATH:-}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0
 METRIC_FLAGS=()
 if [ "${METRICS:-0}" = 1 ]; then
   METRIC_FLAGS=(--moe-mdeep-metrics --moe-mdeep-metrics-dir "$OUT/metrics" --moe-per-layer-logging)
 fi
 
-torchrun --standalone --nproc-per-node "$NGPU" "$HERE/pretrain_gpt_moe.py" \
+if [ "$JOB_PATH" = megatron-core ]; then
+  if [ $# -gt 0 ]; then
+    echo "run_gpt_moe.sh: without megatron.training the Megatron flags are not used: $*" >&2
+  fi
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
+    "$HERE/compare_dispatchers.py" --steps "${TRAIN_ITERS:-50}" --dispatchers "$DISPATCHER" \
+    --out "$OUT" 2>&1 | tee "$OUT/train.log"
+  exit "${PIPESTATUS[0]}"
+fi
+"$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" "$HERE/pretrain_gpt_moe.py" \
   --num-layers 4 --hidden-size 512 --ffn-hidden-size 2048 --num-attention-heads 8 \
   --seq-length 1024 --max-position-embeddings 1024 --position-embedding-type rope \
   --micro-batch-size 4 --global-batch-size $((4 * NGPU)) \

@@ -1,7 +1,8 @@
 """CPU tier: `examples/pretrain_gpt_moe.py` against the installed `megatron.training`.
 
-It ships in the megatron-core wheels from 0.17 on (Python >= 3.12); with 0.16 (CI's Python 3.11)
-the model test skips (the launcher parsing runs everywhere). In a fresh interpreter: the
+It ships in the megatron-core wheels from 0.17 on (Python >= 3.12): CI's Python 3.12 leg runs
+these with 0.19.x; with 0.16 (the 3.11 leg) the model tests skip (the launcher parsing runs
+everywhere). In a fresh interpreter: the
 launchers' own flags (one GPU) parse and validate with ours added, the example's call binds to
 this version's `pretrain`, and its model provider builds the GPT-MoE (on the CPU) with
 `DeepEPTokenDispatcher` in every MoE layer and our flag's value in the dispatcher's options.
@@ -37,7 +38,8 @@ def launcher_flags(launcher: str = "run_gpt_moe.sh", num_gpus: int = 1,
     node (shell defaults filled in)."""
     with open(os.path.join(ROOT, "examples", launcher)) as f:
         text = f.read().replace("\\\n", " ")
-    line = next(ln for ln in text.splitlines() if "pretrain_gpt_moe.py" in ln)
+    line = next(ln for ln in text.splitlines()
+                if "pretrain_gpt_moe.py" in ln and not ln.lstrip().startswith("#"))
     line = re.split(r'pretrain_gpt_moe\.py"?', line, maxsplit=1)[1]
     line = re.split(r'"\$\{METRIC_FLAGS\[@\]\}"|" 2>&1', line, maxsplit=1)[0]
     values = {"NGPU": num_gpus, "GPUS_PER_NODE": num_gpus, "NNODES": 1, "EP": num_gpus,
