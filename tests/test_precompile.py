@@ -53,7 +53,7 @@ def test_list_narrows_by_index_dtype_fp8_format_and_output(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--topk", "17"], "topk: 17 is out of range (1-16)"),
-    (["--topk", "8", "--fp8", "fp9"], "unknown FP8 format 'fp9'"),
+    (["--topk", "8", "--fp8", "fp9"], "fp8='fp9': unknown FP8 format"),
 ])
 def test_bad_arguments_name_the_argument(argv, message, capsys):
     assert precompile.main(argv) == 2
@@ -65,7 +65,7 @@ def test_expressions_render_as_the_runtime_renders_them():
     for source, expr in precompile.kernels_for(list(range(1, 17)), ["mxfp8_1x32"],
                                                bench=True):
         name, _, _ = expr.partition("<")
-        args = ", ".join(jit._render(a) for a in precompile._template_args(expr))
+        args = ", ".join(jit.render_template_arg(a) for a in precompile._template_args(expr))
         assert (f"{name}<{args}>" if args else name) == expr
 
 
