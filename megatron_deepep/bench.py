@@ -449,7 +449,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
         sys.stderr.write("megatron_deepep.bench needs a CUDA GPU; on a CPU machine run the tests "
-                         "instead: python -m pytest tests -q\n")
+                         "instead (from the repository root): pip install torch==2.13.0 -e "
+                         "\".[jit,test,megatron]\" && python -m pytest -q -rs tests\n")
         raise SystemExit(2)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if not dist.is_initialized():

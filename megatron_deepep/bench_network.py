@@ -141,8 +141,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
         sys.stderr.write("megatron_deepep.bench_network needs a CUDA GPU with NVSHMEM (torch "
-                         "built for CUDA 13); on a CPU machine run the tests instead: "
-                         "python -m pytest -q tests\n")
+                         "built for CUDA 13); on a CPU machine run the tests instead (from the "
+                         "repository root): pip install torch==2.13.0 -e \".[jit,test,megatron]\" "
+                         "&& python -m pytest -q -rs tests\n")
         raise SystemExit(2)
     doc = run(args)
     with open(args.out, "w") as f:

@@ -41,7 +41,8 @@ if [ "${SANITIZE:-0}" = 1 ]; then
 fi
 if [ "${MAIN_JOB:-0}" != 0 ]; then
   for dispatcher in deepep alltoall; do
-    DISPATCHER=$dispatcher TRAIN_ITERS=$MAIN_JOB METRICS=1 OUT="$OUT/gpt_moe_$dispatcher" \
+    INSTALL=0 DISPATCHER=$dispatcher TRAIN_ITERS=$MAIN_JOB METRICS=1 \
+      OUT="$OUT/gpt_moe_$dispatcher" \
       timeout 240 bash examples/run_gpt_moe.sh > "$OUT/main_job_$dispatcher.log" 2>&1
     echo "main job ($dispatcher): rc $?"
     grep -E "iteration +($MAIN_JOB|1)/|Error|error" "$OUT/main_job_$dispatcher.log" | tail -5

@@ -21,4 +21,4 @@ def test_help_names_every_argument():
 def test_without_a_gpu_it_says_what_to_run():
     done = subprocess.run([sys.executable, "-m", "megatron_deepep.bench_network"],
                           capture_output=True, text=True)
-    assert done.returncode == 2 and "python -m pytest -q tests" in done.stderr
+    assert done.returncode == 2 and "python -m pytest -q -rs tests" in done.stderr

@@ -117,6 +117,10 @@ def test_one_test_command_everywhere():
             continue
         with open(os.path.join(ROOT, "examples", name)) as f:
             hints += [(name, m) for m in re.findall(r"[^'\n]*python -m pytest[^'\n]*", f.read())]
+    for module in ("bench.py", "bench_network.py"):  # their no-GPU hints
+        with open(os.path.join(ROOT, "megatron_deepep", module)) as f:
+            text = f.read().replace('" "', "").replace('\\"', '"')
+        hints += [(module, m) for m in re.findall(r"pip install torch[^'\n]*pytest[^'\n]*", text)]
     assert hints, "run_gpt_moe.sh names the test command"
     for name, hint in hints:
         assert prepare.TEST_COMMAND in hint, (name, hint)
