@@ -153,6 +153,10 @@ class LegArgs(KernelArgs):
                 ("error_claim", Ptr), ("error_record", Ptr), ("info", Ptr)]
 
 
+# Sources whose kernels call NVSHMEM's device API: nvshmem_link builds them (tests/
+# test_nvshmem_link.py links them in the CPU tier), not the plain NVRTC path.
+NVSHMEM_SOURCES = ("internode_leg.cu",)
+
 # Every kernel's argument struct (checked against the CUDA kernels by the CPU tests).
 KERNEL_ARGS = {
     ("layout.cu", "layout_kernel"): LayoutArgs, ("notify.cu", "notify_kernel"): NotifyArgs,

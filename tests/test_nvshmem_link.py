@@ -103,3 +103,11 @@ def test_foreign_include_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(nvshmem_link, "cuda_src_dir", lambda: root)
     with pytest.raises(nvshmem_link.CompileError, match="somewhere/else.h"):
         nvshmem_link.link_cubin("foreign.cu", [], "sm_90")
+
+
+def test_every_nvshmem_kernel_is_linked_here():
+    """The kernels of ops.NVSHMEM_SOURCES are the ones this file links (the plain compile
+    sweep of tests/test_kernels_compile.py leaves them out)."""
+    from megatron_deepep import ops
+    nvshmem_kernels = {k for k in ops.KERNEL_ARGS if k[0] in ops.NVSHMEM_SOURCES}
+    assert nvshmem_kernels == {("internode_leg.cu", name) for name in LEG_KERNELS}
