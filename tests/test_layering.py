@@ -67,6 +67,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.precompile": 8,  # the command that fills the kernel cache ahead of a job
     "megatron_deepep.internode_model": 8,
     "megatron_deepep.bench_network": 8,
+    "megatron_deepep.balance": 8,  # the load-balance planner and its command
 }
 
 #: The only modules that may import `jit` (they launch the kernels).
