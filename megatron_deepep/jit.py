@@ -132,11 +132,23 @@ def compile_code(code, name: str, name_expressions: Sequence[str] = (), arch: st
         arch: NVRTC target.
         extra_options: NVRTC options after the usual ones.
     """
+    return compile_program(code, name, name_expressions, _options(arch) + list(extra_options))
+
+
+def compile_program(code, name: str, name_expressions: Sequence[str], opts: Sequence[str],
+                    error: type = None) -> Tuple[bytes, Dict[str, str]]:
+    """One NVRTC program with exactly `opts`: its cubin (relocatable with `-rdc=true`) and the
+    lowered names of `name_expressions`.
+
+    Raises:
+        `error` (default CompileError): with the kernel names, options and the NVRTC log.
+    """
     from cuda.bindings import nvrtc
 
+    error = error or CompileError
     if isinstance(code, str):
         code = code.encode()
-    opts = _options(arch) + list(extra_options)
+    opts = list(opts)
     prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(code, name.encode(), 0, [], []), "create")
     try:
         for expr in name_expressions:
@@ -148,7 +160,7 @@ def compile_code(code, name: str, name_expressions: Sequence[str] = (), arch: st
         _nvrtc_check((nvrtc.nvrtcGetProgramLog(prog, log)[0], None), "get log")
         log_text = log.decode(errors="replace").rstrip("\x00 \n")
         if int(status) != 0:
-            raise CompileError(
+            raise error(
                 f"compiling {name} failed ({status})\n  kernels: {list(name_expressions)}"
                 f"\n  options: {opts}\n  NVRTC log:\n{log_text}")
         if knobs.get("JIT_DEBUG"):

@@ -36,8 +36,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_deepep import knobs
 from megatron_deepep.cuda_calls import cu_check, ensure_context
-from megatron_deepep.jit import (CompileError, Kernel, cuda_src_dir, device_arch, pack_entry,
-                                 read_entry, render_template_arg, write_atomic)
+from megatron_deepep.jit import (CompileError, Kernel, compile_program, cuda_src_dir, device_arch,
+                                 pack_entry, read_entry, render_template_arg, write_atomic)
 
 logger = logging.getLogger(__name__)
 
@@ -223,37 +223,9 @@ def _kernel_options(arch: str, paths: NvshmemPaths) -> List[str]:
 
 def _nvrtc_compile(nvrtc, code: bytes, name: str, name_expressions: Sequence[str],
                    opts: List[str]) -> Tuple[bytes, Dict[str, str]]:
-    """One NVRTC unit to a relocatable cubin, and the lowered names of `name_expressions`."""
-
-    def check(result, what):
-        if int(result[0]) != 0:
-            raise LinkError(f"NVRTC {what} for {name} failed: {result[0]}")
-        return result[1] if len(result) > 1 else None
-
-    prog = check(nvrtc.nvrtcCreateProgram(code, name.encode(), 0, [], []), "create")
-    try:
-        for expr in name_expressions:
-            check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()), "add name expression")
-        status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
-        log = b" " * check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        check(nvrtc.nvrtcGetProgramLog(prog, log), "get log")
-        log_text = log.decode(errors="replace").rstrip("\x00 \n")
-        if int(status) != 0:
-            raise LinkError(f"compiling {name} failed ({status})\n  kernels: "
-                            f"{list(name_expressions)}\n  options: {opts}\n  NVRTC log:\n"
-                            f"{log_text}")
-        if knobs.get("JIT_DEBUG"):
-            logger.info("compiled %s %s with %s\n%s", name, list(name_expressions), opts,
-                        log_text)
-        cubin = b" " * check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        check(nvrtc.nvrtcGetCUBIN(prog, cubin), "get cubin")
-        lowered = {}
-        for expr in name_expressions:
-            low = check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), "lowered name")
-            lowered[expr] = low.decode() if isinstance(low, bytes) else low
-        return cubin, lowered
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    """One NVRTC unit to a relocatable cubin, and the lowered names of `name_expressions`
+    (`nvrtc`: checked available by the caller)."""
+    return compile_program(code, name, name_expressions, opts, error=LinkError)
 
 
 def _nvjitlink(nvjitlink, units: Sequence[Tuple[str, bytes]], library: Path, arch: str,
