@@ -1,15 +1,78 @@
 // Combine over NVLink, in two kernels on the communication stream:
 //   combine_send (expert side): for every slot received from a peer, the slot's rows of y are
-//     summed in k order in fp32 (times their routing weight when kWeighted), rounded to bf16
-//     and written once into that peer's combine region; with kWithWeights the per-k values of
+//     summed in k order in fp32 (times their routing weight when kWeighted), rounded to the row
+//     dtype and written once into that peer's combine region; with kWithWeights the per-k values of
 //     grad_row_weights go along. The last block releases "done" to every peer.
 //   combine_reduce (source side): waits for every peer's "done", then for each token sums its
 //     partials over ranks in ascending order in fp32 (its own rank's partial is computed from
 //     y directly, with the same rounding) and rounds once; releases "consumed" to every peer.
+// kDtype is the element type of y, the partials and out (ops.ROW_DTYPE_CODES): 0 bf16, 1 fp16,
+// 2 fp32. Rows are handled as 16-byte words of 8 (16-bit) or 4 (fp32) elements; every sum is in
+// fp32, so fp32 rows are never rounded.
 #include "common/args.cuh"
 #include "common/protocol.cuh"
 
 using namespace mdeep;
+
+constexpr int kRowBf16 = 0, kRowF16 = 1, kRowF32 = 2;
+
+__device__ __forceinline__ float f16_to_f32(u32 bits16) {
+    const unsigned short h = (unsigned short)bits16;
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Round to nearest even (overflow to inf): torch's float -> half cast, bit for bit.
+__device__ __forceinline__ u32 f32_to_f16_rn(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Adds the elements of one 16-byte word `v` of kDtype rows to `acc` in fp32 (optionally times
+// `scale`, unfused): acc[0..8) for 16-bit rows, acc[0..4) for fp32.
+template <int kDtype, bool kScaled>
+__device__ __forceinline__ void accumulate_word(float* acc, const int4& v, float scale) {
+    if constexpr (kDtype == kRowBf16) {
+        accumulate_bf16x8<kScaled>(acc, v, scale);
+    } else if constexpr (kDtype == kRowF16) {
+        const u32 words[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float lo = f16_to_f32(words[i] & 0xffffu), hi = f16_to_f32(words[i] >> 16);
+            if (kScaled) {
+                lo = __fmul_rn(lo, scale);
+                hi = __fmul_rn(hi, scale);
+            }
+            acc[2 * i] = __fadd_rn(acc[2 * i], lo);
+            acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], hi);
+        }
+    } else {
+        const float f[4] = {__int_as_float(v.x), __int_as_float(v.y), __int_as_float(v.z),
+                            __int_as_float(v.w)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], kScaled ? __fmul_rn(f[i], scale)
+                                                                        : f[i]);
+    }
+}
+
+// One 16-byte word of kDtype rows from `acc` (rounded once; fp32 as is).
+template <int kDtype>
+__device__ __forceinline__ int4 pack_word(const float* acc) {
+    if constexpr (kDtype == kRowBf16) {
+        return pack_bf16x8(acc);
+    } else if constexpr (kDtype == kRowF16) {
+        u32 w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            w[i] = f32_to_f16_rn(acc[2 * i]) | (f32_to_f16_rn(acc[2 * i + 1]) << 16);
+        return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+    } else {
+        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                         __float_as_int(acc[3]));
+    }
+}
 
 constexpr int kCombineThreads = 512;
 // 16-byte words per lane per step: every row of a token (and every peer's partial) is loaded
@@ -20,7 +83,7 @@ struct CombineUnroll {
 };
 
 // Sums one slot's rows of y for the int4 words [base, base + 32 * kU) of a lane.
-template <int kTopk, bool kWeighted, int kU>
+template <int kTopk, bool kWeighted, int kU, int kDtype>
 __device__ __forceinline__ void slot_partial(float (*acc)[8], const int4* y, const int* rows,
                                              const float* row_weights, int num_int4, int base,
                                              int lane) {
@@ -42,7 +105,8 @@ __device__ __forceinline__ void slot_partial(float (*acc)[8], const int4* y, con
         const float w = kWeighted ? row_weights[k] : 1.f;
 #pragma unroll
         for (int u = 0; u < kU; ++u)
-            if (base + u * 32 + lane < num_int4) accumulate_bf16x8<kWeighted>(acc[u], v[k][u], w);
+            if (base + u * 32 + lane < num_int4)
+                accumulate_word<kDtype, kWeighted>(acc[u], v[k][u], w);
     }
 }
 
@@ -56,7 +120,7 @@ __device__ __forceinline__ void load_slot_rows(const int* slot_rows, const float
     }
 }
 
-template <int kTopk, bool kWeighted, bool kWithWeights>
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(kCombineThreads) combine_send(
     const __grid_constant__ CombineSendArgs args) {
     const int4* const y = args.y;
@@ -98,11 +162,12 @@ __global__ void __launch_bounds__(kCombineThreads) combine_send(
             constexpr int kU = CombineUnroll<kTopk>::value;
             for (int base = 0; base < num_int4; base += 32 * kU) {
                 float acc[kU][8];
-                slot_partial<kTopk, kWeighted, kU>(acc, y, rows, weights, num_int4, base, lane);
+                slot_partial<kTopk, kWeighted, kU, kDtype>(acc, y, rows, weights, num_int4, base,
+                                                            lane);
 #pragma unroll
                 for (int u = 0; u < kU; ++u) {
                     const int w = base + u * 32 + lane;
-                    if (w < num_int4) st_v4(dst + w, pack_bf16x8(acc[u]));
+                    if (w < num_int4) st_v4(dst + w, pack_word<kDtype>(acc[u]));
                 }
             }
             if (kWithWeights && lane < kTopk) {
@@ -119,7 +184,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_send(
     release_peers_when_done<&Meta::combine_done>(peer_bases, rg, 2, rank, num_ranks, epoch, err);
 }
 
-template <int kTopk, bool kWeighted, bool kWithWeights>
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
     const __grid_constant__ CombineReduceArgs args) {
     int4* const out = args.out;
@@ -182,20 +247,21 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
                     if (r >= num_ranks || slots[r] < 0) continue;
                     if (r == rank) {
                         float self_acc[kU][8];
-                        slot_partial<kTopk, kWeighted, kU>(self_acc, y, self_rows, self_weights,
-                                                           num_int4, base, lane);
+                        slot_partial<kTopk, kWeighted, kU, kDtype>(self_acc, y, self_rows,
+                                                                   self_weights, num_int4, base,
+                                                                   lane);
 #pragma unroll
-                        for (int u = 0; u < kU; ++u) partial[r][u] = pack_bf16x8(self_acc[u]);
+                        for (int u = 0; u < kU; ++u) partial[r][u] = pack_word<kDtype>(self_acc[u]);
                     }
 #pragma unroll
                     for (int u = 0; u < kU; ++u)
                         if (base + u * 32 + lane < num_int4)
-                            accumulate_bf16x8<false>(acc[u], partial[r][u], 1.f);
+                            accumulate_word<kDtype, false>(acc[u], partial[r][u], 1.f);
                 }
 #pragma unroll
                 for (int u = 0; u < kU; ++u) {
                     const int i = base + u * 32 + lane;
-                    if (i < num_int4) out[(i64)n * num_int4 + i] = pack_bf16x8(acc[u]);
+                    if (i < num_int4) out[(i64)n * num_int4 + i] = pack_word<kDtype>(acc[u]);
                 }
             }
             if (kWithWeights && lane < kTopk) {
@@ -227,14 +293,14 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
 
 // EP = 1: no peer partials and no protocol (no regions are touched). For each token, its rows
 // of y summed in k order in fp32 and rounded once, the value combine_reduce computes for a
-// single rank (its bf16 partial plus nothing rounds to itself). One block per budgeted SM, of
+// single rank (its rounded partial plus nothing rounds to itself). One block per budgeted SM, of
 // 1024 threads up to top-8 (twice combine_reduce's loads in flight; 64 registers), else 512.
 template <int kTopk>
 struct CombineLocalThreads {
     static constexpr int value = kTopk <= 8 ? 1024 : 512;
 };
 
-template <int kTopk, bool kWeighted, bool kWithWeights>
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(CombineLocalThreads<kTopk>::value) combine_local(
     const __grid_constant__ CombineLocalArgs args) {
     int4* const out = args.out;
@@ -258,8 +324,9 @@ __global__ void __launch_bounds__(CombineLocalThreads<kTopk>::value) combine_loc
                                                         weights);
         for (int base = 0; base < num_int4; base += 32) {
             float acc[1][8];
-            slot_partial<kTopk, kWeighted, 1>(acc, y, rows, weights, num_int4, base, lane);
-            if (base + lane < num_int4) out[(i64)n * num_int4 + base + lane] = pack_bf16x8(acc[0]);
+            slot_partial<kTopk, kWeighted, 1, kDtype>(acc, y, rows, weights, num_int4, base, lane);
+            if (base + lane < num_int4)
+                out[(i64)n * num_int4 + base + lane] = pack_word<kDtype>(acc[0]);
         }
         if (kWithWeights && lane < kTopk) {
             int row_lane = -1;

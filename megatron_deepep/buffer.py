@@ -39,7 +39,8 @@ class Buffer:
     Args:
         group: the EP `torch.distributed` process group (NCCL, or gloo when ranks share a GPU).
         num_max_tokens_per_rank: N_max, the most tokens any rank dispatches in one call.
-        hidden: the widest row (elements of 2 bytes) any call dispatches.
+        hidden: the widest row any call dispatches, in elements of 2 bytes (bf16, fp16): an
+            fp32 row of H elements needs hidden >= 2 * H.
         num_topk: the largest top-k any call uses (at most 16).
         transport: "auto" (with CUDA: the EP = 1 kernels for one rank, the NVLink kernels for
             2-8; without: the pure-torch reference), "local", "nvlink" or "reference".
@@ -192,8 +193,10 @@ class Buffer:
         """Sends every token once per destination rank and expands it into expert-major rows.
 
         Args:
-            x: `[N, H]`, torch.bfloat16 (the reference also takes float32), contiguous; with
-                `fp8`, either bf16 `[N, H]` (quantized inside the send) or a pre-quantized pair
+            x: `[N, H]`, torch.bfloat16, torch.float16 or torch.float32 (`H * element_size`
+                a multiple of 16 bytes, at most `2 * hidden` bytes), contiguous; every transport
+                copies the bytes as they are. With `fp8`, either bf16 `[N, H]` (quantized inside
+                the send; other dtypes are refused) or a pre-quantized pair
                 `(x_fp8 [N, H] torch.float8_e4m3fn, x_scales [N, ceil(H / block)]
                 fmt.scale_dtype)`.
             topk_idx: `[N, K]`, int64 or int32, expert ids, -1 for none.
@@ -235,6 +238,7 @@ class Buffer:
             validate.check_tensor("x", x, ndim=2, dtypes=self._row_dtypes(), device=device)
             validate.check_hidden("x", x.shape[1], x.element_size(), self.hidden)
         elif x_scales is None:
+            validate.check_fp8_input(x)
             validate.check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16,), device=device)
             validate.check_fp8_hidden("x", x.shape[1], self.hidden)
         else:
@@ -309,7 +313,8 @@ class Buffer:
         """Reduces expert rows back to their source tokens.
 
         Args:
-            y: `[M, H]` in the dispatch's row order, same dtype as the dispatched rows.
+            y: `[M, H]` in the dispatch's row order, torch.bfloat16, torch.float16 or
+                torch.float32 (the output's dtype; fp32 rows are summed without rounding).
             handle: the dispatch's handle.
             weighted: multiply each row by its routing weight first (Megatron's experts already
                 apply the probs, so its dispatcher leaves this off).

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -505,15 +505,40 @@ def _dispatch_stage_bytes(hidden: int, threads: int) -> int:
     return warps * words_per_lane * 32 * 16
 
 
+# Row dtypes of dispatch and combine: kDtype of combine.cu. Dispatch copies bytes (a row of any
+# of them travels as bf16 words of the same bytes: `as_wire_rows`).
+ROW_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+ROW_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def row_dtype_code(t: torch.Tensor) -> int:
+    """combine.cu's kDtype for rows of `t`'s dtype."""
+    code = ROW_DTYPE_CODES.get(t.dtype)
+    assert code is not None, f"rows of {t.dtype} (the transports accept {list(ROW_DTYPE_CODES)})"
+    return code
+
+
+def as_wire_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x [N, H]` (a `ROW_DTYPE_CODES` dtype, contiguous, rows of 16-byte multiples) as the bf16
+    rows `[N, H * x.element_size() / 2]` of the same bytes, which the dispatch kernels copy."""
+    return x if x.dtype == torch.bfloat16 else x.view(torch.bfloat16)
+
+
+def _num_int4(rows: torch.Tensor) -> int:
+    return rows.shape[1] * rows.element_size() // 16
+
+
 def combine_send(y: torch.Tensor, handle, weighted: bool,
                  grad_row_weights: Optional[torch.Tensor], peer_bases: torch.Tensor,
                  regions: torch.Tensor, rank: int, num_ranks: int, epoch: int, num_sms: int,
                  timeout_ns: int, errors: ErrorSink) -> None:
-    """Sends one fp32-accumulated partial row per received slot back to its source rank."""
+    """Sends one fp32-accumulated partial row (rounded to y's dtype) per received slot back to
+    its source rank. `y` is `[M, H]` of a `ROW_DTYPE_CODES` dtype."""
     kernel = jit.get_kernel("combine.cu", "combine_send",
-                            [handle.num_topk, weighted, grad_row_weights is not None])
+                            [handle.num_topk, weighted, grad_row_weights is not None,
+                             row_dtype_code(y)])
     args = CombineSendArgs.fill(
-        y=y.data_ptr(), num_int4=y.shape[1] * 2 // 16,
+        y=y.data_ptr(), num_int4=_num_int4(y),
         recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
         slot_rows=handle.address("slot_rows"),
         num_recv_tokens_per_rank=handle.address("num_recv_tokens_per_rank"),
@@ -527,13 +552,15 @@ def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: to
                    handle, weighted: bool, grad_row_weights: Optional[torch.Tensor],
                    peer_bases: torch.Tensor, regions: torch.Tensor, rank: int, num_ranks: int,
                    epoch: int, num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
-    """Sums every token's partials over ranks into `out [N, H]`."""
+    """Sums every token's partials over ranks in fp32 into `out [N, H]` (y's dtype)."""
+    assert out.dtype == y.dtype, (out.dtype, y.dtype)
     kernel = jit.get_kernel("combine.cu", "combine_reduce",
-                            [handle.num_topk, weighted, grad_row_weights is not None])
+                            [handle.num_topk, weighted, grad_row_weights is not None,
+                             row_dtype_code(y)])
     lay = handle.layout
     args = CombineReduceArgs.fill(
         out=out.data_ptr(), out_weights=addr(out_weights), num_tokens=out.shape[0],
-        num_int4=out.shape[1] * 2 // 16, y=y.data_ptr(),
+        num_int4=_num_int4(out), y=y.data_ptr(),
         recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
         slot_rows=handle.address("slot_rows"), is_token_in_rank=lay.address("is_token_in_rank"),
         token_slot_in_rank=lay.address("token_slot_in_rank"), peer_bases=peer_bases.data_ptr(),
@@ -547,12 +574,14 @@ def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: tor
                   num_sms: int) -> None:
     """EP = 1: every token's rows of `y` summed into `out [N, H]`, no protocol; the same values
     as `combine_reduce` on one rank."""
+    assert out.dtype == y.dtype, (out.dtype, y.dtype)
     kernel = jit.get_kernel("combine.cu", "combine_local",
-                            [handle.num_topk, weighted, grad_row_weights is not None])
+                            [handle.num_topk, weighted, grad_row_weights is not None,
+                             row_dtype_code(y)])
     threads = 1024 if handle.num_topk <= 8 else 512  # CombineLocalThreads in combine.cu
     args = CombineLocalArgs.fill(
         out=out.data_ptr(), out_weights=addr(out_weights), num_tokens=out.shape[0],
-        num_int4=out.shape[1] * 2 // 16, y=y.data_ptr(),
+        num_int4=_num_int4(out), y=y.data_ptr(),
         recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
         slot_rows=handle.address("slot_rows"),
         token_slot_in_rank=handle.layout.address("token_slot_in_rank"))
@@ -563,13 +592,17 @@ def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: tor
 FP8_RECV_VARIANTS = [(fmt, dequant) for fmt in (1, 2, 3) for dequant in (False, True)]
 
 
-def kernel_names(num_topk: int, fp8: bool = False) -> dict:
+def kernel_names(num_topk: int, fp8: bool = False,
+                 row_dtypes: Sequence[str] = ("bf16",)) -> dict:
     """Every instantiation a top-k needs, per source file (for compile checks and warm-up).
 
     Args:
         num_topk: K.
         fp8: list the FP8 dispatch variants instead of the bf16 ones for dispatch.cu.
+        row_dtypes: the row dtypes (`ROW_DTYPE_NAMES` keys) to list combine kernels for
+            (dispatch copies bytes: one set of dispatch kernels serves every dtype).
     """
+    codes = [ROW_DTYPE_CODES[ROW_DTYPE_NAMES[name]] for name in row_dtypes]
     names = {"layout.cu": [], "notify.cu": ["notify_kernel"], "dispatch.cu": [],
              "combine.cu": []}
     send_fmts = (1, 2, 3) if fp8 else (0,)
@@ -585,14 +618,16 @@ def kernel_names(num_topk: int, fp8: bool = False) -> dict:
     for weighted in ("false", "true"):
         for with_weights in ("false", "true"):
             for kind in ("combine_send", "combine_reduce", "combine_local"):
-                names["combine.cu"].append(f"{kind}<{num_topk}, {weighted}, {with_weights}>")
+                names["combine.cu"] += [f"{kind}<{num_topk}, {weighted}, {with_weights}, {code}>"
+                                        for code in codes]
     return names
 
 
-def warm_up(num_topks) -> None:
-    """Compiles (or loads from the disk cache) every kernel the given top-k values need."""
+def warm_up(num_topks, row_dtypes: Sequence[str] = ("bf16",)) -> None:
+    """Compiles (or loads from the disk cache) every kernel the given top-k values and row
+    dtypes (`ROW_DTYPE_NAMES` keys) need."""
     for num_topk in num_topks:
-        for source, exprs in kernel_names(num_topk).items():
+        for source, exprs in kernel_names(num_topk, row_dtypes=row_dtypes).items():
             for expr in exprs:
                 name, _, args = expr.partition("<")
                 jit.get_kernel(source, name, [a.strip() for a in args.rstrip(">").split(",")]

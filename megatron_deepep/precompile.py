@@ -37,7 +37,8 @@ def _template_args(expr: str) -> List[str]:
 def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
                 fp8_outputs: Sequence[str] = ("fp8", "bf16"),
                 index_dtypes: Sequence[str] = ("int64", "int32"), bf16: bool = True,
-                bench: bool = False) -> List[Tuple[str, str]]:
+                bench: bool = False, row_dtypes: Sequence[str] = ("bf16",)
+                ) -> List[Tuple[str, str]]:
     """(source file, name expression) of every kernel the shape needs, each once.
 
     Args:
@@ -47,6 +48,8 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
         index_dtypes: "int64" and/or "int32", the dtype of `topk_idx`.
         bf16: include the bf16 dispatch kernels (dispatch without FP8).
         bench: include the benchmark's ceiling kernels.
+        row_dtypes: hidden-state dtypes ("bf16", "fp16", "fp32") to build the combine kernels
+            for (dispatch copies bytes: its kernels serve every dtype).
 
     Raises:
         ValueError: naming the argument and what it accepts.
@@ -63,6 +66,10 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
     bad = [o for o in fp8_outputs if o not in FP8_OUTPUTS]
     if bad:
         raise ValueError(f"fp8 output: {bad}; choose from {sorted(FP8_OUTPUTS)}")
+    bad = [d for d in row_dtypes if d not in ops.ROW_DTYPE_NAMES]
+    if bad or not row_dtypes:
+        raise ValueError(f"row dtype: {bad or 'none given'}; choose from "
+                         f"{sorted(ops.ROW_DTYPE_NAMES)}")
     wire_codes = {str(as_fp8_dispatch(name).wire_code) for name in fp8_formats}
     dequants = {FP8_OUTPUTS[o] for o in fp8_outputs}
     index_types = {INDEX_TYPES[d] for d in index_dtypes}
@@ -85,7 +92,7 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
                                    or (len(args) > 4 and args[4] not in dequants)):
                 continue
             out[("dispatch.cu", expr)] = None
-        for expr in bf16_names["combine.cu"]:
+        for expr in ops.kernel_names(k, row_dtypes=row_dtypes)["combine.cu"]:
             out[("combine.cu", expr)] = None
     if bench:
         out.update(dict.fromkeys(BENCH_KERNELS))
@@ -183,6 +190,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--index-dtype", nargs="+", default=["int64", "int32"],
                         choices=sorted(INDEX_TYPES),
                         help="dtype of topk_idx (Megatron passes int64); default: both")
+    parser.add_argument("--row-dtype", nargs="+", default=["bf16"],
+                        choices=["bf16", "fp16", "fp32"],
+                        help="dtype of the hidden states (Megatron's --bf16 / --fp16 / "
+                             "neither): the combine kernels are built for each; default: bf16")
     parser.add_argument("--no-bf16", action="store_true",
                         help="skip the bf16 dispatch kernels (a job that always dispatches FP8)")
     parser.add_argument("--bench", action="store_true",
@@ -207,7 +218,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cache_dir = Path(args.cache_dir).expanduser().resolve() if args.cache_dir else None
     try:
         kernels = kernels_for(args.topk, args.fp8, args.fp8_output, args.index_dtype,
-                              bf16=not args.no_bf16, bench=args.bench)
+                              bf16=not args.no_bf16, bench=args.bench,
+                              row_dtypes=args.row_dtype)
     except ValueError as exc:
         print(f"precompile: {exc}", file=sys.stderr)
         return 2

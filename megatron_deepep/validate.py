@@ -76,14 +76,34 @@ def check_tensor(name: str, t, *, ndim: int, dtypes: Iterable[torch.dtype],
 
 
 def check_hidden(name: str, hidden: int, element_size: int, max_hidden: int) -> None:
-    """Checks the row width against the 16-byte vector rule and the buffer's declared hidden."""
+    """Checks the row width against the 16-byte vector rule and the buffer's declared hidden.
+
+    Args:
+        name: the argument, for the message.
+        hidden: elements per row.
+        element_size: bytes per element (2 for bf16 / fp16, 4 for fp32).
+        max_hidden: the Buffer's `hidden`, in 2-byte elements (its rows hold
+            `2 * max_hidden` bytes: an fp32 row of H elements needs `hidden >= 2 * H`).
+    """
     if hidden * element_size % ROW_ALIGN_BYTES != 0:
         raise ValueError(
             f"{name}: hidden={hidden} gives rows of {hidden * element_size} bytes; rows must be a "
             f"multiple of {ROW_ALIGN_BYTES} bytes (hidden a multiple of "
             f"{ROW_ALIGN_BYTES // element_size})")
-    if hidden > max_hidden:
-        raise ValueError(f"{name}: hidden={hidden} exceeds the Buffer's hidden={max_hidden}")
+    if hidden * element_size > 2 * max_hidden:
+        wide = "" if element_size == 2 else (
+            f" (rows of {element_size}-byte elements: {hidden * element_size} bytes, a Buffer "
+            f"hidden of {hidden * element_size // 2} 2-byte elements)")
+        raise ValueError(f"{name}: hidden={hidden} exceeds the Buffer's hidden={max_hidden}"
+                         f"{wide}")
+
+
+def check_fp8_input(x) -> None:
+    """FP8 dispatch quantizes bf16 rows (TE's input rule): any other dtype is refused by name."""
+    if isinstance(x, torch.Tensor) and x.dtype != torch.bfloat16:
+        raise ValueError(
+            f"x: FP8 dispatch (fp8=...) quantizes torch.bfloat16 rows, got {x.dtype}; cast x to "
+            f"bfloat16 first, or dispatch without fp8 ({x.dtype} rows travel as they are)")
 
 
 def check_num_experts(num_experts, num_ranks: int) -> int:

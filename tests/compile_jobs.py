@@ -6,10 +6,11 @@ soon as pytest has collected them (`conftest.py`), to two low-priority worker pr
 other tests run meanwhile and the compile tests, ordered last, collect the results.
 
 Two sweeps:
-- every instantiation `ops.kernel_names` lists for top-k 1-16, bf16 and FP8 dispatch, plus
-  `fp8.cu` and `ceiling.cu`, compiled with `jit.FAST_COMPILE_OPTIONS` (front end, template
+- every instantiation `ops.kernel_names` lists for top-k 1-16, bf16 and FP8 dispatch (and the
+  fp16 / fp32 combine kernels at `WIDE_ROW_TOPKS`: their dtype code does not depend on top-k),
+  plus `fp8.cu` and `ceiling.cu`, compiled with `jit.FAST_COMPILE_OPTIONS` (front end, template
   instantiation and ptxas, ~30x faster than -O3), up to 60 instantiations a program;
-- one instantiation of each (kernel, wire format, dequantize) at top-k 8 with the options the
+- one instantiation of each (kernel, wire format, dequantize, combine row dtype) at top-k 8 with the options the
   kernels run with (-O3), as `jit.get_kernel` compiles them.
 Together ~60 CPU-seconds (a one-program-per-source sweep at -O3 took ~370). `python -m
 megatron_deepep.precompile --topk $(seq 16) --fp8 ...` compiles the lot at -O3.
@@ -25,6 +26,9 @@ import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 TOPKS = range(1, 17)
+# Top-k values at which the fast sweep also compiles the fp16 and fp32 combine kernels.
+WIDE_ROW_TOPKS = (1, 6, 8, 16)
+WIDE_ROW_DTYPES = ("fp16", "fp32")
 FP8_KERNELS = ([f"quantize_blockwise<{w}, {p}>" for w in (4, 8) for p in ("false", "true")]
                + [f"{k}<{w}>" for k in ("quantize_mxfp8", "dequantize_blockwise",
                                          "dequantize_mxfp8") for w in (4, 8)])
@@ -42,9 +46,10 @@ class Job:
     cost: float  # CPU seconds measured on a 2-core CI machine, to start the costly first
 
 
-def _names(k: int, fp8: bool = False) -> Dict[str, List[str]]:
+def _names(k: int, fp8: bool = False, row_dtypes: Sequence[str] = ("bf16",)
+           ) -> Dict[str, List[str]]:
     from megatron_deepep import ops
-    return ops.kernel_names(k, fp8=fp8)
+    return ops.kernel_names(k, fp8=fp8, row_dtypes=row_dtypes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,6 +66,10 @@ def jobs() -> Dict[str, Job]:
             "dispatch.cu", tuple(e for k in ks for e in _names(k)["dispatch.cu"]), True, 1.5)
         out[f"fast-combine.cu-{tag}"] = Job(
             "combine.cu", tuple(e for k in ks for e in _names(k)["combine.cu"]), True, 1.0)
+    out["fast-combine.cu-fp16-fp32"] = Job(
+        "combine.cu", tuple(e for k in WIDE_ROW_TOPKS
+                            for e in _names(k, row_dtypes=WIDE_ROW_DTYPES)["combine.cu"]),
+        True, 2.0)
     for k in TOPKS:
         out[f"fast-dispatch.cu-fp8-k{k}"] = Job(
             "dispatch.cu", tuple(_names(k, fp8=True)["dispatch.cu"]), True, 2.0)
@@ -76,8 +85,9 @@ def jobs() -> Dict[str, Job]:
                        ("dispatch_local", 5.0)):
         out[f"O3-dispatch.cu-{kind}-k8"] = Job(
             "dispatch.cu", tuple(e for e in dispatch if e.startswith(kind + "<")), False, cost)
+    k8_rows = _names(8, row_dtypes=("bf16",) + WIDE_ROW_DTYPES)["combine.cu"]
     out["O3-combine.cu-k8"] = Job(
-        "combine.cu", tuple(e for e in k8["combine.cu"] if e.endswith("true, true>")), False, 1.0)
+        "combine.cu", tuple(e for e in k8_rows if ", true, true, " in e), False, 2.0)
     out["O3-layout.cu-k8"] = Job("layout.cu", ("layout_kernel<long long, 8>",), False, 0.3)
     out["O3-notify.cu"] = Job("notify.cu", ("notify_kernel",), False, 0.1)
     out["O3-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), False, 0.4)

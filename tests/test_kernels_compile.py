@@ -25,8 +25,9 @@ def test_kernels_compile(job):
 
 
 def test_jobs_cover_every_instantiation():
-    """Every instantiation `ops.kernel_names` lists (top-k 1-16, bf16 and FP8) is in a fast
-    job, and every kernel `ops.KERNEL_ARGS` names is compiled in both sweeps (the NVSHMEM
+    """Every instantiation `ops.kernel_names` lists (top-k 1-16, bf16 and FP8; fp16 and fp32
+    combine at `compile_jobs.WIDE_ROW_TOPKS`) is in a fast job, every combine row dtype is in the
+    -O3 sweep, and every kernel `ops.KERNEL_ARGS` names is compiled in both sweeps (the NVSHMEM
     kernels are linked by tests/test_nvshmem_link.py instead)."""
     fast = {(j.source, e) for j in compile_jobs.jobs().values() if j.fast for e in j.exprs}
     slow = {(j.source, e) for j in compile_jobs.jobs().values() if not j.fast for e in j.exprs}
@@ -35,6 +36,11 @@ def test_jobs_cover_every_instantiation():
             for source, exprs in ops.kernel_names(k, fp8=fp8).items():
                 missing = {(source, e) for e in exprs} - fast
                 assert not missing, f"top-k {k}, fp8={fp8}: {sorted(missing)}"
+    for k in compile_jobs.WIDE_ROW_TOPKS:
+        exprs = ops.kernel_names(k, row_dtypes=compile_jobs.WIDE_ROW_DTYPES)["combine.cu"]
+        assert {("combine.cu", e) for e in exprs} <= fast, f"top-k {k}, fp16/fp32 combine"
+    slow_codes = {e.rstrip(">").rsplit(", ", 1)[1] for s, e in slow if s == "combine.cu"}
+    assert slow_codes == {str(c) for c in ops.ROW_DTYPE_CODES.values()}, slow_codes
     for sweep in (fast, slow):
         kernels = {(source, expr.partition("<")[0]) for source, expr in sweep}
         plain = {k for k in ops.KERNEL_ARGS if k[0] not in ops.NVSHMEM_SOURCES}

@@ -46,6 +46,11 @@ def test_list_narrows_by_index_dtype_fp8_format_and_output(capsys):
     # kFmt 3 (MXFP8) only, dequantized on receive; 2 index types x 2 cached x 3 kernels.
     assert len(dispatch) == 12 and all(", 3" in e for e in dispatch)
     assert all(e.endswith("true>") for e in dispatch if not e.startswith("dispatch_send"))
+    wide = _listed(capsys, "--topk", "4", "--row-dtype", "fp16", "fp32")
+    combine = [e for s, e in wide if s == "combine.cu"]
+    # 2 weighted x 2 with-weights x 3 kernels, each for kDtype 1 (fp16) and 2 (fp32).
+    assert sorted(combine) == sorted(ops.kernel_names(4, row_dtypes=("fp16", "fp32"))
+                                     ["combine.cu"]) and len(combine) == 24
     several = _listed(capsys, "--topk", "2", "8", "--bench")
     assert ("ceiling.cu", "fill_kernel") in several
     assert {e for _, e in several} >= set(ops.kernel_names(2)["combine.cu"])

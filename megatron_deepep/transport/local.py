@@ -43,6 +43,7 @@ class LocalTransport(Transport):
     """
 
     name = "local"
+    row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                  num_sms: int, timeout_s: float):
@@ -87,9 +88,11 @@ class LocalTransport(Transport):
                  layout: Optional[DispatchLayout] = None, fp8=None,
                  x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
+        row_dtype, hidden = x.dtype, x.shape[1]  # the handle keeps the caller's width
+        if fp8 is None:
+            x = ops.as_wire_rows(x)  # fp16 / fp32 rows travel as the bf16 words of their bytes
         dev = x.device
         num_tokens, num_topk = topk_idx.shape
-        hidden = x.shape[1]
         arena = dispatch_plan(num_tokens, num_topk, num_experts, 1, self.max_tokens,
                               layout is None).allocate(dev)
         self.epoch += 1
@@ -110,7 +113,7 @@ class LocalTransport(Transport):
                                 timeout_ns=self.timeout_ns, arena=arena, local_recv=local_recv)
         else:
             ops.notify(peer_bases=self._meta_bases, rank=0, num_ranks=1, epoch=self.epoch,
-                       lay=layout, num_local=num_experts, hidden=hidden, num_topk=num_topk,
+                       lay=layout, num_local=num_experts, hidden=x.shape[1], num_topk=num_topk,
                        alignment=expert_alignment, max_recv_rows=bound, recv=arena,
                        host_info_ptr=host_info, timeout_ns=self.timeout_ns,
                        errors=self.status.errors)
@@ -119,7 +122,7 @@ class LocalTransport(Transport):
         elif rows_before_wait is None:
             num_rows = self.status.wait_num_rows(self.epoch)
         alloc_rows = num_rows if rows_before_wait is None else rows_before_wait
-        recv_x, recv_scales = empty_recv(alloc_rows, hidden, fp8, dev)
+        recv_x, recv_scales = empty_recv(alloc_rows, x.shape[1], fp8, dev)
         recv_weights = torch.empty(alloc_rows, dtype=torch.float32, device=dev)
         ops.dispatch_local(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx,
                            topk_weights, layout, cached=False, fp8=fp8, num_local=num_experts,
@@ -139,16 +142,23 @@ class LocalTransport(Transport):
             num_experts=num_experts, num_topk=num_topk, hidden=hidden,
             expert_alignment=expert_alignment, num_recv_rows=num_rows,
             tokens_per_expert_list=tokens_per_expert_list, transport_state=(topk_idx, arena))
+        if fp8 is None:
+            recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales), recv_weights, handle
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8=None,
                         x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
+        row_dtype = x.dtype
+        if fp8 is None:
+            x = ops.as_wire_rows(x)
         topk_idx, arena = handle.transport_state
         recv_x, recv_scales = empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
         ops.dispatch_local(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None,
                            handle.layout, cached=True, fp8=fp8,
                            num_local=handle.num_local_experts, num_sms=self.num_sms)
+        if fp8 is None:
+            recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool = False,

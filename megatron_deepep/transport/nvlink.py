@@ -43,6 +43,7 @@ class NVLinkTransport(Transport):
     """
 
     name = "nvlink"
+    row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                  num_sms: int, timeout_s: float):
@@ -90,10 +91,12 @@ class NVLinkTransport(Transport):
                  layout: Optional[DispatchLayout] = None, fp8=None,
                  x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
+        row_dtype, hidden = x.dtype, x.shape[1]  # the handle keeps the caller's width
+        if fp8 is None:
+            x = ops.as_wire_rows(x)  # fp16 / fp32 rows travel as the bf16 words of their bytes
         dev, num_ranks = x.device, self.num_ranks
         num_local = num_experts // num_ranks
         num_tokens, num_topk = topk_idx.shape
-        hidden = x.shape[1]
         # One allocation for the layout (unless given) and every receive-side array.
         arena = dispatch_plan(num_tokens, num_topk, num_experts, num_ranks,
                               self.regions.max_tokens, layout is None).allocate(dev)
@@ -104,7 +107,7 @@ class NVLinkTransport(Transport):
             layout = ops.layout(topk_idx, num_experts, num_ranks, self.rank, self.status.errors,
                                 timeout_ns=self.timeout_ns, arena=arena)
         ops.notify(peer_bases=self.sym.peer_bases, rank=self.rank, num_ranks=num_ranks,
-                   epoch=self.notify_epoch, lay=layout, num_local=num_local, hidden=hidden,
+                   epoch=self.notify_epoch, lay=layout, num_local=num_local, hidden=x.shape[1],
                    num_topk=num_topk, alignment=expert_alignment,
                    max_recv_rows=-1 if is_sync else num_max_recv_rows, recv=arena,
                    host_info_ptr=self.status.host_info_ptr if is_sync else 0,
@@ -114,7 +117,7 @@ class NVLinkTransport(Transport):
                           num_local=num_local, **peers)
         num_rows = (self.status.wait_num_rows(self.notify_epoch) if is_sync
                     else num_max_recv_rows)
-        recv_x, recv_scales = empty_recv(num_rows, hidden, fp8, dev)
+        recv_x, recv_scales = empty_recv(num_rows, x.shape[1], fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
         ops.dispatch_recv(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx,
                           topk_weights, layout, cached=False, fp8=fp8, num_local=num_local,
@@ -125,6 +128,8 @@ class NVLinkTransport(Transport):
             expert_alignment=expert_alignment, num_recv_rows=num_rows,
             tokens_per_expert_list=self.status.tokens_per_expert(num_local) if is_sync else None,
             transport_state=(topk_idx, arena))
+        if fp8 is None:
+            recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales), recv_weights, handle
 
     def _adopt(self, handle: DispatchHandle) -> None:
@@ -152,6 +157,9 @@ class NVLinkTransport(Transport):
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8=None,
                         x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
+        row_dtype = x.dtype
+        if fp8 is None:
+            x = ops.as_wire_rows(x)
         self._adopt(handle)
         num_local = handle.num_local_experts
         topk_idx, arena = handle.transport_state
@@ -162,6 +170,8 @@ class NVLinkTransport(Transport):
         recv_x, recv_scales = empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
         ops.dispatch_recv(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None,
                           handle.layout, cached=True, fp8=fp8, num_local=num_local, **peers)
+        if fp8 is None:
+            recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales)
 
     # ------------------------------------------------------------------ combine

@@ -92,7 +92,7 @@ class ReferenceTransport(Transport):
     """
 
     name = "reference"
-    row_dtypes = (torch.bfloat16, torch.float32)
+    row_dtypes = (torch.bfloat16, torch.float16, torch.float32)
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int = 0, num_topk: int = 0,
                  *, num_sms: int = 0, timeout_s: float = 0.0):
@@ -118,7 +118,7 @@ class ReferenceTransport(Transport):
         """Dispatches `x`; see the module docstring for the layout of the result.
 
         Args:
-            x: `[N, H]` rows (bf16 or fp32); with `fp8` and `x_scales`, the e4m3 data.
+            x: `[N, H]` rows (bf16, fp16 or fp32); with `fp8` and `x_scales`, the e4m3 data.
             fp8: None, or the FP8 dispatch: the sender quantizes `x` with `formats.quantize`
                 (unless `x_scales` is given), each token's e4m3 bytes and scale bytes travel as
                 one packed row, and the receiver returns them (`fp8.output == "fp8"`) or their

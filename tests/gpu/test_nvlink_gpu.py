@@ -141,7 +141,7 @@ def _bad_input(rank, world, nvl):
     x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=dev)
     w = torch.ones(4, 2, device=dev)
     with pytest.raises(ValueError, match="dtype"):
-        nvl.dispatch(x.float(), torch.zeros(4, 2, dtype=torch.int64, device=dev), w,
+        nvl.dispatch(x.double(), torch.zeros(4, 2, dtype=torch.int64, device=dev), w,
                      num_experts=world)
     with pytest.raises(ValueError, match="num_max_tokens_per_rank"):
         big = torch.zeros(nvl.num_max_tokens_per_rank + 1, 2048, dtype=torch.bfloat16, device=dev)
