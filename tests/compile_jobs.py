@@ -10,8 +10,8 @@ Two sweeps:
   fp16 / fp32 combine kernels at `WIDE_ROW_TOPKS`: their dtype code does not depend on top-k),
   plus `fp8.cu` and `ceiling.cu`, compiled with `jit.FAST_COMPILE_OPTIONS` (front end, template
   instantiation and ptxas, ~30x faster than -O3), up to 60 instantiations a program;
-- one instantiation of each (kernel, wire format, dequantize, combine row dtype) at top-k 8 with the options the
-  kernels run with (-O3), as `jit.get_kernel` compiles them.
+- one instantiation of each (kernel, wire format, dequantize, combine row dtype) at top-k 8
+  with the options the kernels run with (-O3), as `jit.get_kernel` compiles them.
 Together ~60 CPU-seconds (a one-program-per-source sweep at -O3 took ~370). `python -m
 megatron_deepep.precompile --topk $(seq 16) --fp8 ...` compiles the lot at -O3.
 """
