@@ -42,7 +42,11 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     """Turns Megatron's dense routing into top-k lists (local, no host synchronization).
 
     Args:
-        routing_map: `[T, E]`, bool, at most `topk` True per row (fewer after token dropping).
+        routing_map: `[T, E]`, bool, at most `topk` True per row (fewer after token dropping)
+            with nonzero probs. Under `--moe-pad-expert-input-to-capacity` Megatron's router
+            also routes tokens with prob 0 to fill each expert's capacity; those routes are
+            dropped here when a row has more than `topk` (they add nothing to the output or to
+            any gradient, and the dispatcher pads every expert to its capacity itself).
         probs: `[T, E]`, float, 0 off-route; may require grad.
         topk: K.
 
@@ -52,11 +56,14 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     """
     num_tokens, num_experts = routing_map.shape
     k = min(topk, num_experts)
-    # Key: E - e for routed experts, 0 otherwise. Its top-k are the routed experts, ascending.
+    # Key: E - e for routed experts (plus E when the prob is nonzero), 0 otherwise. Its top-k
+    # are the routed experts, nonzero probs first, then sorted into ascending ids.
     rank_key = torch.arange(num_experts, 0, -1, device=routing_map.device, dtype=torch.int32)
-    key = routing_map.to(torch.int32) * rank_key
+    key = routing_map.to(torch.int32) * (rank_key + (probs != 0).to(torch.int32) * num_experts)
     top_key, top_idx = torch.topk(key, k, dim=1, sorted=True)
-    valid = top_key > 0
+    top_idx = torch.where(top_key > 0, top_idx, num_experts).sort(dim=1).values
+    valid = top_idx < num_experts
+    top_idx = torch.where(valid, top_idx, 0)
     topk_idx = torch.where(valid, top_idx, torch.full_like(top_idx, -1))
     weights = probs.gather(1, top_idx).float()
     topk_weights = weights * valid.to(weights.dtype)
