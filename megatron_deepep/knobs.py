@@ -95,6 +95,9 @@ _TABLE = (
          "(for `scripts/plot_metrics.py`)", "dispatcher"),
     Knob("FP8_DISPATCH", "str", None, "off", "FP8 on the wire: `off`, `blockwise`, `mxfp8`, "
          "`auto` (TE's active recipe) or a format name", "dispatcher"),
+    Knob("RANK_CAPACITY_FACTOR", "str", None, "unset", "sync-free dispatch: receive at most "
+         "factor x tokens x top-k rows per rank (Megatron's `--moe-expert-rank-capacity-factor` "
+         "wins where it exists); more is an error", "dispatcher"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),

@@ -72,6 +72,21 @@ CASES = {
                                 moe_router_pre_softmax=True), {}),
     "micro_batches_in_flight": ({}, dict(tokens=[[6, 9], [3, 11], [7, 1]])),
     "equal_tokens": ({}, dict(tokens=[[8, 8]])),
+    # Sync-free: a per-rank row bound (`rank_capacity_factor`), no host synchronization.
+    "rank_capacity_factor": ({}, dict(post=dict(moe_mdeep_rank_capacity_factor=2.0))),
+    "rank_capacity_factor_topk4_bf16": (dict(moe_router_topk=4), dict(
+        dtype="bf16", post=dict(moe_mdeep_rank_capacity_factor=1.5))),
+    "rank_capacity_factor_in_flight": ({}, dict(
+        tokens=[[6, 9], [3, 11]], post=dict(moe_mdeep_rank_capacity_factor=4.0))),
+    # A bound too small for what arrives: an error naming it (both ranks overflow).
+    "rank_capacity_overflow": ({}, dict(
+        tokens=[[8, 8]], post=dict(moe_mdeep_rank_capacity_factor=0.1),
+        error="num_max_recv_rows=4 is too small")),
+    # TP 2 with sequence parallelism, expert TP 1, EP 1: each TP rank dispatches its sequence
+    # shard (a second 2-process job).
+    "tp2_sequence_parallel": (dict(sequence_parallel=True, tensor_model_parallel_size=2,
+                                   expert_tensor_parallel_size=1),
+                              dict(parallel=(2, 1))),
 }
 
 # Options of the issue that need what this CPU tier lacks; tests/gpu covers the ones a GPU and
@@ -136,7 +151,7 @@ def _install_cpu_stand_ins():
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _layer(dispatcher_type, world_size, overrides, dtype, post):
+def _layer(dispatcher_type, ep_size, overrides, dtype, post):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -148,7 +163,7 @@ def _layer(dispatcher_type, world_size, overrides, dtype, post):
     kwargs = dict(BASE, **overrides)
     config = TransformerConfig(
         num_layers=2, hidden_size=H, ffn_hidden_size=48, moe_ffn_hidden_size=48,
-        num_attention_heads=4, expert_model_parallel_size=world_size,
+        num_attention_heads=4, expert_model_parallel_size=ep_size,
         moe_token_dispatcher_type=dispatcher_type, add_bias_linear=False,
         gradient_accumulation_fusion=False, params_dtype=dtype, use_cpu_initialization=True,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **kwargs)
@@ -179,6 +194,21 @@ def _run(layer, xs, grads):
     return [o.detach() for o in outs], [xi.grad for xi in inputs], params
 
 
+class _BoundSpy:
+    """Records the `num_max_recv_rows` every dispatch of a DeepEPTokenDispatcher passes."""
+
+    def __init__(self, dispatcher):
+        self.bounds = []
+        original = dispatcher.num_max_recv_rows
+
+        def num_max_recv_rows(num_tokens):
+            bound = original(num_tokens)
+            self.bounds.append(bound)
+            return bound
+
+        dispatcher.num_max_recv_rows = num_max_recv_rows
+
+
 def _compare(a, b, dtype):
     """(bit-equal, max abs diff, max tolerance ratio) of two tensors."""
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -190,13 +220,13 @@ def _compare(a, b, dtype):
     return torch.equal(a, b), diff.max().item(), ratio
 
 
-def _case(rank, world_size, name):
+def _case(rank, ep_size, name):
     overrides, run = CASES[name]
     dtype = _DTYPES[run.get("dtype", "fp32")]
     tokens = run.get("tokens", TOKENS)
     torch.manual_seed(1234)
-    theirs = _layer("alltoall", world_size, overrides, dtype, run.get("post", {}))
-    ours = _layer("deepep", world_size, overrides, dtype, run.get("post", {}))
+    theirs = _layer("alltoall", ep_size, overrides, dtype, run.get("post", {}))
+    ours = _layer("deepep", ep_size, overrides, dtype, run.get("post", {}))
     ours.load_state_dict(theirs.state_dict())
     gen = torch.Generator().manual_seed(100 + rank)
     xs = [torch.randn(seq[rank], 2, H, generator=gen).to(dtype) for seq in tokens]
@@ -204,7 +234,16 @@ def _case(rank, world_size, name):
     ours.train()
     theirs.train()
     result = {"checks": 0, "bit_equal": 0, "max_diff": 0.0, "max_ratio": 0.0, "worst": ""}
+    if "error" in run:
+        try:
+            _run(ours, xs, grads)
+        except ValueError as exc:
+            assert run["error"] in str(exc), str(exc)
+            return dict(result, refused=str(exc)[:200])
+        raise AssertionError(f"expected an error with {run['error']!r}")
+    spy = _BoundSpy(ours.token_dispatcher)
     got = _run(ours, xs, grads)
+    result["bounds"] = spy.bounds
     want = _run(theirs, xs, grads)
     pairs = [(f"out[{i}]", o, w) for i, (o, w) in enumerate(zip(got[0], want[0]))]
     pairs += [(f"input_grad[{i}]", o, w) for i, (o, w) in enumerate(zip(got[1], want[1]))]
@@ -222,32 +261,41 @@ def _case(rank, world_size, name):
     return result
 
 
-def _worker(rank, world_size, names, out_dir):
+def _worker(rank, world_size, names, tp_size, out_dir):
     warnings.filterwarnings("ignore")
     _install_cpu_stand_ins()
     import megatron_deepep.megatron as mdm
     from megatron.core import parallel_state as ps
 
     mdm.register_deepep_dispatcher(transport="reference")
-    ps.initialize_model_parallel(expert_model_parallel_size=world_size)
+    ep_size = world_size // tp_size
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                 expert_model_parallel_size=ep_size,
+                                 expert_tensor_parallel_size=1)
     results = {}
     try:
         for name in names:
             try:
-                results[name] = _case(rank, world_size, name)
+                results[name] = _case(rank, ep_size, name)
             except Exception as exc:  # recorded per case; both ranks fail alike
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     finally:
         ps.destroy_model_parallel()
-        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        with open(f"{out_dir}/tp{tp_size}_rank{rank}.json", "w") as f:
             json.dump(results, f)
 
 
 @pytest.fixture(scope="module")
 def matrix_results(tmp_path_factory):
+    """Per rank of 2: case name -> result, from one job per (TP, EP) layout."""
     out_dir = tmp_path_factory.mktemp("parity_matrix")
-    run_distributed(2, _worker, list(CASES), str(out_dir), timeout_s=240)
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    merged = [{}, {}]
+    for tp_size in sorted({run.get("parallel", (1, 2))[0] for _, run in CASES.values()}):
+        names = [n for n, (_, run) in CASES.items() if run.get("parallel", (1, 2))[0] == tp_size]
+        run_distributed(2, _worker, names, tp_size, str(out_dir), timeout_s=240)
+        for rank in range(2):
+            merged[rank].update(json.loads((out_dir / f"tp{tp_size}_rank{rank}.json").read_text()))
+    return merged
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -255,16 +303,37 @@ def test_deepep_matches_alltoall(matrix_results, name):
     for rank, results in enumerate(matrix_results):
         result = results[name]
         assert "error" not in result, f"rank {rank}: {result['error']}"
+        if "error" in CASES[name][1]:
+            assert "refused" in result
+            continue
         assert result["max_ratio"] < 1.0, (
             f"rank {rank}: {result['worst']} differs by {result['max_diff']:.3g} "
             f"({result['max_ratio']:.3g} x the tolerance)")
-    if dict(BASE, **CASES[name][0])["moe_router_topk"] <= 2:
+    sync_free_rows = "moe_mdeep_rank_capacity_factor" in CASES[name][1].get("post", {})
+    if dict(BASE, **CASES[name][0])["moe_router_topk"] <= 2 and not sync_free_rows:
         # The same arithmetic in the same order (an expert's rows arrive ordered by source rank
         # and token with both dispatchers; a token's two terms summed once): bit-equal. With 3
         # or more terms alltoall sums them one by one in the row dtype, deepep in fp32 per EP
-        # rank and then over ranks, so those agree within the dtype's tolerance.
+        # rank and then over ranks, so those agree within the dtype's tolerance. Sync-free, the
+        # last expert also runs the zero rows of the bound's unused tail: its weight gradient
+        # is the same sum plus zeros, blocked differently by the GEMM.
         for results in matrix_results:
             assert results[name]["bit_equal"] == results[name]["checks"], results[name]
+
+
+def test_sync_free_cases_pass_a_row_bound(matrix_results):
+    """Rank capacity factor and pad-to-capacity dispatch with a row bound (no host sync);
+    the others synchronize (bound None)."""
+    for name, (overrides, run) in CASES.items():
+        if "error" in run or "bounds" not in matrix_results[0].get(name, {}):
+            continue
+        sync_free = ("moe_mdeep_rank_capacity_factor" in run.get("post", {})
+                     or overrides.get("moe_pad_expert_input_to_capacity", False))
+        for results in matrix_results:
+            bounds = results[name]["bounds"]
+            assert bounds and all((b is not None) == sync_free for b in bounds), (name, bounds)
+    # factor 2, 12 tokens (6 x batch 2) on rank 0, top-2: ceil(2 * 12 * 2) rows.
+    assert matrix_results[0]["rank_capacity_factor"]["bounds"] == [48]
 
 
 def test_matrix_covers_the_options_without_a_gpu():

@@ -33,7 +33,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_deepep.logs import log_once
 from megatron_deepep.megatron import metrics
-from megatron_deepep.megatron.options import check_config, fp8_format_for_option, resolve_options
+from megatron_deepep.megatron.options import (check_config, fp8_format_for_option,
+                                              rank_capacity_factor, rank_capacity_rows,
+                                              resolve_options)
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +130,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
             self.expert_alignment = int(get_align_size_for_quantization(config)) or 1
         self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+        # Sync-free dispatch (a per-rank row bound; see `DeepEPOptions.rank_capacity_factor`).
+        self.rank_capacity_factor = rank_capacity_factor(config, self.options)
 
         self.hidden_shape = None
         self._topk_idx = None
@@ -137,9 +141,12 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self._buffer = None
         self._layer_ref = None
         self._metrics_pending = None
-        # The dispatch synchronizes with the host to size its output, so the `moe_preprocess`
-        # CUDA-graph scope cannot capture it: nothing to declare.
-        self.cudagraph_attrs = []
+        self._used_rows = None
+        self._sync_free = False
+        # What `dispatch_preprocess` leaves for the later hooks: the graph outputs of Megatron's
+        # `moe_preprocess` CUDA-graph scope (the dispatch itself is captured by the `moe` scope,
+        # sync-free only).
+        self.cudagraph_attrs = ["_topk_idx"]
 
     # ------------------------------------------------------------------------------------------
     def bind_layer(self, layer) -> None:
@@ -160,6 +167,7 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         super().set_shared_experts(shared_experts)
         if getattr(shared_experts, "use_shared_expert_gate", False):
             self.cudagraph_attrs.append("shared_experts.gate_score")
+        self.cudagraph_attrs.append("shared_experts.cached_fc1_input")  # set by pre_forward_comm
 
     # ------------------------------------------------------------------------------------------
     def _get_buffer(self, hidden: torch.Tensor):
@@ -227,9 +235,12 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         x = hidden_states.contiguous()
         if spec is not None:
             x = x.to(torch.bfloat16)  # FP8 rows are quantized from bf16 (TE's input rules)
+        bound = self.num_max_recv_rows(x.shape[0])
+        self._sync_free = bound is not None
         recv_x, recv_weights, handle = dispatch(
             buffer, x, self._topk_idx, probs.float().contiguous(),
-            num_experts=self.num_experts, expert_alignment=self.expert_alignment, fp8=spec)
+            num_experts=self.num_experts, expert_alignment=self.expert_alignment, fp8=spec,
+            num_max_recv_rows=bound)
         if spec is not None and spec.dequantize and recv_x.dtype != hidden_states.dtype:
             recv_x = recv_x.to(hidden_states.dtype)
         if collector is not None:
@@ -241,26 +252,49 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
         return recv_x, recv_weights
 
+    def num_max_recv_rows(self, num_tokens: int) -> Optional[int]:
+        """The row bound of a sync-free dispatch of `num_tokens` tokens (None: synchronous).
+
+        Pad-to-capacity: every local expert's capacity segment (the router already dropped what
+        exceeds it). Else, with a rank capacity factor: `options.rank_capacity_rows`.
+        """
+        if self.drop_and_pad:
+            return self.num_local_experts * self._capacity_rows(num_tokens)
+        if self.rank_capacity_factor is not None:
+            return rank_capacity_rows(self.rank_capacity_factor, num_tokens, self.topk,
+                                      self.num_local_experts, self.expert_alignment)
+        return None
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Returns `(rows, tokens_per_expert, permuted_probs)` for SequentialMLP/TEGroupedMLP.
 
-        `tokens_per_expert` is int64 `[E_local]` on the CPU (the dispatch already knows the
-        counts on the host, so the experts' `.tolist()` costs nothing); segments already carry
-        the quantization padding.
+        Synchronous dispatch: `tokens_per_expert` is int64 `[E_local]` on the CPU (the dispatch
+        already knows the counts on the host, so the experts' `.tolist()` costs nothing);
+        segments already carry the quantization padding. Sync-free dispatch: the rows are the
+        bound's `M`, `tokens_per_expert` is int64 on the rows' device (no host read here) and
+        the last expert's count also covers the unused rows after the used ones, which are
+        zero, with prob 0 (they add nothing to any output or gradient).
         """
         handle = self._handle
         permuted_probs = probs.to(self._probs_dtype) if self._probs_dtype is not None else probs
-        if handle.tokens_per_expert_list is not None:
-            tokens_per_expert = torch.tensor(handle.tokens_per_expert_list, dtype=torch.int64)
-        else:
-            tokens_per_expert = handle.tokens_per_expert.to(torch.int64)
+        self._used_rows = None
         if self.drop_and_pad:
             hidden_states, permuted_probs, tokens_per_expert = self._pad_to_capacity(
                 hidden_states, permuted_probs, handle)
+        elif not self._sync_free:
+            tokens_per_expert = torch.tensor(handle.tokens_per_expert_list, dtype=torch.int64)
+        else:
+            tokens_per_expert, self._used_rows = _bounded_counts(handle.tokens_per_expert,
+                                                                 hidden_states.shape[0])
+            hidden_states = _ZeroUnusedRows.apply(hidden_states, self._used_rows)
+            permuted_probs = permuted_probs.masked_fill(~self._used_rows, 0)
         return hidden_states, tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        """Local only: undoes the pad-to-capacity layout (else the identity)."""
+        """Local only: undoes the pad-to-capacity layout; sync-free, zeroes the unused rows'
+        gradient (else the identity)."""
+        if self._used_rows is not None:
+            hidden_states = _ZeroUnusedRows.apply(hidden_states, self._used_rows)
         if self.drop_and_pad:
             dest = self._pad_dest
             padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])
@@ -317,11 +351,14 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         device = rows.device
         padded_counts = handle.tokens_per_expert.to(device=device, dtype=torch.long)
         used_counts = handle.num_recv_tokens_per_expert.to(device=device, dtype=torch.long)
-        starts = torch.cumsum(padded_counts, 0) - padded_counts
-        expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=device),
-                                                padded_counts, output_size=m)
+        ends = torch.cumsum(padded_counts, 0)
+        starts = ends - padded_counts
+        # Rows past the last segment (a sync-free bound's unused tail) map to no expert.
+        expert_of_row = torch.searchsorted(ends, torch.arange(m, device=device), right=True)
+        in_segment = expert_of_row < e_local
+        expert_of_row = expert_of_row.clamp(max=e_local - 1)
         pos = torch.arange(m, device=device) - starts[expert_of_row]
-        keep = (pos < used_counts[expert_of_row]) & (pos < seg)
+        keep = in_segment & (pos < used_counts[expert_of_row]) & (pos < seg)
         dump = e_local * seg
         dest = torch.where(keep, expert_of_row * seg + pos, torch.full_like(pos, dump))
         self._pad_dest = dest
@@ -329,6 +366,43 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         out_probs = probs.new_zeros(dump + 1).index_add(0, dest, probs)[:dump]
         tokens_per_expert = torch.full((e_local,), seg, dtype=torch.int64)
         return out, out_probs, tokens_per_expert
+
+
+def _bounded_counts(counts: torch.Tensor, num_rows: int):
+    """Expert row counts of a sync-free dispatch fitted to its `num_rows` rows, on the device.
+
+    Args:
+        counts: `[E_local]` padded rows per local expert (the kernel's `tokens_per_expert`).
+        num_rows: M, the bound the rows were allocated for.
+
+    Returns:
+        `(tokens_per_expert [E_local] int64 summing to M, used [M] bool)`: the counts cut at M
+        (rows past the bound were never received: an overflow, which the Buffer reports as an
+        error at its next call) with the unused tail added to the last expert, and which rows
+        hold received tokens.
+    """
+    ends = torch.cumsum(counts.to(torch.int64), 0).clamp(max=num_rows)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    fitted = ends - starts
+    fitted[-1] += num_rows - ends[-1]
+    used = torch.arange(num_rows, device=counts.device) < ends[-1]
+    return fitted, used
+
+
+class _ZeroUnusedRows(torch.autograd.Function):
+    """`rows * used[:, None]`, forward and backward: the unused rows of a sync-free dispatch
+    (unspecified memory) are zero for the experts, and their gradient is zero too (the
+    combine's backward leaves them unspecified)."""
+
+    @staticmethod
+    def forward(ctx, rows, used):
+        ctx.save_for_backward(used)
+        return rows.masked_fill(~used.unsqueeze(1), 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (used,) = ctx.saved_tensors
+        return grad.masked_fill(~used.unsqueeze(1), 0), None
 
 
 def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):

@@ -7,6 +7,7 @@ dispatcher (which imports megatron-core), so nothing here closes an import cycle
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from megatron_deepep.fp8.dispatch import ALIASES, FLAG_NAMES
@@ -55,6 +56,14 @@ class DeepEPOptions:
             format); or a format name of `megatron_deepep.fp8.FORMATS`. Needs hidden % 16 == 0.
             The experts get TE quantized tensors when TE's active recipe matches the format
             (see `dispatcher.fp8_handoff`), else bf16 rows dequantized on the receiver.
+        rank_capacity_factor: sync-free dispatch (no host synchronization in forward or
+            backward; CUDA-graph capturable): each rank receives into a fixed
+            `rank_capacity_rows` (about factor x its tokens x top-k) rows. Megatron's own
+            `--moe-expert-rank-capacity-factor` (0.19+) takes precedence when set. Receiving
+            more rows than the bound is an error (`BufferError` naming the bound, raised by the
+            layer's combine; the excess rows are never written), never a silent drop. Under
+            `--moe-pad-expert-input-to-capacity` the dispatch is sync-free without it (the
+            capacity bounds every expert).
     """
 
     transport: str = "auto"
@@ -63,10 +72,52 @@ class DeepEPOptions:
     metrics: bool = False
     metrics_dir: Optional[str] = None
     fp8_dispatch: str = "off"
+    rank_capacity_factor: Optional[float] = None
 
     def __post_init__(self):
         check_transport_option(self.transport)
         check_fp8_dispatch_option(self.fp8_dispatch)
+        if self.rank_capacity_factor is not None:
+            self.rank_capacity_factor = check_rank_capacity_factor(self.rank_capacity_factor)
+
+
+#: Megatron's field (0.19+) that selects static, sync-free shapes for the flex backends.
+MEGATRON_RANK_CAPACITY_FIELD = "moe_expert_rank_capacity_factor"
+
+
+def check_rank_capacity_factor(value, flag: str = "--moe-mdeep-rank-capacity-factor "
+                                                  "(moe_mdeep_rank_capacity_factor / "
+                                                  "MDEEP_RANK_CAPACITY_FACTOR)") -> float:
+    """Raises ValueError naming the flag unless `value` is a number > 0; returns it as float."""
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        factor = float("nan")
+    if isinstance(value, bool) or not factor > 0 or factor == float("inf"):
+        raise ValueError(f"{flag} must be a finite number > 0, got {value!r}")
+    return factor
+
+
+def rank_capacity_factor(config, options: Optional[DeepEPOptions]) -> Optional[float]:
+    """The sync-free factor in force: Megatron's `moe_expert_rank_capacity_factor` when the
+    config sets it, else the `rank_capacity_factor` option (None: the dispatch sizes its output
+    from the received count, one host synchronization per dispatch)."""
+    value = getattr(config, MEGATRON_RANK_CAPACITY_FIELD, None)
+    if value is not None:
+        return check_rank_capacity_factor(value, "--moe-expert-rank-capacity-factor")
+    return options.rank_capacity_factor if options is not None else None
+
+
+def rank_capacity_rows(factor: float, num_tokens: int, topk: int, num_local_experts: int,
+                       alignment: int = 1) -> int:
+    """Rows one rank receives at most in sync-free mode (`num_max_recv_rows`).
+
+    `ceil(factor * num_tokens * topk)` (HybridEP's budget: the rows a rank receives when every
+    rank sends `num_tokens` tokens and the routing is balanced, times the factor), plus each
+    local expert's alignment padding; at least 1.
+    """
+    budget = math.ceil(factor * num_tokens * topk)
+    return max(budget + num_local_experts * (alignment - 1), 1)
 
 
 def check_transport_option(value) -> str:
@@ -113,7 +164,8 @@ def fp8_format_for_option(value: str, recipe=None):
 
 _REGISTERED_OPTIONS: dict = {}
 
-_CHECKS = {"transport": check_transport_option, "fp8_dispatch": check_fp8_dispatch_option}
+_CHECKS = {"transport": check_transport_option, "fp8_dispatch": check_fp8_dispatch_option,
+           "rank_capacity_factor": check_rank_capacity_factor}
 
 
 def set_default_options(**kwargs) -> None:
@@ -188,6 +240,7 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
         fp8_dispatch = getattr(config, CONFIG_PREFIX + "fp8_dispatch", None)
     if transport is not None:
         check_transport_option(transport)
+    _check_sync_free(config, options)
     if fp8_dispatch is not None:
         check_fp8_dispatch_option(fp8_dispatch)
         hidden = getattr(config, "hidden_size", None)
@@ -195,3 +248,49 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
             raise ValueError(
                 f"--moe-mdeep-fp8-dispatch {fp8_dispatch} needs --hidden-size % 16 == 0 "
                 f"(hidden_size % 16 == 0: e4m3 rows are 16-byte multiples), got {hidden}")
+
+
+def graph_captures_dispatch(config) -> Optional[str]:
+    """The CUDA-graph flags that capture the MoE dispatch itself (None: none do).
+
+    `--cuda-graph-scope moe` (`cuda_graph_modules` on newer Megatron), a whole-layer graph (an
+    empty or "full" scope) or a full-iteration graph capture `token_dispatch`; "moe_router" and
+    "moe_preprocess" end before it.
+    """
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "none":
+        return None
+    if impl == "full_iteration":
+        return "--cuda-graph-impl full_iteration"
+    for field in ("cuda_graph_modules", "cuda_graph_scope"):
+        if not hasattr(config, field):
+            continue
+        scope = getattr(config, field)
+        scope = [] if scope is None else scope if isinstance(scope, (list, tuple)) else [scope]
+        names = {getattr(s, "name", s) for s in scope}
+        flag = "--" + field.replace("_", "-")
+        if not names or "full" in names:
+            return f"--cuda-graph-impl {impl} with a whole-layer {flag}"
+        if "moe" in names:
+            return f"--cuda-graph-impl {impl} {flag} moe"
+    return None
+
+
+def _check_sync_free(config, options: Optional[DeepEPOptions]) -> None:
+    """A CUDA graph around the dispatch needs it sync-free: a row bound must be known."""
+    megatron_factor = getattr(config, MEGATRON_RANK_CAPACITY_FIELD, None)
+    if megatron_factor is not None:
+        check_rank_capacity_factor(megatron_factor, "--moe-expert-rank-capacity-factor")
+    captured = graph_captures_dispatch(config)
+    if captured is None:
+        return
+    if options is None:
+        options = resolve_options(config)
+    padded = bool(getattr(config, "moe_pad_expert_input_to_capacity", False)) and getattr(
+        config, "moe_expert_capacity_factor", None) is not None
+    if rank_capacity_factor(config, options) is None and not padded:
+        raise ValueError(
+            f"{captured} captures the deepep dispatch, which then must not synchronize with the "
+            f"host: set --moe-expert-rank-capacity-factor (Megatron 0.19+) or "
+            f"--moe-mdeep-rank-capacity-factor / MDEEP_RANK_CAPACITY_FACTOR (a per-rank row "
+            f"bound), or use --moe-pad-expert-input-to-capacity with a capacity factor")

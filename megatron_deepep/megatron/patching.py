@@ -145,6 +145,25 @@ def _dispatcher_type_as(config, alias: str):
         object.__setattr__(config, "moe_token_dispatcher_type", DISPATCHER_TYPE)
 
 
+# Megatron 0.19+ allows it for the flex backends hybridep/ncclep only; deepep reads it itself
+# (sync-free dispatch), so "alltoall"'s rules must not see it.
+_RANK_CAPACITY = "moe_expert_rank_capacity_factor"
+
+
+@contextlib.contextmanager
+def _hidden_field(config, name: str):
+    """Temporarily shows the config field `name` as None (absent fields are left alone)."""
+    if not hasattr(config, name):
+        yield
+        return
+    saved = getattr(config, name)
+    object.__setattr__(config, name, None)
+    try:
+        yield
+    finally:
+        object.__setattr__(config, name, saved)
+
+
 def is_deepep(config) -> bool:
     return getattr(config, "moe_token_dispatcher_type", None) == DISPATCHER_TYPE
 
@@ -176,7 +195,7 @@ def _patch_config() -> None:
                 "--overlap-moe-expert-parallel-comm with --moe-token-dispatcher-type deepep: "
                 "this Megatron has no should_free_input the plugin could extend, so the overlap "
                 "would free rows the experts still need; use the patches/ for it")
-        with _dispatcher_type_as(self, _VALIDATE_AS):
+        with _dispatcher_type_as(self, _VALIDATE_AS), _hidden_field(self, _RANK_CAPACITY):
             return original(self, *args, **kwargs)
 
     setattr(__post_init__, _MARK, True)
