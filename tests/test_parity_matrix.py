@@ -244,6 +244,9 @@ def _case(rank, ep_size, name):
     spy = _BoundSpy(ours.token_dispatcher)
     got = _run(ours, xs, grads)
     result["bounds"] = spy.bounds
+    attrs = ours.token_dispatcher.cudagraph_attrs
+    result["cudagraph_attrs"] = list(attrs)
+    assert isinstance(ours.token_dispatcher._topk_idx, torch.Tensor) and "_topk_idx" in attrs
     want = _run(theirs, xs, grads)
     pairs = [(f"out[{i}]", o, w) for i, (o, w) in enumerate(zip(got[0], want[0]))]
     pairs += [(f"input_grad[{i}]", o, w) for i, (o, w) in enumerate(zip(got[1], want[1]))]
@@ -334,6 +337,13 @@ def test_sync_free_cases_pass_a_row_bound(matrix_results):
             assert bounds and all((b is not None) == sync_free for b in bounds), (name, bounds)
     # factor 2, 12 tokens (6 x batch 2) on rank 0, top-2: ceil(2 * 12 * 2) rows.
     assert matrix_results[0]["rank_capacity_factor"]["bounds"] == [48]
+
+
+def test_cudagraph_attrs_name_what_preprocess_leaves(matrix_results):
+    """Megatron's `moe_preprocess` CUDA graph returns these as graph outputs."""
+    assert matrix_results[0]["fp32"]["cudagraph_attrs"] == ["_topk_idx"]
+    assert matrix_results[0]["shared_expert_overlap"]["cudagraph_attrs"] == [
+        "_topk_idx", "shared_experts.cached_fc1_input"]
 
 
 def test_matrix_covers_the_options_without_a_gpu():

@@ -36,7 +36,8 @@ def register_deepep_dispatcher(**options) -> None:
 
     Args:
         **options: defaults for `DeepEPOptions` (`transport`, `num_sms`,
-            `num_max_tokens_per_rank`, `metrics`, `metrics_dir`, `fp8_dispatch`); config fields
+            `num_max_tokens_per_rank`, `metrics`, `metrics_dir`, `fp8_dispatch`,
+            `rank_capacity_factor`); config fields
             `moe_mdeep_<name>` (patched Megatron) override them, and they override `MDEEP_<NAME>`
             environment variables.
     """
@@ -77,6 +78,10 @@ ARGUMENTS = [
         type=str, default=None, choices=list(FP8_DISPATCH_CHOICES),
         help="FP8 token dispatch: blockwise (TE Float8BlockScaling, 1x128), mxfp8 (TE "
              "MXFP8BlockScaling, 1x32), auto (the active TE recipe's format) or off")),
+    ("--moe-mdeep-rank-capacity-factor", dict(
+        type=float, default=None,
+        help="sync-free dispatch: each rank receives at most factor x tokens x top-k rows "
+             "(Megatron's --moe-expert-rank-capacity-factor wins where it exists)")),
 ]
 
 

@@ -1,0 +1,157 @@
+"""CPU tier: what `deepep` refuses at configuration time (naming the flag), and the sync-free
+pieces of the dispatcher on their own (the row bound, the counts fitted to it, the masks)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megatron_deepep.megatron import options
+
+pytest.importorskip("megatron.core")
+
+
+def _config(**kwargs):
+    base = dict(num_moe_experts=8, moe_router_topk=2, cuda_graph_impl="none",
+                cuda_graph_scope="full", moe_pad_expert_input_to_capacity=False,
+                moe_expert_capacity_factor=None)
+    return types.SimpleNamespace(**dict(base, **kwargs))
+
+
+@pytest.mark.parametrize("impl, scope, captured", [
+    ("local", "full", "whole-layer --cuda-graph-scope"),
+    ("transformer_engine", [], "whole-layer --cuda-graph-scope"),
+    ("local", ["moe"], "--cuda-graph-scope moe"),
+    ("transformer_engine", "moe", "--cuda-graph-scope moe"),
+])
+def test_graph_around_a_synchronizing_dispatch_is_refused(impl, scope, captured):
+    config = _config(cuda_graph_impl=impl, cuda_graph_scope=scope)
+    with pytest.raises(ValueError, match=f"{captured} captures the deepep dispatch.*"
+                                         "--moe-expert-rank-capacity-factor"):
+        options.check_config(config, options.DeepEPOptions())
+
+
+@pytest.mark.parametrize("scope", [["moe_router"], ["moe_router", "moe_preprocess"], ["attn"]])
+def test_graphs_that_end_before_the_dispatch_are_fine(scope):
+    options.check_config(_config(cuda_graph_impl="local", cuda_graph_scope=scope),
+                         options.DeepEPOptions())
+
+
+def test_a_row_bound_makes_the_graph_fine(monkeypatch):
+    graph = dict(cuda_graph_impl="local", cuda_graph_scope=["moe"])
+    options.check_config(_config(**graph), options.DeepEPOptions(rank_capacity_factor=1.5))
+    options.check_config(_config(moe_expert_rank_capacity_factor=2.0, **graph),
+                         options.DeepEPOptions())
+    options.check_config(_config(moe_pad_expert_input_to_capacity=True,
+                                 moe_expert_capacity_factor=1.0, **graph),
+                         options.DeepEPOptions())
+    monkeypatch.setenv("MDEEP_RANK_CAPACITY_FACTOR", "2")
+    options.check_config(_config(**graph))  # __post_init__'s path: resolved from the env
+    monkeypatch.setenv("MDEEP_RANK_CAPACITY_FACTOR", "")
+    with pytest.raises(ValueError, match="captures the deepep dispatch"):
+        options.check_config(_config(**graph))
+
+
+def test_newer_megatron_graph_field_is_read():
+    config = _config(cuda_graph_impl="local", cuda_graph_modules=["moe"])
+    del config.cuda_graph_scope
+    with pytest.raises(ValueError, match="--cuda-graph-modules moe"):
+        options.check_config(config, options.DeepEPOptions())
+    config.cuda_graph_impl = "full_iteration"
+    with pytest.raises(ValueError, match="--cuda-graph-impl full_iteration"):
+        options.check_config(config, options.DeepEPOptions())
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "abc", float("inf"), True])
+def test_bad_rank_capacity_factor_names_the_flag(value, monkeypatch):
+    with pytest.raises(ValueError, match="--moe-mdeep-rank-capacity-factor"):
+        options.DeepEPOptions(rank_capacity_factor=value)
+    with pytest.raises(ValueError, match="--moe-expert-rank-capacity-factor must be"):
+        options.check_config(_config(moe_expert_rank_capacity_factor=value),
+                             options.DeepEPOptions())
+    monkeypatch.setenv("MDEEP_RANK_CAPACITY_FACTOR", str(value))
+    with pytest.raises(ValueError, match="MDEEP_RANK_CAPACITY_FACTOR"):
+        options.resolve_options(None)
+
+
+def test_megatron_field_wins_over_ours(monkeypatch):
+    monkeypatch.setenv("MDEEP_RANK_CAPACITY_FACTOR", "3")
+    opts = options.resolve_options(None)
+    assert opts.rank_capacity_factor == 3.0
+    assert options.rank_capacity_factor(_config(), opts) == 3.0
+    assert options.rank_capacity_factor(_config(moe_expert_rank_capacity_factor=1.25), opts) \
+        == 1.25
+    assert options.rank_capacity_factor(_config(), options.DeepEPOptions()) is None
+
+
+def test_rank_capacity_rows():
+    # HybridEP's budget ceil(factor * tokens * top-k), plus each local expert's padding.
+    assert options.rank_capacity_rows(1.5, 100, 6, 8) == 900
+    assert options.rank_capacity_rows(1.0, 7, 3, 4, alignment=16) == 21 + 4 * 15
+    assert options.rank_capacity_rows(2.0, 0, 8, 2) == 1
+
+
+def test_bounded_counts_fit_the_bound():
+    from megatron_deepep.megatron.dispatcher import _bounded_counts
+
+    counts, used = _bounded_counts(torch.tensor([3, 5, 0], dtype=torch.int32), 12)
+    assert counts.tolist() == [3, 5, 4] and counts.dtype == torch.int64
+    assert used.tolist() == [True] * 8 + [False] * 4
+    # Overflow (more than the bound arrived: the Buffer raises at its next call): the counts
+    # still describe the rows that exist.
+    counts, used = _bounded_counts(torch.tensor([6, 9, 2]), 12)
+    assert counts.tolist() == [6, 6, 0] and used.all()
+
+
+def test_unused_rows_are_zero_forward_and_backward():
+    from megatron_deepep.megatron.dispatcher import _ZeroUnusedRows
+
+    rows = torch.full((4, 3), float("nan")).requires_grad_()
+    used = torch.tensor([True, True, False, False])
+    out = _ZeroUnusedRows.apply(rows, used)
+    assert torch.isnan(out[:2]).all() and (out[2:] == 0).all()
+    out.backward(torch.full((4, 3), float("inf")))
+    assert torch.isinf(rows.grad[:2]).all() and (rows.grad[2:] == 0).all()
+
+
+def test_fill_routes_of_pad_to_capacity_give_way_to_real_ones():
+    """Pad-to-capacity routes tokens with prob 0 to fill each expert: a row may name more than
+    top-k experts; the nonzero-prob ones are kept, in ascending expert order."""
+    from megatron_deepep.megatron.dispatcher import routing_map_to_topk
+
+    routing_map = torch.tensor([[1, 1, 0, 1, 1, 0], [0, 0, 1, 0, 0, 0]], dtype=torch.bool)
+    probs = torch.tensor([[0.0, 0.0, 0.0, 0.7, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    idx, weights = routing_map_to_topk(routing_map, probs, 2)
+    assert idx.tolist() == [[3, 4], [2, -1]]
+    assert torch.equal(weights, torch.tensor([[0.7, 0.3], [0.0, 0.0]]))
+
+
+def test_patching_hides_the_rank_capacity_field_from_alltoall_rules():
+    from megatron_deepep.megatron import patching
+
+    config = types.SimpleNamespace(moe_expert_rank_capacity_factor=1.5)
+    with patching._hidden_field(config, patching._RANK_CAPACITY):
+        assert config.moe_expert_rank_capacity_factor is None
+    assert config.moe_expert_rank_capacity_factor == 1.5
+    bare = types.SimpleNamespace()
+    with patching._hidden_field(bare, patching._RANK_CAPACITY):
+        assert not hasattr(bare, patching._RANK_CAPACITY)
+
+
+def test_transformer_config_refuses_a_graph_around_the_dispatch():
+    """The refusal comes from TransformerConfig itself (argument validation), not the first
+    forward."""
+    import megatron_deepep.megatron as mdm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    mdm.register_deepep_dispatcher()
+    try:
+        with pytest.raises(ValueError,
+                           match="whole-layer --cuda-graph-scope captures the deepep"):
+            TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                              num_moe_experts=8, moe_router_topk=2,
+                              moe_token_dispatcher_type="deepep", cuda_graph_impl="local")
+    finally:
+        mdm.unregister_deepep_dispatcher()
