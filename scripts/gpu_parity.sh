@@ -2,12 +2,13 @@
 # The parity GPU tests (issue 18) in one call on a GPU machine:
 #   bash scripts/gpu_parity.sh
 # 1. installs megatron-core from .whl/ into /tmp/site (as scripts/gpu_tier.sh does);
-# 2. precompiles the kernels the tests use (top-k 1, 2, 8; bf16, fp16 and fp32 combine) in
+# 2. precompiles the kernels the tests use (top-k 1, 2, 4, 8; bf16, fp16 and fp32 combine) in
 #    parallel into MDEEP_CACHE_DIR (default /tmp/mdeep_cache);
 # 3. runs tests/gpu/test_parity_*.py: fp16 / fp32 / bf16 rows on the local (N = 1) and NVLink
 #    (N = 2-8 processes sharing the GPU) kernels against the reference; sync-free dispatch and
 #    combine under torch.cuda.set_sync_debug_mode("error") and the overflow error; Megatron's
-#    MoELayer captured in a CUDA graph (forward + backward) and replayed against eager runs;
+#    MoELayer at EP = N (NVLink) against EP = 1 (local kernels); the MoELayer captured in a
+#    CUDA graph (forward + backward) and replayed against eager runs;
 # 4. prints one line per test and a count.
 # Knobs: MDEEP_TEST_PROCS (default 1,2,4,8), PYTEST_ARGS, TEST_TIMEOUT (default 480 s), OUT
 # (log folder; default .parity_out).
@@ -25,10 +26,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null \
   || echo "megatron-core: not installed (the CUDA-graph layer test will skip)"
-timeout 300 python3 -m megatron_deepep.precompile --topk 1 2 8 --row-dtype bf16 fp16 fp32 \
+timeout 300 python3 -m megatron_deepep.precompile --topk 1 2 4 8 --row-dtype bf16 fp16 fp32 \
   -q 2>&1 | tail -2
 timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu tests/gpu/test_parity_dtypes_gpu.py \
-  tests/gpu/test_parity_syncfree_gpu.py tests/gpu/test_parity_graphs_gpu.py -q -rA \
+  tests/gpu/test_parity_syncfree_gpu.py tests/gpu/test_parity_ep_gpu.py \
+  tests/gpu/test_parity_graphs_gpu.py -q -rA \
   -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/gpu_parity.log" 2>&1
 rc=$?
 echo "--- parity GPU tests (MDEEP_TEST_PROCS=$MDEEP_TEST_PROCS), log: $OUT/gpu_parity.log"

@@ -151,7 +151,7 @@ def _install_cpu_stand_ins():
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _layer(dispatcher_type, ep_size, overrides, dtype, post):
+def _layer(dispatcher_type, ep_size, overrides, dtype, post, device="cpu"):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -175,7 +175,7 @@ def _layer(dispatcher_type, ep_size, overrides, dtype, post):
         shared = ModuleSpec(module=SharedExpertMLP, submodules=mlp)
     submodules = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
                                shared_experts=shared)
-    return MoELayer(config, submodules, layer_number=1)
+    return MoELayer(config, submodules, layer_number=1).to(device)
 
 
 def _run(layer, xs, grads):
