@@ -1,11 +1,11 @@
-"""CPU tier: the same MoELayer at EP = R equals it at EP = 1 on the same tokens and weights.
+"""The same MoELayer at EP = R equals it at EP = 1 on the same tokens and weights (a worker).
 
 Each of R gloo ranks first runs the layer at EP = 1 (all experts local) on its own tokens, then
 at EP = R (its block of experts, the same weights), and compares the outputs, the input and
 router gradients (per rank) and each expert's weight gradient (at EP = 1 summed over the ranks:
-at EP = R the expert's owner sees every rank's tokens). The reference transport here;
-tests/gpu/test_parity_ep_gpu.py runs the same worker on the kernels (local at EP = 1, NVLink
-at EP = R, R processes sharing the GPU).
+at EP = R the expert's owner sees every rank's tokens). tests/test_parity_matrix.py runs it on
+2 gloo ranks with the reference transport; tests/gpu/test_parity_ep_gpu.py on the kernels (local
+at EP = 1, NVLink at EP = R, R processes sharing the GPU).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 
-from tests.distributed import run_distributed
 
 pytest.importorskip("megatron.core")
 
@@ -94,7 +93,3 @@ def ep_worker(rank, world, dtype_name, device, transport):
         torch.testing.assert_close(got, grads1[ref_name], **tol, msg=name)
         checked += 1
     assert checked == len(gradsr) and any("router" in n for n in gradsr)
-
-
-def test_ep_3_matches_ep_1():
-    run_distributed(3, ep_worker, "fp32", "cpu", "reference", timeout_s=180)

@@ -89,6 +89,8 @@ CASES = {
                               dict(parallel=(2, 1))),
 }
 
+EP_CASE = "ep2_matches_ep1"
+
 # Options of the issue that need what this CPU tier lacks; tests/gpu covers the ones a GPU and
 # megatron-core 0.19.2 can run.
 GPU_ONLY = {
@@ -123,6 +125,8 @@ def _install_cpu_stand_ins():
         def synchronize(self):
             pass
 
+    if getattr(dist.all_to_all_single, "_parity_stand_in", False):
+        return  # installed already in this process
     stream = _Stream()
     torch.cuda.current_stream = lambda *a, **k: stream
     torch.cuda.stream = lambda s: contextlib.nullcontext()
@@ -145,6 +149,7 @@ def _install_cpu_stand_ins():
         return orig(output, input, as_list(output_split_sizes), as_list(input_split_sizes),
                     group=group, async_op=async_op)
 
+    all_to_all_single._parity_stand_in = True
     dist.all_to_all_single = all_to_all_single
 
 
@@ -284,8 +289,16 @@ def _worker(rank, world_size, names, tp_size, out_dir):
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     finally:
         ps.destroy_model_parallel()
-        with open(f"{out_dir}/tp{tp_size}_rank{rank}.json", "w") as f:
-            json.dump(results, f)
+    if tp_size == 1:  # the same layer at EP = 2 and at EP = 1 (tests/test_parity_ep.py)
+        from tests.test_parity_ep import ep_worker
+
+        try:
+            ep_worker(rank, world_size, "fp32", "cpu", "reference")
+            results[EP_CASE] = {"checks": 1}
+        except Exception as exc:
+            results[EP_CASE] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    with open(f"{out_dir}/tp{tp_size}_rank{rank}.json", "w") as f:
+        json.dump(results, f)
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +357,12 @@ def test_cudagraph_attrs_name_what_preprocess_leaves(matrix_results):
     assert matrix_results[0]["fp32"]["cudagraph_attrs"] == ["_topk_idx"]
     assert matrix_results[0]["shared_expert_overlap"]["cudagraph_attrs"] == [
         "_topk_idx", "shared_experts.cached_fc1_input"]
+
+
+def test_layer_at_ep_2_matches_ep_1(matrix_results):
+    """The deepep layer at EP = 2 equals it at EP = 1 on the same tokens and weights."""
+    for rank, results in enumerate(matrix_results):
+        assert "error" not in results[EP_CASE], f"rank {rank}: {results[EP_CASE]['error']}"
 
 
 def test_matrix_covers_the_options_without_a_gpu():
