@@ -102,8 +102,9 @@ def check_fp8_input(x) -> None:
     """FP8 dispatch quantizes bf16 rows (TE's input rule): any other dtype is refused by name."""
     if isinstance(x, torch.Tensor) and x.dtype != torch.bfloat16:
         raise ValueError(
-            f"x: FP8 dispatch (fp8=...) quantizes torch.bfloat16 rows, got {x.dtype}; cast x to "
-            f"bfloat16 first, or dispatch without fp8 ({x.dtype} rows travel as they are)")
+            f"x must have dtype torch.bfloat16 for FP8 dispatch (fp8=... quantizes bf16 rows), "
+            f"got {x.dtype}; cast x to bfloat16 first, or dispatch without fp8 ({x.dtype} rows "
+            f"travel as they are)")
 
 
 def check_num_experts(num_experts, num_ranks: int) -> int:

@@ -28,7 +28,7 @@ def _loss_oracle(x, idx, w, g):
 def _check(rank, world, seed):
     xs, idxs, ws = make_inputs(seed, world, [6, 0, 9, 4][:world], 16, 4 * world, 3, "dropped",
                                dtype=torch.float32)
-    buf = Buffer(None, 16, 16, 3, transport="reference")
+    buf = Buffer(None, 16, 2 * 16, 3, transport="reference")  # fp32 rows: 2-byte hidden x 2
     g = torch.randn(xs[rank].shape[0], 16, generator=torch.Generator().manual_seed(rank))
     x1, w1 = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
     loss1, out1 = _loss_ours(buf, x1, idxs[rank], w1, 4 * world, g)
