@@ -38,6 +38,15 @@ def _global_state(state, rank, num_local):
     return out
 
 
+def _drop_buffers():
+    """Frees every `get_buffer` Buffer of this process (collective for NVLink ones)."""
+    from megatron_deepep import buffer as buffer_module
+
+    for buf in buffer_module._BUFFERS.values():
+        buf.destroy()
+    buffer_module._BUFFERS.clear()
+
+
 def ep_worker(rank, world, dtype_name, device, transport):
     """Runs EP = 1 then EP = world on this rank's tokens; asserts they agree."""
     warnings.filterwarnings("ignore")
@@ -59,6 +68,7 @@ def ep_worker(rank, world, dtype_name, device, transport):
     x = torch.randn(tokens, 2, matrix.H, generator=gen).to(dtype).to(device)
     grad = torch.randn(tokens, 2, matrix.H, generator=gen).to(dtype).to(device)
 
+    _drop_buffers()  # Buffers of earlier groups in this process
     ps.initialize_model_parallel(expert_model_parallel_size=1)
     torch.manual_seed(1234)  # the same weights on every rank
     single = matrix._layer("deepep", 1, OVERRIDES, dtype, {}, device)
@@ -66,21 +76,20 @@ def ep_worker(rank, world, dtype_name, device, transport):
              for k, v in single.state_dict().items()}
     out1, gx1, grads1 = matrix._run(single, [x], [grad])
     ps.destroy_model_parallel()
-    from megatron_deepep import buffer as buffer_module
-
-    for buf in buffer_module._BUFFERS.values():  # a new group object may reuse an old id()
-        buf.destroy()
-    buffer_module._BUFFERS.clear()
+    _drop_buffers()  # a new group object may reuse an old one's id()
     num_local = NUM_EXPERTS // world
     for name in list(grads1):  # each expert's gradient over every rank's tokens
         if name.startswith("experts."):
-            dist.all_reduce(grads1[name])
+            total = grads1[name].float().cpu()  # gloo: fp32 on the host
+            dist.all_reduce(total)
+            grads1[name] = total.to(device=device, dtype=grads1[name].dtype)
 
     ps.initialize_model_parallel(expert_model_parallel_size=world)
     layer = matrix._layer("deepep", world, OVERRIDES, dtype, {}, device)
     layer.load_state_dict(_global_state(state, rank, num_local))
     outr, gxr, gradsr = matrix._run(layer, [x], [grad])
     ps.destroy_model_parallel()
+    _drop_buffers()
 
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outr[0], out1[0], **tol, msg="output")

@@ -86,7 +86,7 @@ def _autograd(rank, world, kern, ref, kern_dev, seed, dtype):
         w = ws[rank].to(dev).requires_grad_()
         recv_x, recv_w, handle = ag_dispatch(buf, x, idxs[rank].to(dev), w, num_experts=experts)
         out = ag_combine(buf, (recv_x.float() * recv_w.unsqueeze(1) * 1.5).to(dtype), handle)
-        g = torch.linspace(-1, 1, out.numel(), device=dev).view_as(out)
+        g = torch.linspace(-1, 1, out.numel()).view_as(out).to(dev)  # the same values on both
         (out.float() * g).sum().backward()
         results.append((out.detach().cpu(), x.grad.cpu(), w.grad.cpu()))
     (o1, gx1, gw1), (o2, gx2, gw2) = results
