@@ -202,6 +202,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                          self.options.fp8_dispatch, reason)
             return None
         handoff, reason = fp8_handoff(fmt, torch.is_grad_enabled(), self.drop_and_pad)
+        if handoff and self.rank_capacity_factor is not None:
+            handoff, reason = False, "sync-free dispatch zeroes the rows past the used ones"
         if not handoff:
             log_once(logger, "megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
                      "(dequantized on the receiver): %s", fmt.name, reason)
