@@ -110,15 +110,15 @@ def _growth_during_pending_backward(rank, world):
         return x.clone().requires_grad_(), w.clone().requires_grad_()
 
     # Expected: each micro-batch alone on a Buffer large enough for both.
-    fresh = Buffer(None, 64, hidden, 3, transport="reference")
+    fresh = Buffer(None, 64, 2 * hidden, 3, transport="reference")  # fp32: 2-byte hidden x 2
     x_ref, w_ref = leaves(xs[rank], ws[rank])
     _step(fresh, x_ref, idxs[rank], w_ref, num_experts, g).backward()
     fresh.destroy()
 
-    small = get_buffer(None, 16, hidden, 3, transport="reference")
+    small = get_buffer(None, 16, 2 * hidden, 3, transport="reference")
     x1, w1 = leaves(xs[rank], ws[rank])
     loss1 = _step(small, x1, idxs[rank], w1, num_experts, g)
-    large = get_buffer(None, 64, hidden, 3, transport="reference")
+    large = get_buffer(None, 64, 2 * hidden, 3, transport="reference")
     assert large is not small and large.num_max_tokens_per_rank == 64
     x2, w2 = leaves(big_xs[rank], big_ws[rank])
     _step(large, x2, big_idxs[rank], w2, num_experts, big_g).backward()
