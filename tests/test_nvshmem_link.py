@@ -110,4 +110,20 @@ def test_every_nvshmem_kernel_is_linked_here():
     sweep of tests/test_kernels_compile.py leaves them out)."""
     from megatron_deepep import ops
     nvshmem_kernels = {k for k in ops.KERNEL_ARGS if k[0] in ops.NVSHMEM_SOURCES}
-    assert nvshmem_kernels == {("internode_leg.cu", name) for name in LEG_KERNELS}
+    assert nvshmem_kernels == ({("internode_leg.cu", name) for name in LEG_KERNELS}
+                               | {("internode.cu", name) for name in ops.INTERNODE_KERNELS})
+
+
+@needs_wheel
+@pytest.mark.parametrize("num_topk,index_type", [(8, "long long"), (1, "int")])
+def test_internode_kernels_link(num_topk, index_type, tmp_path, monkeypatch):
+    """Every instantiation the internode transport launches for a (top-k, index type) compiles
+    and links against the wheel's device library into one module, for sm_90, without a GPU."""
+    from megatron_deepep import ops
+    monkeypatch.setenv("MDEEP_CACHE_DIR", str(tmp_path))
+    expressions = ops.internode_expressions(num_topk, index_type)
+    cubin, lowered = nvshmem_link.link_cubin("internode.cu", list(expressions), "sm_90")
+    assert set(lowered) == set(expressions)
+    assert cubin[:4] == b"\x7fELF"
+    names = {expr.split("<")[0] for expr in expressions}
+    assert names == set(ops.INTERNODE_KERNELS)
