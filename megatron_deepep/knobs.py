@@ -108,6 +108,9 @@ _TABLE = (
     # The GPU tier.
     Knob("TEST_PROCS", "ints", (1, 2, 3, 4, 8), "1,2,3,4,8", "EP sizes (processes sharing the "
          "GPU) the GPU tier runs", "tests"),
+    Knob("TEST_NODES", "str", "2x1,2x2,3x2,2x3,4x2,2x4", "2x1,2x2,3x2,2x3,4x2,2x4",
+         "virtual node shapes (nodes x ranks per node) the GPU tier's internode test runs",
+         "tests"),
     Knob("TEST_CALLS", "int", 1000, "1000", "back-to-back calls of the GPU tier's long test",
          "tests"),
 )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import traceback
+from multiprocessing import connection
 
 import torch
 import torch.distributed as dist
@@ -50,13 +52,32 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
              for r in range(world_size)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout_s)
+    # Fail fast: the first rank that reports a failure ends the run (its peers would otherwise
+    # wait in a collective until the timeout).
+    deadline = time.monotonic() + timeout_s
+    done, failure = set(), None
+    while failure is None and any(p.is_alive() for p in procs):
+        if time.monotonic() > deadline:
+            break
+        connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+        while not errors.empty():
+            rank, tb = errors.get()
+            if tb is not None and failure is None:
+                failure = (rank, tb)
+            elif tb is None:
+                done.add(rank)
+    if failure is not None:
+        time.sleep(2.0)  # let the other ranks report theirs, then stop them
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise AssertionError(f"rank {failure[0]} failed:\n{failure[1]}")
     for p in procs:
         if p.is_alive():
             p.kill()
             raise TimeoutError(f"rank process {p.pid} did not finish within {timeout_s}s")
-    done = set()
+    for p in procs:
+        p.join()
     while not errors.empty():
         rank, tb = errors.get()
         if tb is not None:

@@ -19,8 +19,10 @@ memory, so NVSHMEM needs no install step beyond its wheel.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import re
 from typing import Optional, Tuple
 
 import torch
@@ -124,20 +126,23 @@ class InternodeTransport(Transport):
                                 num_topk).num_bytes
 
     def check_errors(self) -> None:
-        try:
+        with self._naming_nodes():
             self.status.check_errors()
-        except PeerTimeoutError as exc:
-            # Say where the stalled peer is: the node and local index matter on a cluster.
-            raise PeerTimeoutError(f"{exc} [{self._where(exc)}]") from None
 
-    def _where(self, exc: Exception) -> str:
-        L = self.ranks_per_node
-        text = f"rank {self.rank} is node {self.rank // L} local {self.rank % L}"
-        for word in str(exc).split("peer ")[1:2]:
-            peer = word.split()[0]
-            if peer.isdigit():
-                text += f"; peer {peer} is node {int(peer) // L} local {int(peer) % L}"
-        return text
+    @contextlib.contextmanager
+    def _naming_nodes(self):
+        """Adds where the ranks of a timeout sit (node, local index) to its message: on a
+        cluster that tells which machine to look at."""
+        try:
+            yield
+        except PeerTimeoutError as exc:
+            L = self.ranks_per_node
+            where = f"rank {self.rank} is node {self.rank // L} local {self.rank % L}"
+            match = re.search(r"peer (\d+)", str(exc))
+            if match:
+                peer = int(match.group(1))
+                where += f"; peer {peer} is node {peer // L} local {peer % L}"
+            raise PeerTimeoutError(f"{exc} [{where}]") from None
 
     # ------------------------------------------------------------------ fields
     def _static_fields(self) -> dict:
@@ -209,8 +214,9 @@ class InternodeTransport(Transport):
         ops.internode_notify(topk_idx, notify)
         ops.internode_dispatch_send(topk_idx, False, self.num_sms, fields)
         ops.internode_forward(topk_idx, self.num_sms, fields)
-        num_rows = (self.status.wait_num_rows(self.notify_epoch) if is_sync
-                    else num_max_recv_rows)
+        with self._naming_nodes():
+            num_rows = (self.status.wait_num_rows(self.notify_epoch) if is_sync
+                        else num_max_recv_rows)
         recv_x, _ = empty_recv(num_rows, hidden, None, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
         fields.update(recv_x=recv_x.data_ptr(), recv_weights=recv_weights.data_ptr(),
