@@ -13,6 +13,8 @@ changing shapes, autograd, bad input, and a stalled peer that must raise naming 
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 import pytest
 import torch
@@ -172,23 +174,34 @@ def _stalled_peer(rank, world, per_node, stalled):
         stalled.dispatch(x, idx, torch.ones(8, 1, device=dev), num_experts=world)
 
 
+def _progress(rank, start, what):
+    if rank == 0:
+        print(f"[internode {dist.get_world_size()} ranks] {time.monotonic() - start:6.1f} s "
+              f"{what}", file=sys.stderr, flush=True)
+
+
 def _worker(rank, world, per_node, num_calls):
     os.environ.update(ENV)
+    start = time.monotonic()
     torch.cuda.set_device(0)
     group = dist.group.WORLD
     inter = Buffer(group, 256, 7168, 16, transport="internode", num_sms=8, timeout_s=60,
                    num_ranks_per_node=per_node)
     assert inter.transport_name == "internode"
     ref = Buffer(group, 256, 7168, 16, transport="reference")
+    _progress(rank, start, "buffers built")
     for i, case in enumerate(CASES):
         _case(rank, world, per_node, inter, ref, 1000 * world + i, *case)
+        _progress(rank, start, f"case {case} passed")
     _autograd(rank, world, inter, ref, 7 + world)
     _back_to_back(rank, world, inter, num_calls)
+    _progress(rank, start, f"autograd and {num_calls} back-to-back calls passed")
     _bad_input(rank, world, inter)
     dist.barrier()
     stalled = Buffer(group, 64, 2048, 4, transport="internode", num_sms=4, timeout_s=3,
                      num_ranks_per_node=per_node)
     _stalled_peer(rank, world, per_node, stalled)
+    _progress(rank, start, "bad input and the planted stall passed")
     dist.barrier()
     # No NVSHMEM teardown calls: limited mode forbids host collectives at teardown.
 
@@ -221,7 +234,9 @@ def test_internode_matches_reference(shape, monkeypatch):
         pytest.skip(str(exc))
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
+    start = time.monotonic()
     _link_once()
+    print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _worker, per_node, NUM_CALLS, backend="gloo",
                     timeout_s=1200)
