@@ -240,4 +240,4 @@ def test_internode_matches_reference(shape, monkeypatch):
     print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _worker, per_node, NUM_CALLS, backend="gloo",
-                    timeout_s=1200)
+                    timeout_s=1200, hard_exit=True)
