@@ -28,11 +28,13 @@ Rates assumed by default (NVIDIA's H100/H200 SXM NVLink 4 and ConnectX-7 400 Gb/
 50 GB/s per 400 Gb/s NIC, one NIC per GPU (DGX/HGX H100/H200 line rate; about 46-48 GB/s
 practical); NVLink4 on H100/H200 SXM 450 GB/s per direction (18 links, 900 GB/s
 bidirectional; NCCL reaches about 370 GB/s). `fixed` is 0 unless measured. `--measured-json
-FILE` replaces them with the kernels'
-own per-byte costs measured on a GPU: a JSON object with optional keys `network_gbps`,
-`nvlink_gbps`, `fixed_us` at the top level (both phases) or inside `"dispatch"` / `"combine"`
-(one phase), and an optional `"source"` string printed with the table. A cost per byte is
-1 / rate: 1 / (50 GB/s) = 0.02 ns per byte.
+FILE` replaces them with measured costs: a JSON object with optional keys `network_gbps`,
+`nvlink_gbps`, `fixed_us`, or per-byte costs `network_ns_per_byte`, `nvlink_ns_per_byte`
+(1 / rate: 1 / (50 GB/s) = 0.02 ns per byte), at the top level (both phases) or inside
+`"dispatch"` / `"combine"` (one phase), and an optional `"source"` string printed with the
+table. `python -m megatron_deepep.bench_network` (the network leg on one GPU) and
+`scripts/multinode_check.py --json` (dispatch and combine GB/s per NIC on real nodes) write
+such files.
 
 Routing: "uniform" picks each token's top-k experts uniformly (top-k of uniform random scores);
 "node-limited" runs Megatron's group-limited routing (`node_layout.node_limited_topk`, groups =
@@ -225,7 +227,8 @@ def load_rates(nic_gbps: float, nvlink_gbps: float,
     base = Rates(network_gbps=nic_gbps, nvlink_gbps=nvlink_gbps)
     if not measured:
         return {p: base for p in PHASES}
-    keys = ("network_gbps", "nvlink_gbps", "fixed_us")
+    keys = ("network_gbps", "nvlink_gbps", "fixed_us", "network_ns_per_byte",
+            "nvlink_ns_per_byte")
     source = str(measured.get("source", "measured"))
     out = {}
     for phase in PHASES:
@@ -233,7 +236,12 @@ def load_rates(nic_gbps: float, nvlink_gbps: float,
         values.update({k: float(v) for k, v in measured.get(phase, {}).items() if k in keys})
         for k, v in values.items():
             if v < 0 or (k != "fixed_us" and v == 0):
-                raise ValueError(f"measured {phase} {k}={v}: rates must be > 0, fixed_us >= 0")
+                raise ValueError(f"measured {phase} {k}={v}: rates and costs per byte must be "
+                                 f"> 0, fixed_us >= 0")
+        for link in ("network", "nvlink"):
+            cost = values.pop(f"{link}_ns_per_byte", None)
+            if cost is not None:  # 1 ns per byte = 1 GB/s
+                values[f"{link}_gbps"] = 1.0 / cost
         out[phase] = dataclasses.replace(base, source=source if values else "assumed", **values)
     return out
 
