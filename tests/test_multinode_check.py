@@ -150,7 +150,8 @@ def test_cli_end_to_end_on_cpu(tmp_path):
          "reference", "--device", "cpu", "--num-experts", "24", "--topk", "4",
          "--check-tokens", "12", "--check-hidden", "32", "--cases",
          "uneven,dropped,empty,node-limited", "--sweep-tokens", "16", "--sweep-hidden", "64",
-         "--warmup", "0", "--iters", "1", "--seed", "7", "--json", str(out)],
+         "--warmup", "0", "--iters", "1", "--seed", "7", "--fp8", "blockwise", "--json",
+         str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
@@ -160,7 +161,8 @@ def test_cli_end_to_end_on_cpu(tmp_path):
     assert "correctness: PASSED" in text and "GB/s/NIC" in text
     doc = json.loads(out.read_text())
     assert doc["passed"] and doc["seed"] == 7 and doc["setup"]["nodes"] == 3
-    assert {p["phase"] for p in doc["sweep"]} == {"dispatch", "combine"}
+    assert {(p["phase"], p["wire"]) for p in doc["sweep"]} == {("dispatch", "blockwise"),
+                                                                ("combine", "bf16")}
     assert all(p["network_bytes_per_rank"] > 0 for p in doc["sweep"])
     model = internode_model.main(["--tokens", "16", "--hidden", "64", "--experts", "24",
                                   "--topk", "4", "--nodes", "3", "--ranks-per-node", "1",
