@@ -10,8 +10,8 @@
 #   NVSHMEM_HCA_LIST        NICs to use, name:port, assigned to local ranks round-robin
 #                           (neither: every GPU takes the NIC nearest to it on PCIe)
 #   NVSHMEM_SYMMETRIC_SIZE  heap bytes per GPU; default from Buffer.size_hint of the limits below
-#   MAX_TOKENS HIDDEN EP TOPK  the Buffer's limits (tokens per rank per call, hidden size, EP
-#                           size, top-k) for that default
+#   MAX_TOKENS HIDDEN EP TOPK RANKS_PER_NODE  the Buffer's limits (tokens per rank per call,
+#                           hidden size, EP size, top-k, GPUs per node) for that default
 #   REPO                    the repository root (default: the current directory)
 
 IB_TRANSPORT=${IB_TRANSPORT:-ibrc}
@@ -50,7 +50,7 @@ if [ -z "${NVSHMEM_SYMMETRIC_SIZE:-}" ]; then
   heap_err=$(mktemp)
   if heap=$(python3 "${REPO:-.}/scripts/multinode_check.py" --print-nvshmem-size \
       --max-tokens "${MAX_TOKENS:-4096}" --max-hidden "${HIDDEN:-7168}" --ranks "${EP:-16}" \
-      --topk "${TOPK:-8}" 2>"$heap_err"); then
+      --topk "${TOPK:-8}" --num-ranks-per-node "${RANKS_PER_NODE:-8}" 2>"$heap_err"); then
     export NVSHMEM_SYMMETRIC_SIZE=$heap
   else
     echo "slurm_nvshmem_env.sh: no heap size from Buffer.size_hint" \

@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--measured-json OUT` takes its measured rates")
     g.add_argument("--print-nvshmem-size", action="store_true",
                    help="print the NVSHMEM_SYMMETRIC_SIZE (bytes) for --max-tokens, "
-                        "--max-hidden, --ranks and --topk, and exit (the Slurm template uses it)")
+                        "--max-hidden, --ranks, --topk and --num-ranks-per-node (default 8), "
+                        "and exit (the Slurm templates use it)")
     g.add_argument("--max-tokens", type=int, default=4096,
                    help="with --print-nvshmem-size: tokens per rank per call; default %(default)s")
     g.add_argument("--max-hidden", type=int, default=7168,
@@ -177,18 +178,20 @@ def check_args(args) -> None:
 # Sizes
 
 def nvshmem_heap_bytes(max_tokens: int, hidden: int, num_ranks: int, topk: int,
+                       num_ranks_per_node: Optional[int] = None,
                        transport: str = "internode") -> int:
-    """NVSHMEM_SYMMETRIC_SIZE for a Buffer of these limits: the transport's `size_hint` (all its
-    device memory, so an upper bound on its share of the symmetric heap) plus headroom for
-    NVSHMEM and torch, in whole 512 MiB granules, and never below NVSHMEM's 1 GiB default.
+    """NVSHMEM_SYMMETRIC_SIZE for a Buffer of these limits: the transport's `size_hint` (for
+    "internode": the symmetric heap one rank holds) plus headroom for NVSHMEM and torch, in
+    whole 512 MiB granules, and never below NVSHMEM's 1 GiB default.
 
     Raises:
-        UsageError: this megatron_deepep has no such transport.
+        UsageError: the limits or the transport are not valid for `Buffer.size_hint`.
     """
     from megatron_deepep.buffer import Buffer
 
     try:
-        hint = Buffer.size_hint(max_tokens, hidden, num_ranks, topk, transport=transport)
+        hint = Buffer.size_hint(max_tokens, hidden, num_ranks, topk, transport=transport,
+                                num_ranks_per_node=num_ranks_per_node)
     except ValueError as e:
         raise UsageError(f"Buffer.size_hint(transport={transport!r}) failed: {e}") from None
     granules = math.ceil((hint + HEAP_HEADROOM) / HEAP_GRANULE)
@@ -596,16 +599,11 @@ class Context:
 
         kwargs = dict(transport=self.args.transport, num_sms=self.args.num_sms,
                       timeout_s=self.args.timeout_s)
-        if self.args.num_ranks_per_node is not None and self.args.transport in ("internode",
-                                                                                "auto"):
+        if self.args.num_ranks_per_node is not None:
             kwargs["num_ranks_per_node"] = self.args.num_ranks_per_node
-        group = dist.group.WORLD
         try:
-            buf = Buffer(group, max_tokens, hidden, topk, **kwargs)
+            buf = Buffer(dist.group.WORLD, max_tokens, hidden, topk, **kwargs)
             error = None
-        except TypeError as e:
-            buf, error = None, (f"Buffer does not take {sorted(kwargs)} ({e}): this "
-                                "megatron_deepep predates the internode transport")
         except Exception as e:  # every rank reports; rank 0 prints them
             buf, error = None, f"{type(e).__name__}: {e}"
         errors = self.gather(error)
@@ -643,6 +641,25 @@ def _pick_backend(args, device: torch.device) -> str:
         return "gloo"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return "nccl" if local_world <= torch.cuda.device_count() else "gloo"
+
+
+def _size_heap(args, shape: Shape) -> Optional[int]:
+    """Sets NVSHMEM_SYMMETRIC_SIZE for the largest Buffer this run builds, unless it is set or
+    the transport uses no NVSHMEM heap (NVSHMEM reads it when the first Buffer starts it)."""
+    if os.environ.get("NVSHMEM_SYMMETRIC_SIZE") or shape.num_nodes < 2 or \
+            args.transport not in ("internode", "auto"):
+        return None
+    tokens = max([args.check_tokens] * (not args.skip_check) +
+                 list(args.sweep_tokens) * (not args.skip_sweep))
+    hidden = max(list(args.check_hidden) * (not args.skip_check) +
+                 list(args.sweep_hidden) * (not args.skip_sweep))
+    try:
+        heap = nvshmem_heap_bytes(tokens, hidden, shape.num_ranks, shape.topk,
+                                  shape.num_ranks_per_node)
+    except UsageError:
+        return None  # the Buffer itself will say what is wrong
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
+    return heap
 
 
 def run_rank(args) -> int:
@@ -691,6 +708,7 @@ def _run_rank(args, device: torch.device, backend: str) -> int:
             sys.stderr.write(f"multinode_check: {problem}\n")
         return 2
     shape = Shape(rank, world, topo.num_ranks_per_node, num_experts, args.topk)
+    heap = _size_heap(args, shape)
     ctx = Context(args, device, ctrl, shape, int(seed))
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -698,6 +716,9 @@ def _run_rank(args, device: torch.device, backend: str) -> int:
                 f"{topo.num_nodes} nodes x {topo.num_ranks_per_node} on {len(set(hosts))} "
                 f"host(s), {name}, backend {backend}, {num_experts} experts, top-{args.topk}, "
                 f"seed {int(seed)}")
+        if heap:
+            ctx.say(f"  NVSHMEM_SYMMETRIC_SIZE={heap} (from Buffer.size_hint; export it to "
+                    f"choose)")
         if len(set(hosts)) == 1 and topo.num_nodes > 1:
             ctx.say("  virtual nodes on one host: the sweep times processes sharing one "
                     "machine (on a GPU: NVSHMEM's P2P path), not a network")
@@ -797,7 +818,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         check_args(args)
         if args.print_nvshmem_size:
-            print(nvshmem_heap_bytes(args.max_tokens, args.max_hidden, args.ranks, args.topk))
+            print(nvshmem_heap_bytes(args.max_tokens, args.max_hidden, args.ranks, args.topk,
+                                     args.num_ranks_per_node))
             return 0
         if args.spawn:
             return spawn(args)

@@ -78,12 +78,15 @@ def test_no_launcher_says_how_to_launch(monkeypatch, capsys):
 def test_nvshmem_heap_size(capsys):
     from megatron_deepep.buffer import Buffer
 
-    hint = Buffer.size_hint(4096, 7168, 8, 8, transport="nvlink")
-    got = mc.nvshmem_heap_bytes(4096, 7168, 8, 8, transport="nvlink")
+    hint = Buffer.size_hint(4096, 7168, 64, 8, transport="internode", num_ranks_per_node=8)
+    got = mc.nvshmem_heap_bytes(4096, 7168, 64, 8, num_ranks_per_node=8)
     assert got % (512 << 20) == 0 and got >= hint + (512 << 20) and got >= 1 << 30
     assert mc.nvshmem_heap_bytes(1, 8, 2, 1, transport="reference") == 1 << 30
     with pytest.raises(mc.UsageError, match="size_hint"):
         mc.nvshmem_heap_bytes(16, 64, 2, 2, transport="no-such")
+    assert mc.main(["--print-nvshmem-size", "--max-tokens", "4096", "--max-hidden", "7168",
+                    "--ranks", "64", "--topk", "8", "--num-ranks-per-node", "8"]) == 0
+    assert int(capsys.readouterr().out) == got
 
 
 def test_nic_bytes_and_gbps():
@@ -213,8 +216,16 @@ def _check_catches(rank, world):
         passed = module.run_check(ctx)
         assert passed == (mode == "ok"), mode
         lines.append(f"-- {mode}")
+    # A transport that cannot start here: every rank's reason, printed by rank 0, no Buffer.
+    args.transport, args.num_ranks_per_node = "internode", 1
+    unusable = module.Context(args, torch.device("cpu"), dist.group.WORLD, shape, 3)
+    unusable.say = lines.append
+    assert unusable.make_buffer(8, 16, 2) is None
+    assert module.run_check(unusable) is False
     if rank == 0:
         text = "\n".join(lines)
+        assert ("rank 1: Buffer(transport='internode') failed: ValueError: "
+                "transport='internode' runs CUDA kernels") in text
         ok, corrupt, raised = text.split("-- ")[:3]
         assert "FAILED" not in ok and ok.count(" ok") == 2
         assert "rank 1: dispatch recv_x: 1 of" in corrupt
@@ -225,3 +236,18 @@ def _check_catches(rank, world):
 
 def test_check_catches_a_broken_transport():
     run_distributed(2, _check_catches)
+
+
+def test_heap_is_sized_for_the_largest_buffer(monkeypatch):
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE", raising=False)
+    args = mc.build_parser().parse_args(["--sweep-tokens", "512,4096", "--sweep-hidden", "7168"])
+    shape = mc.Shape(rank=0, num_ranks=4, num_ranks_per_node=2, num_experts=256, topk=8)
+    heap = mc._size_heap(args, shape)
+    assert heap == mc.nvshmem_heap_bytes(4096, 7168, 4, 8, 2)
+    assert os.environ["NVSHMEM_SYMMETRIC_SIZE"] == str(heap)
+    assert mc._size_heap(args, shape) is None  # set now: kept
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE")
+    one_node = mc.Shape(rank=0, num_ranks=4, num_ranks_per_node=4, num_experts=256, topk=8)
+    assert mc._size_heap(args, one_node) is None and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ
+    args.transport = "reference"
+    assert mc._size_heap(args, shape) is None
