@@ -41,6 +41,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_ROOT, "megatron_deepep")) and _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)  # run from a checkout: its megatron_deepep, installed or not
+
 # No NVLink multicast (NVLS): several processes may share a GPU, and the transports do not use it.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
