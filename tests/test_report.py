@@ -122,3 +122,13 @@ def test_help_and_missing_metrics(tmp_path):
     proc = _run(str(tmp_path))
     assert proc.returncode == 2 and "no deepep_metrics_rank*.jsonl" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_every_argument_has_help():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_report", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parser = module.build_parser()
+    assert not [a.dest for a in parser._actions if not a.help] and parser.description
