@@ -45,7 +45,9 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from megatron_deepep.internode_model import bf16_row_bytes, fp8_row_bytes, rank_rows, route
+from megatron_deepep.fp8.dispatch import ALIASES
+from megatron_deepep.fp8.formats import FORMATS
+from megatron_deepep.internode_model import bf16_row_bytes, rank_rows, route
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,9 @@ FAMILIES: Dict[str, Shape] = {
     "gpt_oss": Shape(2880, 128, 4, 2880, 36),
 }
 
+#: FP8 dispatch format of each family's template (the sweep's FP8 wire; default blockwise).
+FAMILY_FP8 = {"gpt_oss": "mxfp8"}
+
 #: Pipeline stages of each family's full-size template (`examples/configs/`).
 FAMILY_PIPELINE_STAGES = {"deepseek_v3": 8, "qwen3_moe": 8, "mixtral": 4, "gpt_oss": 2}
 
@@ -104,12 +109,18 @@ ASSUMED_HBM = {"dispatch_bf16": (58.0, 3300.0), "dispatch_fp8": (50.0, 1850.0),
 WIRES = ("bf16", "fp8")
 
 
+def wire_row_bytes(wire: str, hidden: int, fp8: str = "blockwise") -> int:
+    """Bytes of one dispatched row: bf16 2 H, or the FP8 format's e4m3 bytes plus scales."""
+    if wire == "bf16":
+        return bf16_row_bytes(hidden)
+    return FORMATS[ALIASES.get(fp8, fp8)].bytes_per_token(hidden)
+
+
 def _hbm_bytes(phase: str, wire: str, tokens: int, rows: int, hidden: int) -> int:
     """HBM bytes of one EP = 1 call (bench's definitions): read x, write the expanded rows."""
     if phase == "combine":
         return (tokens + rows) * hidden * 2
-    row = bf16_row_bytes(hidden) if wire == "bf16" else fp8_row_bytes(hidden)
-    return tokens * hidden * 2 + rows * row
+    return tokens * hidden * 2 + rows * wire_row_bytes(wire, hidden)
 
 
 def assumed_kernel_us(phase: str, wire: str, tokens: int, topk: int, hidden: int,
@@ -143,7 +154,7 @@ def assumed_expert_us(shape: Shape, tokens: int, topk: int, ep: int, tflops: flo
 # Measurement on the local GPU
 # ----------------------------------------------------------------------------------------------
 def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Sequence[int],
-                eps: Sequence[int]) -> dict:
+                eps: Sequence[int], fp8_format: str = "blockwise") -> dict:
     """EP = 1 kernel and expert-GEMM times on this GPU (see the module docstring)."""
     import torch
     import torch.distributed as dist
@@ -152,7 +163,8 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
     from megatron_deepep.buffer import Buffer
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch
 
-    if not dist.is_initialized():
+    own_group = not dist.is_initialized()
+    if own_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29541")
         torch.cuda.set_device(0)
@@ -160,7 +172,7 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
     props = torch.cuda.get_device_properties(0)
     kernels, experts = {}, {}
     xs = [torch.randn(tokens, shape.hidden, device="cuda").to(torch.bfloat16) for _ in range(3)]
-    fp8 = as_fp8_dispatch("blockwise", "fp8")
+    fp8 = as_fp8_dispatch(fp8_format, "fp8")
     for topk in topks:
         routing = [bench.make_routing(tokens, shape.experts, topk, 31 + i) for i in range(3)]
         idxs, ws = [r[0] for r in routing], [r[1] for r in routing]
@@ -177,8 +189,10 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
         for ep in eps:
             experts[f"{topk},{ep}"] = _expert_gemm_us(shape, tokens, topk, ep)
         torch.cuda.empty_cache()
+    if own_group:
+        dist.destroy_process_group()
     return {"source": f"measured on {props.name} ({props.multi_processor_count} SMs)",
-            "kernels": kernels, "experts": experts}
+            "fp8_format": fp8.fmt.name, "kernels": kernels, "experts": experts}
 
 
 def _expert_gemm_us(shape: Shape, tokens: int, topk: int, ep: int) -> float:
@@ -219,7 +233,8 @@ def _expert_gemm_us(shape: Shape, tokens: int, topk: int, ep: int) -> float:
 
 
 def assumed_measurements(shape: Shape, tokens: int, topks: Sequence[int],
-                         sms_list: Sequence[int], eps: Sequence[int], tflops: float) -> dict:
+                         sms_list: Sequence[int], eps: Sequence[int], tflops: float,
+                         fp8_format: str = "blockwise") -> dict:
     """The same table as `measure_gpu`, from assumed rates (no GPU)."""
     kernels, experts = {}, {}
     for topk in topks:
@@ -234,7 +249,8 @@ def assumed_measurements(shape: Shape, tokens: int, topks: Sequence[int],
             experts[f"{topk},{ep}"] = assumed_expert_us(shape, tokens, topk, ep, tflops)
     return {"source": f"ASSUMED rates, no GPU measurement: EP = 1 kernels at the H200 bench's "
                       f"GB/s per SM, expert GEMMs at {tflops:g} TFLOP/s x m / (m + 128)",
-            "kernels": kernels, "experts": experts}
+            "fp8_format": ALIASES.get(fp8_format, fp8_format), "kernels": kernels,
+            "experts": experts}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,8 +315,8 @@ def model(shape: Shape, tokens: int, measured: dict, eps: Sequence[int], cluster
             for routing, m in routings:
                 per_token = link_rows(shape, topk, ep, cluster, m, sample_tokens)
                 for wire in WIRES:
-                    row = bf16_row_bytes(shape.hidden) if wire == "bf16" \
-                        else fp8_row_bytes(shape.hidden)
+                    row = wire_row_bytes(wire, shape.hidden,
+                                         measured.get("fp8_format", "blockwise"))
                     for num_sms in sms_list:
                         k = measured["kernels"][f"{topk},{wire},{num_sms}"]
                         nvl_rate = min(cluster.nvlink_gbps, cluster.link_gbps_per_sm * num_sms)
@@ -359,7 +375,8 @@ def format_table(shape: Shape, tokens: int, measured: dict, rows: List[dict],
     lines = [f"sweep: H {shape.hidden}, E {shape.experts}, top-{shape.topk}, F "
              f"{shape.moe_ffn_hidden}{' (SwiGLU)' if shape.gated else ''}, {shape.moe_layers} MoE "
              f"layers, {tokens} tokens per rank per micro-batch (forward, one layer)",
-             f"kernel times: {measured['source']}",
+             f"kernel times: {measured['source']}; fp8 = "
+             f"{measured.get('fp8_format', 'blockwise_1x128')} dispatch (combine: bf16)",
              f"links (model): NIC {cluster.nic_gbps:g} GB/s per GPU, NVLink "
              f"{cluster.nvlink_gbps:g} GB/s per direction, at most {cluster.link_gbps_per_sm:g} "
              f"GB/s per SM, {cluster.ranks_per_node} GPUs per node; net/tok, nvl/tok: busiest "
@@ -422,6 +439,9 @@ def _parse(argv) -> argparse.Namespace:
                         "family's template, else 1)")
     p.add_argument("--gemm-tflops", type=float, default=650.0,
                    help="assumed bf16 GEMM TFLOP/s without a GPU (H100/H200: ~650 of 989)")
+    p.add_argument("--fp8", default=None, choices=sorted(ALIASES) + sorted(FORMATS),
+                   help="FP8 wire format measured and modeled (default: the family's template, "
+                        "else blockwise)")
     p.add_argument("--limit", type=float, default=20.0, help="comm share limit, percent")
     p.add_argument("--assume", action="store_true", help="assumed rates even with a GPU")
     p.add_argument("--measurements", metavar="JSON", default=None,
@@ -474,6 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             measured = json.load(f)["measurements"]
     else:
         gpu = False
+        fp8 = args.fp8 or FAMILY_FP8.get(args.family, "blockwise")
         if not args.assume:
             try:
                 import torch
@@ -481,10 +502,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             except ImportError:
                 gpu = False
         if gpu:
-            measured = measure_gpu(shape, args.tokens, topks, sms_list, eps)
+            measured = measure_gpu(shape, args.tokens, topks, sms_list, eps, fp8)
         else:
             measured = assumed_measurements(shape, args.tokens, topks, sms_list, eps,
-                                            args.gemm_tflops)
+                                            args.gemm_tflops, fp8)
     rows = model(shape, args.tokens, measured, eps, cluster)
     pick = recommend(rows, shape.topk, args.limit / 100.0, cluster)
     sys.stdout.write(format_table(shape, args.tokens, measured, rows, cluster,
