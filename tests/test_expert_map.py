@@ -46,68 +46,77 @@ def _layer(dispatcher, x, routing_map, probs, weights):
     return out, tokens_per_expert
 
 
-def _worker(rank, world_size, plan_dict):
+def _worker(rank, world_size, plan_dicts):
     warnings.filterwarnings("ignore")
     import megatron_deepep.megatron as mdm
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     mdm.register_deepep_dispatcher(transport="reference")
     ps.initialize_model_parallel(expert_model_parallel_size=world_size)
     try:
-        pg = get_default_pg_collection()
-        config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
-                                   num_moe_experts=E, moe_router_topk=K,
-                                   expert_model_parallel_size=world_size,
-                                   moe_token_dispatcher_type="deepep",
-                                   use_cpu_initialization=True, add_bias_linear=False)
-        plan = balance.Plan(**plan_dict)
-        gen = torch.Generator().manual_seed(7)
-        weights = torch.randn(E, H, H, generator=gen) / math.sqrt(H)
-        physical_weights = balance.permute_expert_weights(weights, plan)
-
-        num_local = E // world_size
-        plain = mdm.DeepEPTokenDispatcher(num_local, list(range(rank * num_local,
-                                                                (rank + 1) * num_local)),
-                                          config=config, pg_collection=pg)
-        slots = plan.slots_per_rank
-        mdm.register_deepep_dispatcher(transport="reference", expert_map=plan_dict)
-        mapped = mdm.DeepEPTokenDispatcher(slots, list(range(rank * slots, (rank + 1) * slots)),
-                                           config=config, pg_collection=pg)
-
-        num_tokens = 24 if rank == 0 else 13
-        probs, routing_map = _routing(num_tokens, seed=rank)
-        x = torch.randn(num_tokens, 1, H, generator=gen)
-        grad = torch.randn(num_tokens, 1, H, generator=gen)
-        results = []
-        for dispatcher, w in ((plain, weights), (mapped, physical_weights)):
-            xa, pa = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
-            out, tpe = _layer(dispatcher, xa, routing_map, pa, w)
-            out.backward(grad)
-            results.append((out.detach(), xa.grad, pa.grad, tpe))
-        (out0, gx0, gp0, _), (out1, gx1, gp1, tpe1) = results
-        torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(gp1, gp0, rtol=1e-5, atol=1e-5)
-        assert tpe1.numel() == slots
-        # The mapped layer's slots received the routed entries of their logical experts.
-        counts = routing_map.sum(0).long()
-        torch.distributed.all_reduce(counts)
-        for local, slot in enumerate(range(rank * slots, (rank + 1) * slots)):
-            e = plan.physical_to_logical[slot]
-            if len(plan.logical_to_physical[e]) == 1:
-                assert tpe1[local].item() == counts[e].item()
+        for plan_dict in plan_dicts:
+            _case(rank, world_size, balance.Plan(**plan_dict), get_default_pg_collection())
     finally:
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("num_redundant", [0, 2])
-def test_mapped_layer_matches_unmapped_layer_with_permuted_weights(num_redundant):
+def _case(rank, world_size, plan, pg):
+    """The unmapped layer with the logical weights against the mapped one with the plan's."""
+    import copy
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_deepep.megatron import DeepEPTokenDispatcher
+
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
+                               num_moe_experts=E, moe_router_topk=K,
+                               expert_model_parallel_size=world_size,
+                               moe_token_dispatcher_type="deepep", use_cpu_initialization=True,
+                               add_bias_linear=False)
+    mapped_config = copy.copy(config)
+    mapped_config.moe_mdeep_expert_map = plan.to_dict()  # the option's config field
+    gen = torch.Generator().manual_seed(7)
+    weights = torch.randn(E, H, H, generator=gen) / math.sqrt(H)
+    physical_weights = balance.permute_expert_weights(weights, plan)
+
+    num_local, slots = E // world_size, plan.slots_per_rank
+    plain = DeepEPTokenDispatcher(num_local, list(range(rank * num_local,
+                                                        (rank + 1) * num_local)),
+                                  config=config, pg_collection=pg)
+    mapped = DeepEPTokenDispatcher(slots, list(range(rank * slots, (rank + 1) * slots)),
+                                   config=mapped_config, pg_collection=pg)
+
+    num_tokens = 24 if rank == 0 else 13
+    probs, routing_map = _routing(num_tokens, seed=rank)
+    x = torch.randn(num_tokens, 1, H, generator=gen)
+    grad = torch.randn(num_tokens, 1, H, generator=gen)
+    results = []
+    for dispatcher, w in ((plain, weights), (mapped, physical_weights)):
+        xa, pa = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        out, tpe = _layer(dispatcher, xa, routing_map, pa, w)
+        out.backward(grad)
+        results.append((out.detach(), xa.grad, pa.grad, tpe))
+    (out0, gx0, gp0, _), (out1, gx1, gp1, tpe1) = results
+    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gp1, gp0, rtol=1e-5, atol=1e-5)
+    assert tpe1.numel() == slots
+    # The mapped layer's slots received the routed entries of their logical experts.
+    counts = routing_map.sum(0).long()
+    torch.distributed.all_reduce(counts)
+    for local, slot in enumerate(range(rank * slots, (rank + 1) * slots)):
+        e = plan.physical_to_logical[slot]
+        if len(plan.logical_to_physical[e]) == 1:
+            assert tpe1[local].item() == counts[e].item()
+
+
+def test_mapped_layer_matches_unmapped_layer_with_permuted_weights():
     loads = balance.synthetic_loads(f"zipf:{E}:1.3")
-    plan = balance.plan_placement(loads, 2, num_redundant=num_redundant)
-    assert plan.physical_to_logical != list(range(E))  # a real permutation
-    run_distributed(2, _worker, plan.to_dict(), timeout_s=150)
+    plans = [balance.plan_placement(loads, 2, num_redundant=n) for n in (0, 2)]
+    for plan in plans:
+        assert plan.physical_to_logical != list(range(E))  # a real placement
+    assert plans[1].slots_per_rank == E // 2 + 1  # with copies
+    run_distributed(2, _worker, [p.to_dict() for p in plans], timeout_s=150)
 
 
 def test_expert_map_option_reads_balance_json(tmp_path):
