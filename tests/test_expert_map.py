@@ -101,6 +101,8 @@ def _case(rank, world_size, plan, pg):
     torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gp1, gp0, rtol=1e-5, atol=1e-5)
     assert tpe1.numel() == slots
+    assert mapped.physical_to_logical == plan.physical_to_logical
+    assert plain.physical_to_logical is None
     # The mapped layer's slots received the routed entries of their logical experts.
     counts = routing_map.sum(0).long()
     torch.distributed.all_reduce(counts)
@@ -148,3 +150,14 @@ def test_map_topk_to_physical_spreads_copies():
     assert got.tolist() == [[1, 0], [3, -1], [2, 1], [3, 3]]
     with pytest.raises(ValueError, match="no physical slot"):
         logical_to_physical_table([0, 0], 2)
+
+
+def test_balance_folds_mapped_counts_back_to_logical_experts(tmp_path):
+    plan = balance.plan_placement(balance.synthetic_loads("zipf:8:1.0"), 2, num_redundant=2)
+    logical = [80.0, 40, 30, 20, 10, 8, 6, 4]
+    per_slot = [logical[e] / len(plan.logical_to_physical[e]) for e in plan.physical_to_logical]
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"step": 1, "layers": {"2": {
+        "tokens_per_expert": per_slot, "physical_to_logical": plan.physical_to_logical}}}) + "\n")
+    loads = balance.read_loads(str(path))
+    assert loads["2"].tolist() == [logical]

@@ -132,3 +132,15 @@ def _drop_worker(rank, world_size):
 
 def test_dispatcher_counts_capacity_drops():
     run_distributed(1, _drop_worker, timeout_s=120)
+
+
+def test_an_expert_map_is_written_with_the_counts():
+    collector = metrics.MetricsCollector()
+    mapped = _dispatcher(1)
+    mapped.physical_to_logical = [2, 0, 3, 1]
+    collector.record(mapped, _handle([5, 3, 0, 2]), _span(0, 1e-3), _span(2e-3, 3e-3),
+                     row_bytes=64)
+    _step(collector, 2, 0.001, 0.002, 0.001)
+    results = collector.flush()
+    assert results[1]["physical_to_logical"] == [2, 0, 3, 1]
+    assert "physical_to_logical" not in results[2]

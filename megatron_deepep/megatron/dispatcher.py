@@ -258,6 +258,19 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                 self._expert_map = (table, copies, num_physical)
         return self._expert_map or None
 
+    @property
+    def physical_to_logical(self) -> Optional[List[int]]:
+        """The logical expert of each physical slot under the expert map (None: contiguous)."""
+        expert_map = self._physical_map()
+        if expert_map is None:
+            return None
+        table, copies = expert_map[0], expert_map[1]
+        out = [0] * expert_map[2]
+        for e in range(table.shape[0]):
+            for p in table[e, :int(copies[e])].tolist():
+                out[p] = e
+        return out
+
     def _metrics(self):
         if not self.options.metrics:
             return None

@@ -44,6 +44,8 @@ When a layer's `comm_share` rises above `MDEEP_COMM_SHARE_WARN` percent (default
 EP rank 0 logs one warning for that layer, with what usually helps; it warns again only after
 the share has fallen back below the limit and crossed it anew.
 
+Under an expert map (`--moe-mdeep-expert-map`) `tokens_per_expert` counts physical slots and
+the line also holds the map's `physical_to_logical` (`balance` folds the counts back).
 Tokens per expert and per rank (vectors) go to the JSON-lines file only
 (`metrics_dir/deepep_metrics_rank<R>.jsonl`, one line per step), which `scripts/plot_metrics.py`
 renders. Under `moe` recompute only the pass that builds the graph is counted; evaluation passes
@@ -151,6 +153,7 @@ class _LayerStats:
         self.tokens_dropped = torch.zeros((), dtype=torch.int64, device=self.device)
         self.row_bytes = 0
         self.num_calls = 0
+        self.physical_to_logical = None
 
 
 class MetricsCollector:
@@ -219,6 +222,8 @@ class MetricsCollector:
             stats.tokens_dropped += tokens_dropped.to(stats.device)
         stats.row_bytes = row_bytes
         stats.num_calls += 1
+        if stats.num_calls == 1:
+            stats.physical_to_logical = getattr(dispatcher, "physical_to_logical", None)
 
     # ------------------------------------------------------------------------------------------
     def flush(self, iteration: Optional[int] = None) -> Dict[int, dict]:
@@ -267,7 +272,7 @@ class MetricsCollector:
         d_ms, c_ms = dispatch_all.mean().item(), combine_all.mean().item()
         e_ms = expert_all.mean().item()
         sent_mean, recv_mean = sent_all.mean().item(), recv_all.mean().item()
-        return {
+        result = {
             "num_micro_batches": int(stats.num_calls),
             "dispatch_ms": d_ms,
             "combine_ms": c_ms,
@@ -289,6 +294,9 @@ class MetricsCollector:
             "tokens_dropped": int(table[:, 6].sum().item()),
             "num_layers": stats.num_layers,
         }
+        if stats.physical_to_logical is not None:  # tokens_per_expert counts physical slots
+            result["physical_to_logical"] = list(stats.physical_to_logical)
+        return result
 
     def _warn_comm_share(self, layer: int, m: dict, ep_rank: int) -> None:
         """Logs once per layer and crossing of `MDEEP_COMM_SHARE_WARN` (EP rank 0 only)."""
