@@ -29,9 +29,11 @@ Two parts:
    uniform routing when the group spans more nodes than the limit.
 
 Recommendation: the smallest EP size whose expert weights, gradients and Adam states (18 bytes
-per parameter, `--gpu-mem-gb` x 0.6 for them) fit, at the wire, SM budget and routing with the
-lowest predicted comm share (among SM budgets within 10% of the best, the smallest); it says
-whether that share is under `--limit` (default 20%: above it EP scaling has reached its limit).
+per parameter, `--gpu-mem-gb` x 0.6 for them, layers split over the pipeline stages) fit; there
+the least intervention whose predicted comm share stays under `--limit` (default 20%: above it
+EP scaling has reached its limit): bf16 before FP8, plain before node-limited routing, the
+fewest SMs; when none does, the lowest comm share (the fewest SMs within 10% of it), and it says
+what usually helps.
 """
 
 from __future__ import annotations
@@ -355,9 +357,16 @@ def recommend(rows: List[dict], topk: int, limit: float, cluster: Cluster) -> Op
                 f"expert state per GPU (> {budget:.0f} GB): add pipeline stages or nodes")
     ep = min(r["ep"] for r in fitting)
     candidates = [r for r in fitting if r["ep"] == ep]
-    best = min(r["comm_share"] for r in candidates)
-    close = [r for r in candidates if r["comm_share"] <= best * 1.1]
-    pick = dict(min(close, key=lambda r: (r["num_sms"], r["comm_share"])))
+    under = [r for r in candidates if r["comm_share"] <= limit]
+    if under:  # the least intervention that stays under the limit
+        pick = dict(min(under, key=lambda r: (r["wire"] != "bf16", r["routing"] != "uniform",
+                                              r["num_sms"], r["comm_share"])))
+        how = "bf16 before FP8, plain routing, fewest SMs under the limit"
+    else:
+        best = min(r["comm_share"] for r in candidates)
+        close = [r for r in candidates if r["comm_share"] <= best * 1.1]
+        pick = dict(min(close, key=lambda r: (r["num_sms"], r["comm_share"])))
+        how = "lowest comm share there, fewest SMs within 10%"
     verdict = "under" if pick["comm_share"] <= limit else "ABOVE"
     if verdict == "ABOVE":
         helps = (["FP8 dispatch"] if pick["wire"] != "fp8" else []) + (
@@ -365,8 +374,8 @@ def recommend(rows: List[dict], topk: int, limit: float, cluster: Cluster) -> Op
             else []) + ["a smaller EP group (more pipeline stages)", "more tokens per rank"]
         note += "; what usually helps: " + ", ".join(helps)
     pick["reason"] = (f"smallest EP whose expert state ({pick['expert_state_gb']:.0f} GB) "
-                      f"fits {budget:.0f} GB; lowest comm share there, fewest SMs "
-                      f"within 10%; {verdict} the {100 * limit:.0f}% limit{note}")
+                      f"fits {budget:.0f} GB; {how}; {verdict} the {100 * limit:.0f}% "
+                      f"limit{note}")
     return pick
 
 

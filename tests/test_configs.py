@@ -141,7 +141,7 @@ def test_full_size_layout(name, nodes):
     dp = world // pp
     assert world % pp == 0 and dp % ep == 0 and shape.experts % ep == 0
     if nodes is None:
-        assert ep >= 8 or ep == shape.experts  # the family's layout, at least a node
+        assert ep >= 4  # the family's layout
     layers = int(flags["--num-layers"])
     first = int(flags.get("--decoder-first-pipeline-num-layers", 0))
     last = int(flags.get("--decoder-last-pipeline-num-layers", 0))

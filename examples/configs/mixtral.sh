@@ -13,8 +13,9 @@ MOE_FLAGS=(
   --group-query-attention --num-query-groups 8 --rotary-base 1000000
 )
 DEEPEP_FLAGS=(
-  # bf16 dispatch: EP 8 (one expert per GPU) stays inside a node and top-2 moves at most 2 rows
-  # per token, against experts 14336 wide: the sweep predicts a comm share of a few percent.
+  # bf16 dispatch: EP 4 (two experts per GPU; their weights, gradients and Adam states fit at
+  # PP 4) stays inside a node and top-2 moves at most 2 rows per token, against experts 14336
+  # wide: the sweep predicts a comm share under 10%.
   --moe-mdeep-fp8-dispatch off
   --moe-mdeep-num-sms 24
   --moe-mdeep-num-max-tokens-per-rank 4096  # sequence 4096 x micro-batch 1
@@ -28,5 +29,5 @@ FULL_MODEL=(
   --moe-ffn-hidden-size 14336 --seq-length 4096 --max-position-embeddings 32768
 )
 FULL_PP_FLAGS=()  # 32 layers split evenly over PP 4
-FULL_NODES=4 FULL_PP=4 FULL_EP=8 FULL_MBS=1 FULL_ACCUM=64 FULL_EXPERTS=8
+FULL_NODES=4 FULL_PP=4 FULL_EP=4 FULL_MBS=1 FULL_ACCUM=64 FULL_EXPERTS=8
 launch_family mixtral "$@"
