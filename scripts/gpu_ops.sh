@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for the operations tooling (issue 21), on a machine with one or more GPUs:
 #   bash scripts/gpu_ops.sh
+# 0. python -m megatron_deepep.precompile: the kernels below, compiled in parallel;
 # 1. tests/gpu/test_sweep_gpu.py (the sweep's measurements on a small shape);
 # 2. python -m megatron_deepep.sweep for the four families of examples/configs/ (their full-size
 #    shapes, measured at EP = 1 on this GPU, modeled for 1-8 nodes): $OUT/sweep_<family>/sweep.json
@@ -38,6 +39,10 @@ run() {
   return $rc
 }
 
+# The kernels every piece below needs, compiled in parallel into the cache first.
+run 120 "$OUT/precompile.log" python3 -m megatron_deepep.precompile --topk 2 4 8 \
+  --fp8 blockwise_1x128 mxfp8_1x32 --index-dtype int64 -j "$(nproc)" -q
+tail -n 1 "$OUT/precompile.log"
 run 90 "$OUT/test_sweep_gpu.log" python3 -m pytest -m gpu tests/gpu/test_sweep_gpu.py -x -q -rs
 tail -n 3 "$OUT/test_sweep_gpu.log"
 for family in $FAMILIES; do
