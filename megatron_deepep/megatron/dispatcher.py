@@ -180,6 +180,7 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self._metrics_pending = None
         self._tokens_dropped = None
         self._expert_map = None  # (table, copies, num_physical) once resolved; False: none
+        self._physical_to_logical = None
         # The dispatch synchronizes with the host to size its output, so the `moe_preprocess`
         # CUDA-graph scope cannot capture it: nothing to declare.
         self.cudagraph_attrs = []
@@ -256,20 +257,14 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                         f"experts)")
                 table, copies = logical_to_physical_table(p2l, self.num_experts)
                 self._expert_map = (table, copies, num_physical)
+                self._physical_to_logical = list(p2l)
         return self._expert_map or None
 
     @property
     def physical_to_logical(self) -> Optional[List[int]]:
         """The logical expert of each physical slot under the expert map (None: contiguous)."""
-        expert_map = self._physical_map()
-        if expert_map is None:
-            return None
-        table, copies = expert_map[0], expert_map[1]
-        out = [0] * expert_map[2]
-        for e in range(table.shape[0]):
-            for p in table[e, :int(copies[e])].tolist():
-                out[p] = e
-        return out
+        self._physical_map()
+        return self._physical_to_logical
 
     def _metrics(self):
         if not self.options.metrics:
@@ -289,7 +284,11 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             self._tokens_dropped = (self._topk_idx[:, :k] < 0).sum()
         expert_map = self._physical_map()
         if expert_map is not None:
-            self._topk_idx = map_topk_to_physical(self._topk_idx, expert_map[0], expert_map[1])
+            table, copies, num_physical = expert_map
+            if table.device != self._topk_idx.device:  # moved once, not per call
+                table, copies = table.to(self._topk_idx.device), copies.to(self._topk_idx.device)
+                self._expert_map = (table, copies, num_physical)
+            self._topk_idx = map_topk_to_physical(self._topk_idx, table, copies)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(tokens.view(self.hidden_shape))
         return hidden, topk_weights
