@@ -415,6 +415,23 @@ def format_table(shape: Shape, tokens: int, measured: dict, rows: List[dict],
     return "\n".join(lines)
 
 
+def format_check(measured: dict, assumed: dict) -> str:
+    """Measured against the assumed rates (what a CPU run would have used), per setting."""
+    lines = ["check: measured / assumed-rate time (1.00: the CPU defaults fit this GPU)"]
+    for key, m in sorted(measured["kernels"].items()):
+        a = assumed["kernels"].get(key)
+        if a:
+            lines.append(f"  top-{key.replace(',', ' ', 1).replace(',', ', SMs ')}: dispatch "
+                         f"{m['dispatch_us'] / a['dispatch_us']:.2f}, combine "
+                         f"{m['combine_us'] / a['combine_us']:.2f}")
+    ratios = [m / assumed["experts"][k] for k, m in sorted(measured["experts"].items())
+              if k in assumed["experts"]]
+    if ratios:
+        lines.append(f"  expert GEMMs: {min(ratios):.2f}-{max(ratios):.2f} over "
+                     f"{len(ratios)} (top-k, EP) settings")
+    return "\n".join(lines)
+
+
 def _ints(text: str) -> List[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -515,6 +532,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         else:
             measured = assumed_measurements(shape, args.tokens, topks, sms_list, eps,
                                             args.gemm_tflops, fp8)
+    if measured["source"].startswith("measured"):
+        assumed = assumed_measurements(shape, args.tokens, topks, sms_list, eps,
+                                       args.gemm_tflops, measured.get("fp8_format", "blockwise"))
+        sys.stdout.write(format_check(measured, assumed) + "\n")
     rows = model(shape, args.tokens, measured, eps, cluster)
     pick = recommend(rows, shape.topk, args.limit / 100.0, cluster)
     sys.stdout.write(format_table(shape, args.tokens, measured, rows, cluster,

@@ -48,8 +48,8 @@ tail -n 3 "$OUT/test_sweep_gpu.log"
 for family in $FAMILIES; do
   run 80 "$OUT/sweep_$family.log" python3 -m megatron_deepep.sweep --family "$family" \
     --num-sms 24,132 --nodes 1,2,4,8 --out "$OUT/sweep_$family" ${SWEEP_ARGS:-}
-  grep -E "^sweep:|^kernel times:|^ +[0-9]+ +1 +1 |^recommended|Error" "$OUT/sweep_$family.log" \
-    | head -12
+  grep -E "^sweep:|^kernel times:|^check|^  top-|^  expert GEMMs|^recommended|Error" \
+    "$OUT/sweep_$family.log" | cut -c1-240 | head -14
 done
 for family in $FAMILIES; do
   run 110 "$OUT/proxy_$family.log" env INSTALL=0 TRAIN_ITERS="${TRAIN_ITERS:-20}" \

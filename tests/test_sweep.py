@@ -84,3 +84,15 @@ def test_command_line_help():
     proc = subprocess.run([sys.executable, "-m", "megatron_deepep.sweep", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--nic-gbps" in proc.stdout and "--family" in proc.stdout
+
+
+def test_check_compares_measured_with_assumed():
+    shape = sweep.FAMILIES["mixtral"]
+    assumed = sweep.assumed_measurements(shape, 4096, [2], [24], [1, 2], 650.0)
+    measured = {"kernels": {k: {"dispatch_us": 2 * v["dispatch_us"],
+                                "combine_us": v["combine_us"]}
+                            for k, v in assumed["kernels"].items()},
+                "experts": {k: 0.5 * v for k, v in assumed["experts"].items()}}
+    text = sweep.format_check(measured, assumed)
+    assert "top-2 bf16, SMs 24: dispatch 2.00, combine 1.00" in text
+    assert "expert GEMMs: 0.50-0.50 over 2" in text
