@@ -22,10 +22,11 @@ Two parts:
        comm_share = (t_dispatch + t_combine) / t_expert
 
    where t_local is the EP = 1 kernel time (each rank still expands and reduces its rows in
-   HBM), B are the busiest rank's bytes (FP8 rows: H + 4 ceil(H / 128) bytes; combine: bf16)
-   and `--link-gbps-per-sm` bounds what a small SM budget can push. At EP = 1 the model is the
-   measurement itself; what one GPU can check (FP8 versus bf16 local time, the SM scaling) is in
-   the measurements. Group-limited routing (a family's `node_limited`) is modeled beside
+   HBM), B are the busiest rank's bytes (FP8 rows: the format's e4m3 bytes plus scales;
+   combine: bf16) and `--link-gbps-per-sm` bounds what a small SM budget can push. At EP = 1
+   the model is the measurement itself; on a GPU the output also sets each measured time
+   against the assumed rate a CPU run would have used (`check:` lines), which is what one GPU
+   can check of the model's inputs (the link terms need several GPUs). Group-limited routing (a family's `node_limited`) is modeled beside
    uniform routing when the group spans more nodes than the limit.
 
 Recommendation: the smallest EP size whose expert weights, gradients and Adam states (18 bytes
