@@ -12,7 +12,8 @@ inline PNG (base64), drawn with the standard library only (no matplotlib, no CDN
 Sections: a summary table per MoE layer (median dispatch, combine and expert ms, comm share,
 GB/s, load and idle shares, drops); comm share per layer over steps, with the warning limit;
 the per-expert load heatmaps (tokens per expert over steps, one per layer); the idle share
-over steps, from token counts and, where recorded, from time; dispatch and combine GB/s over
+over steps, from token counts and, where recorded, from time, with each EP rank's expert time
+per layer; dispatch and combine GB/s over
 steps (only when bytes cross ranks); tokens dropped per step. Metrics written before expert
 timing existed (no `expert_ms`) get the sections they can: the report says what is missing.
 Files of several EP groups that hold the same layer (data-parallel replicas) are averaged per
@@ -358,6 +359,7 @@ def render(metrics_dir: str, limit: float = 0.20, max_heatmaps: int = 64) -> str
                                  for l in layers],
                                 title="from time: 1 - min/max rank expert time (worst rank)",
                                 ylabel="idle share", percent=True))
+        parts.append(per_rank_table(series))
     else:
         parts.append("<p class='note'>idle share from time not recorded (no idle_share_time "
                      "field).</p>")
@@ -396,6 +398,26 @@ def render(metrics_dir: str, limit: float = 0.20, max_heatmaps: int = 64) -> str
                  "layer held by several files (data-parallel replicas) is averaged per step."
                  "</p></body></html>")
     return "\n".join(parts)
+
+
+def per_rank_table(series) -> str:
+    """Median expert ms of each EP rank per layer; the slowest rank of each layer in bold."""
+    rows, width = [], 0
+    for layer in sorted(series):
+        vectors = [v for _, v in layer_values_vector(series, layer, "expert_ms_per_rank")]
+        if not vectors:
+            continue
+        medians = [statistics.median(col) for col in zip(*vectors)]
+        width = max(width, len(medians))
+        top = max(medians)
+        cells = "".join(f"<td>{'<b>' if m == top else ''}{m:.3f}{'</b>' if m == top else ''}"
+                        f"</td>" for m in medians)
+        rows.append(f"<tr><td>{layer}</td>{cells}</tr>")
+    if not rows:
+        return ""
+    head = "".join(f"<th>rank {r}</th>" for r in range(width))
+    return ("<p>Expert ms per EP rank (median over steps; the slowest in bold: the others wait "
+            f"for it)</p><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>")
 
 
 def build_parser() -> argparse.ArgumentParser:

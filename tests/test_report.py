@@ -109,6 +109,7 @@ def test_renders_every_file_and_the_new_fields(tmp_path):
     assert "limit 30%" in text
     assert text.count("<tr class=high>") == 2  # layers 2 and 3 at 35% > 30%
     assert "from time: 1 - min/max rank expert time" in text
+    assert "<th>rank 1</th>" in text and "<b>4.000</b>" in text  # the slower rank
     assert "dispatch GB/s" in text and "no bytes crossed" not in text
     assert "180 (token, expert) entries dropped" in text  # 2 per layer per step, 3 layers
     for name in ("deepep_metrics_rank0.jsonl", "deepep_metrics_rank8.jsonl",
