@@ -20,6 +20,9 @@ DIR`, `--moe-mdeep-num-sms N`, `--moe-mdeep-transport {auto,local,nvlink,referen
 `--moe-mdeep-fp8-dispatch {off,blockwise,mxfp8,auto}` (README, "FP8 dispatch"). A patched
 Megatron defines them as config fields itself; here they are added only when missing, and
 `apply_arguments` makes the parsed values the dispatcher's defaults.
+
+`GPT_MOE_ARGS` (environment): more flags, shell-quoted, appended after the command line's (so
+they win); the model-family templates in `examples/configs/` use it through the Slurm template.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import importlib
 import inspect
 import logging
 import os
+import shlex
 import sys
 from functools import partial
 
@@ -186,7 +190,15 @@ def use_prebuilt_dataset_helpers() -> bool:
     return True
 
 
+def append_env_args(argv: list, environ=os.environ) -> list:
+    """`argv` plus the flags in `GPT_MOE_ARGS` (shell-quoted), which come last and so override
+    the launcher's own: how `examples/configs/*.sh` send a model family's flags through
+    `examples/slurm_gpt_moe.sbatch` (Slurm passes the environment to every task)."""
+    return argv + shlex.split(environ.get("GPT_MOE_ARGS", ""))
+
+
 def main() -> None:
+    sys.argv = append_env_args(sys.argv)
     use_prebuilt_dataset_helpers()
     call_args, call_kwargs = pretrain_call(pretrain)
     pretrain(*call_args, **call_kwargs)

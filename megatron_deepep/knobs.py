@@ -95,6 +95,12 @@ _TABLE = (
          "(for `scripts/plot_metrics.py`)", "dispatcher"),
     Knob("FP8_DISPATCH", "str", None, "off", "FP8 on the wire: `off`, `blockwise`, `mxfp8`, "
          "`auto` (TE's active recipe) or a format name", "dispatcher"),
+    Knob("EXPERT_MAP", "str", None, "unset", "a placement from `python -m "
+         "megatron_deepep.balance --json` (per layer, or one plan for every layer): the "
+         "dispatcher routes logical experts to its physical slots", "dispatcher"),
+    Knob("COMM_SHARE_WARN", "int", 20, "20", "warn once per layer and crossing when "
+         "(dispatch + combine) time exceeds this percent of expert compute (metrics on; 0: "
+         "off)", "dispatcher"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),

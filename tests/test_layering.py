@@ -68,6 +68,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.internode_model": 8,
     "megatron_deepep.bench_network": 8,
     "megatron_deepep.balance": 8,  # the load-balance planner and its command
+    "megatron_deepep.sweep": 8,  # which configuration for a model family: measure + model
 }
 
 #: The only modules that may import `jit` (they launch the kernels).

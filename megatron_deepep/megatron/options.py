@@ -55,6 +55,13 @@ class DeepEPOptions:
             format); or a format name of `megatron_deepep.fp8.FORMATS`. Needs hidden % 16 == 0.
             The experts get TE quantized tensors when TE's active recipe matches the format
             (see `dispatcher.fp8_handoff`), else bf16 rows dequantized on the receiver.
+        expert_map: a logical-to-physical expert placement (`megatron_deepep.balance`): the
+            path of `python -m megatron_deepep.balance --json` output (a plan per layer
+            number; a single layer "0" applies to every layer), a plan dict, or a
+            `physical_to_logical` list. Physical slot p lives on EP rank p // E_local and
+            holds logical expert `physical_to_logical[p]`; the expert weights must be
+            permuted to match (`balance.permute_expert_weights`). None: the contiguous
+            placement.
     """
 
     transport: str = "auto"
@@ -63,6 +70,7 @@ class DeepEPOptions:
     metrics: bool = False
     metrics_dir: Optional[str] = None
     fp8_dispatch: str = "off"
+    expert_map: Optional[object] = None
 
     def __post_init__(self):
         check_transport_option(self.transport)
@@ -195,3 +203,42 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
             raise ValueError(
                 f"--moe-mdeep-fp8-dispatch {fp8_dispatch} needs --hidden-size % 16 == 0 "
                 f"(hidden_size % 16 == 0: e4m3 rows are 16-byte multiples), got {hidden}")
+
+
+def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
+    """The `physical_to_logical` list the `expert_map` option gives one layer (None: none).
+
+    Args:
+        expert_map: the option (see `DeepEPOptions.expert_map`).
+        layer_number: the MoE layer's `layer_number` (None: unbound, takes layer "0" or the
+            only plan).
+
+    Raises:
+        ValueError: the map has no plan for this layer or is malformed (naming the option).
+    """
+    import json
+
+    if expert_map is None:
+        return None
+    data = expert_map
+    if isinstance(data, str):
+        with open(data, encoding="utf-8") as f:
+            data = json.load(f)
+    if isinstance(data, dict) and "layers" in data:
+        layers = {str(k): v for k, v in data["layers"].items()}
+        plan = layers.get(str(layer_number))
+        if plan is None and len(layers) == 1:
+            plan = next(iter(layers.values()))
+        if plan is None:
+            plan = layers.get("0")
+        if plan is None:
+            raise ValueError(
+                f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP) has no plan "
+                f"for layer {layer_number} (layers {sorted(layers)}) and no layer 0 for all")
+        data = plan
+    if isinstance(data, dict):
+        data = data.get("physical_to_logical")
+    if not isinstance(data, (list, tuple)) or not all(isinstance(v, int) for v in data):
+        raise ValueError("--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP): "
+                         "expected a balance plan or a physical_to_logical list of ints")
+    return [int(v) for v in data]

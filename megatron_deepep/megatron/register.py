@@ -77,6 +77,10 @@ ARGUMENTS = [
         type=str, default=None, choices=list(FP8_DISPATCH_CHOICES),
         help="FP8 token dispatch: blockwise (TE Float8BlockScaling, 1x128), mxfp8 (TE "
              "MXFP8BlockScaling, 1x32), auto (the active TE recipe's format) or off")),
+    ("--moe-mdeep-expert-map", dict(
+        type=str, default=None,
+        help="expert placement JSON from python -m megatron_deepep.balance --json (expert "
+             "weights permuted to match)")),
 ]
 
 
