@@ -100,7 +100,7 @@ def test_gemm_shape_rules():
     assert "hidden % 32" in B.gemm_shape_reason(F.MXFP8_1x32, 64, 2064)
 
 
-# ---- to_te_tensor against a fake TE -------------------------------------------------------------
+# ---- to_te_tensor against a fake TE --------------------------------------------------------------
 
 _TE_LAYOUT = B.blockwise_scale_layout  # what the fake TE allocates, even when a test patches B
 
@@ -215,7 +215,7 @@ def test_mxfp8_layout(fake_te):
     assert int(t._rowwise_scale_inv[:, 90:].sum()) == 0
 
 
-# ---- per-expert split ---------------------------------------------------------------------------
+# ---- per-expert split ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("splits", [[4, 0, 13, 16], [0], [32], [1, 2, 3, 5, 8, 0, 0, 7]])
 def test_pack_split_scales(splits):
@@ -233,7 +233,7 @@ def test_split_offsets():
     assert B.split_offsets([4, 0, 13, 16]) == ([0, 4, 4, 17, 33], [0, 4, 4, 20, 36])
 
 
-# ---- handoff --------------------------------------------------------------------------------------
+# ---- handoff -------------------------------------------------------------------------------------
 
 class _QParams:
     power_2_scale, amax_epsilon = True, 0.0

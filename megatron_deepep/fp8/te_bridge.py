@@ -130,7 +130,7 @@ def blockwise_scale_shape(layout: str, num_tokens: int, hidden: int) -> Tuple[in
 
 
 def mxfp8_scale_shape(num_tokens: int, hidden: int) -> Tuple[int, int]:
-    """TE's rowwise MXFP8 scale buffer shape (unswizzled): `[round_up(N, 128), round_up(H/32, 4)]`."""
+    """TE's rowwise MXFP8 scale shape (unswizzled): `[round_up(N, 128), round_up(H / 32, 4)]`."""
     return (128 * math.ceil(num_tokens / 128), 4 * math.ceil(math.ceil(hidden / 32) / 4))
 
 

@@ -84,8 +84,9 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
     as e4m3 plus block scales (about half the bytes). The experts receive TE's own quantized
     tensor (no second quantization in TE's GEMM) when TE is installed, its active recipe
     produces the same format (`Float8BlockScaling` with 1x128 activation blocks, or
-    `MXFP8BlockScaling`), the layer is not in pad-to-capacity mode and either grad mode is off or
-    the recipe's backward works from dequantized data; in every other case they receive bf16
+    `MXFP8BlockScaling`), the layer is not in pad-to-capacity mode and either grad mode is off,
+    the recipe's backward works from dequantized data or the experts make the columnwise copy
+    themselves (`te_experts.FP8GroupedMLP`, `takes_fp8_rows`); else they receive bf16
     rows dequantized on the receiver (cast to the input dtype), which works with any experts.
     The backward is the bf16 combine of the gradients (straight-through).
 
@@ -186,11 +187,17 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                 log_once(logger, "megatron_deepep: fp8_dispatch=%s dispatches bf16: %s",
                          self.options.fp8_dispatch, reason)
             return None
-        handoff, reason = fp8_handoff(fmt, torch.is_grad_enabled(), self.drop_and_pad)
+        handoff, reason = fp8_handoff(fmt, torch.is_grad_enabled(), self.drop_and_pad,
+                                      experts_make_columnwise=self._experts_take_fp8_rows())
         if not handoff:
             log_once(logger, "megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
                      "(dequantized on the receiver): %s", fmt.name, reason)
         return Fp8Dispatch(fmt, "fp8" if handoff else "bf16")
+
+    def _experts_take_fp8_rows(self) -> bool:
+        """Whether the layer's experts make their own columnwise copy (`te_experts`)."""
+        layer = self._layer_ref() if self._layer_ref is not None else None
+        return bool(getattr(getattr(layer, "experts", None), "takes_fp8_rows", False))
 
     def _metrics(self):
         if not self.options.metrics:
@@ -324,10 +331,12 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         return out, out_probs, tokens_per_expert
 
 
-def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):
+def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False,
+                experts_make_columnwise: bool = False):
     """Whether the experts get TE quantized tensors for rows of `fmt`: `(ok, reason)`.
 
-    They do when TE's active recipe produces `fmt` and TE can use rowwise-only input (see
+    They do when TE's active recipe produces `fmt` and TE can use rowwise-only input, or the
+    experts make the columnwise copy themselves (`te_experts.FP8GroupedMLP`; see
     `fp8.te_bridge.handoff_reason`), and the layer does not reshuffle rows to capacity (that
     reshuffle is bf16 torch code).
     """
@@ -335,7 +344,8 @@ def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):
 
     if drop_and_pad:
         return False, "moe_pad_expert_input_to_capacity reshuffles the rows in bf16"
-    return te_bridge.handoff_reason(fmt, training)
+    return te_bridge.handoff_reason(fmt, training,
+                                    experts_make_columnwise=experts_make_columnwise)
 
 
 def _group_rank(group) -> int:
