@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The Transformer Engine tier on a GPU machine (one H200 is enough):
+#   bash scripts/gpu_te.sh
+# Needs in the repo's ignored .whl/: the TE wheel set of ../shared/wheels/te-2.20.2-cp312-sm90/
+# (transformer_engine, transformer_engine_cu13, transformer_engine_torch, pydantic and its three
+# dependencies) and the megatron-core wheel. They are installed together, in ONE pip command
+# (one at a time with --target silently drops the extension's .so), into /tmp/site.
+# Runs the TE tests (tests/gpu/test_te_gpu.py, tests/gpu/test_te_experts_gpu.py and the TE
+# checks of the CPU files) and prints one PASS/FAIL/SKIP line per test with its time, the
+# measured numbers the tests print, and a summary line. Full log and JUnit XML in $OUT
+# (default .bench_out). Exit status: pytest's.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
+OUT=${OUT:-.bench_out}
+mkdir -p "$OUT"
+t0=$(date +%s)
+if ! ls .whl/transformer_engine_torch-*.whl >/dev/null 2>&1; then
+  echo "gpu_te: FAIL no .whl/transformer_engine_torch-*.whl" \
+    "(copy ../shared/wheels/te-2.20.2-cp312-sm90/*.whl into .whl/)"
+  exit 2
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+echo "gpu_te: wheels installed in $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 - <<'EOF'
+import torch
+line = f"torch {torch.__version__} cuda {torch.version.cuda}"
+try:
+    import transformer_engine, transformer_engine.pytorch as te
+    ok = te.is_fp8_block_scaling_available(return_reason=True)
+    line += f" | TE {transformer_engine.__version__} block scaling {ok}"
+except Exception as exc:  # the tests then skip: say why here
+    line += f" | TE import FAILED: {type(exc).__name__}: {exc}"
+try:
+    import megatron.core
+    line += f" | megatron-core {megatron.core.__version__}"
+except Exception as exc:
+    line += f" | megatron-core missing ({type(exc).__name__})"
+print("gpu_te:", line)
+EOF
+TESTS="tests/gpu/test_te_gpu.py tests/gpu/test_te_experts_gpu.py
+  tests/test_te_bridge.py tests/test_te_experts.py
+  tests/test_fp8_formats.py::test_format_for_recipe
+  tests/test_fp8_formats.py::test_te_tensor_dequantizes_like_reference
+  tests/test_fp8_dispatch.py::test_fp8_output_falls_back_without_te
+  tests/test_fp8_dispatch.py::test_te_handoff_wraps_received_rows
+  tests/test_fp8_dispatch_megatron.py::test_handoff_needs_matching_recipe_and_no_capacity_padding"
+t1=$(date +%s)
+# shellcheck disable=SC2086
+timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -o junit_logging=system-out \
+  --junitxml="$OUT/te_tests.xml" $TESTS ${PYTEST_ARGS:-} > "$OUT/te_tests.log" 2>&1
+rc=$?
+echo "gpu_te: pytest rc $rc in $(( $(date +%s) - t1 )) s (log $OUT/te_tests.log)"
+python3 - "$OUT/te_tests.xml" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception as exc:
+    print(f"gpu_te: FAIL no JUnit XML ({exc}); see the log")
+    sys.exit(0)
+counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+for case in root.iter("testcase"):
+    classname = case.get("classname", "")
+    name = classname.split(".")[-1] + "::" + case.get("name", "")
+    status, why = "PASS", ""
+    for tag, label in (("failure", "FAIL"), ("error", "FAIL"), ("skipped", "SKIP")):
+        node = case.find(tag)
+        if node is not None:
+            status = label
+            why = (node.get("message") or node.text or "").strip().splitlines()
+            why = why[0][:140] if why else ""
+            break
+    counts[status] += 1
+    if status == "PASS" and ".gpu." not in classname:
+        continue  # CPU-file checks: only their failures and skips are listed
+    print(f"{status} {float(case.get('time', 0)):7.2f}s {name}" + (f"  -- {why}" if why else ""))
+    out = case.find("system-out")
+    if out is not None and out.text:
+        for line in out.text.strip().splitlines():
+            if line.strip() and not line.startswith("---"):
+                print(f"        {line.strip()[:150]}")
+print(f"gpu_te: SUMMARY {counts['PASS']} passed, {counts['FAIL']} failed, "
+      f"{counts['SKIP']} skipped")
+EOF
+if [ $rc -ne 0 ]; then
+  echo "gpu_te: last lines of the log:"
+  grep -E "Error|error|assert|FAILED" "$OUT/te_tests.log" | tail -25
+fi
+echo "gpu_te: total $(( $(date +%s) - t0 )) s"
+exit $rc
