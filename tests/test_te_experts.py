@@ -190,3 +190,155 @@ def test_dispatcher_asks_the_experts():
     layer = Layer()
     d.bind_layer(layer)
     assert d._experts_take_fp8_rows() is True
+
+
+# ---- GroupedFP8Linear's plumbing against a fake TE ----------------------------------------------
+# The fake GEMM checks the operand usages TE's `CanonicalizeGemmInput` requires for each layout
+# (Hopper: TN only, "columnwise" data is the transpose) and computes in fp32 from unquantized
+# values, so forward and gradients must equal the exact products of the dequantized rows.
+
+class _FakeStorage:
+    def __init__(self, values, rowwise, columnwise, role):
+        self.values, self.rowwise, self.columnwise, self.role = values, rowwise, columnwise, role
+
+    def update_usage(self, rowwise_usage=None, columnwise_usage=None):
+        if columnwise_usage:
+            assert self.role == "weight", "only 2D-scaled weights derive columnwise data"
+            self.columnwise = True
+
+
+class _FakeQuantizer:
+    def __init__(self, dtype, *, rowwise, columnwise, amax_epsilon=0.0, force_pow_2_scales=True,
+                 block_scaling_dim=2):
+        self.dtype, self.rowwise_usage, self.columnwise_usage = dtype, rowwise, columnwise
+        self.block_scaling_dim, self.internal = block_scaling_dim, False
+
+    def copy(self):
+        q = _FakeQuantizer(self.dtype, rowwise=self.rowwise_usage,
+                           columnwise=self.columnwise_usage,
+                           block_scaling_dim=self.block_scaling_dim)
+        q.internal = self.internal
+        return q
+
+    def __call__(self, tensor):
+        assert self.block_scaling_dim == 2 and self.internal
+        return _FakeStorage(tensor.float(), self.rowwise_usage, self.columnwise_usage, "weight")
+
+
+def _fake_split_quantize(tensor, splits, quantizers):
+    assert len(splits) == len(quantizers) and all(q.internal for q in quantizers)
+    assert all(q.block_scaling_dim == 1 for q in quantizers)
+    parts = tensor.float().split(list(splits))
+    return [_FakeStorage(p, q.rowwise_usage, q.columnwise_usage, "act")
+            for p, q in zip(parts, quantizers)]
+
+
+def _fake_grouped_gemm(A, B, out, quantization_params, out_dtype, layout="TN", m_splits=None,
+                       gelu=False, grad=False, accumulate=False, bias=None, use_bias=False,
+                       use_split_accumulator=False, D_dtype=None, single_output=False):
+    import torch
+
+    need_a = "rowwise" if layout[0] == "T" else "columnwise"
+    need_b = "columnwise" if layout[1] == "T" else "rowwise"
+    results = []
+    for a, b in zip(A, B):
+        assert getattr(a, need_a), f"{layout}: A lacks its {need_a} data"
+        assert getattr(b, need_b), f"{layout}: B lacks its {need_b} data"
+        if layout == "TN":
+            results.append(b.values @ a.values.t())
+        elif layout == "NN":
+            results.append(b.values @ a.values)
+        else:
+            results.append(b.values.t() @ a.values)
+    if single_output:
+        out[0].copy_(torch.cat(results).to(out[0].dtype))
+    else:
+        for o, r in zip(out, results):
+            o.add_(r.to(o.dtype)) if accumulate else o.copy_(r.to(o.dtype))
+    return out, None, None
+
+
+@pytest.fixture
+def fake_te_gemm(monkeypatch):
+    import sys
+    import types
+
+    import torch
+
+    from megatron_deepep.fp8 import formats as F
+    from megatron_deepep.fp8 import te_bridge
+
+    tex = types.SimpleNamespace(DType=types.SimpleNamespace(kFloat8E4M3=7, kFloat8E5M2=8),
+                                split_quantize=_fake_split_quantize)
+    fbt = types.SimpleNamespace(Float8BlockQuantizer=_FakeQuantizer)
+    cpp = types.SimpleNamespace(general_grouped_gemm=_fake_grouped_gemm)
+    monkeypatch.setitem(sys.modules, "transformer_engine_torch", tex)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.tensor.float8_blockwise_tensor",
+                        fbt)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cpp_extensions", cpp)
+    # The wire tensor is played by bf16 rows; from_te_tensor quantizes them like the sender.
+    monkeypatch.setattr(te_bridge, "from_te_tensor",
+                        lambda x: F.quantize(x.detach(), F.BLOCKWISE_1x128))
+
+    def split_rowwise(x_fp8, scales, splits, fmt, dtype):
+        rows = F.dequantize(x_fp8, scales, fmt).float().split(list(splits))
+        return [_FakeStorage(r, True, False, "act") for r in rows]
+
+    monkeypatch.setattr(te_bridge, "split_rowwise", split_rowwise)
+    monkeypatch.setattr(te_bridge, "active_recipe", lambda: Float8BlockScaling())
+    monkeypatch.setattr(te_bridge, "te_available", lambda: (True, ""))
+    return torch
+
+
+class _Module:
+    def __init__(self, num, out, hidden, fuse=False):
+        import torch
+
+        gen = torch.Generator().manual_seed(5)
+        self.num_gemms, self.fuse_wgrad_accumulation = num, fuse
+        for i in range(num):
+            w = torch.randn(out, hidden, generator=gen).bfloat16()
+            setattr(self, f"weight{i}", torch.nn.Parameter(w))
+
+    def weights(self):
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_grouped_fp8_linear_plumbing(fake_te_gemm, fuse):
+    torch = fake_te_gemm
+    from megatron_deepep.fp8 import formats as F
+
+    splits, hidden, out = [16, 0, 32, 48], 256, 64
+    module = _Module(len(splits), out, hidden, fuse)
+    if fuse:
+        for w in module.weights():
+            w.main_grad = torch.ones(out, hidden)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(sum(splits), hidden, generator=gen).bfloat16().requires_grad_(True)
+    dy = torch.randn(sum(splits), out, generator=gen).bfloat16()
+    y = X.grouped_fp8_linear(module, x, splits)
+    y.backward(dy)
+
+    xq = F.dequantize(*F.quantize(x.detach(), F.BLOCKWISE_1x128), F.BLOCKWISE_1x128).float()
+    rows = list(zip(xq.split(splits), dy.float().split(splits), module.weights()))
+    want_y = torch.cat([xe @ w.float().t() for xe, _, w in rows])
+    want_dx = torch.cat([ge @ w.float() for _, ge, w in rows])
+    torch.testing.assert_close(y.float(), want_y, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(x.grad.float(), want_dx, rtol=1e-2, atol=1e-2)
+    for xe, ge, w in rows:
+        want_w = ge.t() @ xe
+        if fuse:
+            assert w.grad_added_to_main_grad
+            torch.testing.assert_close(w.main_grad, want_w + 1, rtol=1e-2, atol=5e-2)
+        else:
+            torch.testing.assert_close(w.grad.float(), want_w, rtol=1e-2, atol=5e-2)
+
+
+def test_grouped_fp8_linear_without_grad(fake_te_gemm):
+    torch = fake_te_gemm
+    module = _Module(2, 32, 128)
+    x = torch.randn(32, 128).bfloat16()
+    with torch.no_grad():
+        y = X.grouped_fp8_linear(module, x, [16, 16])
+    assert y.shape == (32, 32) and not y.requires_grad

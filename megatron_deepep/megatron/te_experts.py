@@ -135,6 +135,7 @@ class _Call:
     fmt: Fp8Format
     out_dtype: torch.dtype
     fuse_wgrad_accumulation: bool = False
+    grad_enabled: bool = True  # grad mode at the call (forward runs with it off)
 
 
 class GroupedFP8Linear(torch.autograd.Function):
@@ -148,8 +149,8 @@ class GroupedFP8Linear(torch.autograd.Function):
         scales = scales.contiguous()  # the wire form [M, nb]; TE's buffer is transposed
         inputs = te_bridge.split_rowwise(x_fp8, scales, call.splits, fmt=call.fmt,
                                          dtype=call.out_dtype)
-        need_dgrad = bool(ctx.needs_input_grad[0])
-        need_wgrad = any(ctx.needs_input_grad[2:])
+        need_dgrad = call.grad_enabled and x.requires_grad
+        need_wgrad = call.grad_enabled and any(w.requires_grad for w in weights)
         wq = _quantizer(call.settings["weight"], rowwise=True, columnwise=need_dgrad)
         weights_fp8 = [wq(w.detach()) for w in weights]
         out = torch.empty(x_fp8.shape[0], weights[0].shape[0], dtype=call.out_dtype,
@@ -258,7 +259,8 @@ def grouped_fp8_linear(module: Any, x: Any, splits: Sequence[int]) -> torch.Tens
         else torch.bfloat16
     call = _Call(splits=[int(m) for m in splits], settings=quantizer_settings(recipe),
                  fmt=fmt or BLOCKWISE_1x128, out_dtype=out_dtype,
-                 fuse_wgrad_accumulation=bool(getattr(module, "fuse_wgrad_accumulation", False)))
+                 fuse_wgrad_accumulation=bool(getattr(module, "fuse_wgrad_accumulation", False)),
+                 grad_enabled=torch.is_grad_enabled())
     return GroupedFP8Linear.apply(x, call, *weights)
 
 
