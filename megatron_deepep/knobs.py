@@ -95,6 +95,9 @@ _TABLE = (
          "(for `scripts/plot_metrics.py`)", "dispatcher"),
     Knob("FP8_DISPATCH", "str", None, "off", "FP8 on the wire: `off`, `blockwise`, `mxfp8`, "
          "`auto` (TE's active recipe) or a format name", "dispatcher"),
+    Knob("FP8_EXPERTS", "bool", False, "0", "`examples/pretrain_gpt_moe.py` builds its TE experts "
+         "with `te_experts.with_fp8_experts`: FP8 rows into TE's grouped GEMM in training "
+         "(`docs/fp8.md`)", "dispatcher"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),
