@@ -9,6 +9,11 @@
 # checks of the CPU files) and prints one PASS/FAIL/SKIP line per test with its time, the
 # measured numbers the tests print, and a summary line. Full log and JUnit XML in $OUT
 # (default .bench_out). Exit status: pytest's.
+# MAIN_JOB=N (off by default; about 1-2 minutes a run): the main job (examples/run_gpt_moe.sh)
+# with TE layers, --moe-grouped-gemm and the blockwise FP8 recipe, N steps each, for alltoall,
+# deepep bf16 dispatch, deepep FP8 dispatch dequantized for TEGroupedMLP, and deepep FP8 dispatch
+# into the FP8 experts (MDEEP_FP8_EXPERTS=1); prints rc, first/last loss and the median step
+# time. SKIP_TESTS=1 runs only that: SKIP_TESTS=1 MAIN_JOB=50 bash scripts/gpu_te.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
@@ -40,6 +45,8 @@ except Exception as exc:
     line += f" | megatron-core missing ({type(exc).__name__})"
 print("gpu_te:", line)
 EOF
+rc=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
 TESTS="tests/gpu/test_te_gpu.py tests/gpu/test_te_experts_gpu.py
   tests/test_te_bridge.py tests/test_te_experts.py
   tests/test_fp8_formats.py::test_format_for_recipe
@@ -89,6 +96,48 @@ EOF
 if [ $rc -ne 0 ]; then
   echo "gpu_te: last lines of the log:"
   grep -E "Error|error|assert|FAILED" "$OUT/te_tests.log" | tail -25
+fi
+fi
+if [ "${MAIN_JOB:-0}" != 0 ]; then
+  TE_FLAGS="--transformer-impl transformer_engine --moe-grouped-gemm --fp8-format e4m3
+    --fp8-recipe blockwise --moe-router-padding-for-quantization"
+  for run in alltoall:off:0 deepep:off:0 deepep:blockwise:0 deepep:blockwise:1; do
+    IFS=: read -r dispatcher fp8 experts <<< "$run"
+    name="${dispatcher}_fp8-${fp8}_experts-${experts}"
+    t2=$(date +%s)
+    extra=()
+    [ "$dispatcher" = deepep ] && extra=(--moe-mdeep-fp8-dispatch "$fp8")
+    # shellcheck disable=SC2086
+    MDEEP_FP8_EXPERTS=$experts INSTALL=0 DISPATCHER=$dispatcher TRAIN_ITERS=$MAIN_JOB \
+      OUT="$OUT/te_$name" timeout "${MAIN_JOB_TIMEOUT:-200}" bash examples/run_gpt_moe.sh \
+      $TE_FLAGS "${extra[@]}" > "$OUT/te_main_job_$name.log" 2>&1
+    job_rc=$?
+    python3 - "$OUT/te_main_job_$name.log" "$name" "$job_rc" "$(( $(date +%s) - t2 ))" <<'PY'
+import re
+import statistics
+import sys
+
+path, name, rc, wall = sys.argv[1:]
+losses, times = {}, []
+for line in open(path, errors="replace"):
+    it = re.search(r"iteration\s+(\d+)/", line)
+    loss = re.search(r"lm loss: ([0-9.Ee+-]+)", line)
+    ms = re.search(r"elapsed time per iteration \(ms\): ([0-9.]+)", line)
+    if it and loss:
+        losses[int(it.group(1))] = float(loss.group(1))
+        if ms and int(it.group(1)) > 3:
+            times.append(float(ms.group(1)))
+status = "PASS" if rc == "0" and losses else "FAIL"
+first, last = (min(losses), max(losses)) if losses else (0, 0)
+nan = float("nan")
+print(f"{status} main job {name:34s} rc {rc} wall {wall} s, loss it{first} "
+      f"{losses.get(first, nan):.4f} it{last} {losses.get(last, nan):.4f}, median step "
+      f"{statistics.median(times) if times else nan:.1f} ms")
+if status == "FAIL":
+    for line in [l.rstrip() for l in open(path, errors="replace") if "rror" in l][-4:]:
+        print("        " + line[:160])
+PY
+  done
 fi
 echo "gpu_te: total $(( $(date +%s) - t0 )) s"
 exit $rc
