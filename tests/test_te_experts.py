@@ -176,20 +176,61 @@ def test_experts_flag():
     assert X.experts_take_fp8_rows(None) is False
 
 
-def test_dispatcher_asks_the_experts():
+class GroupedLinear:  # TE's class name; Megatron's TE wrappers derive from it
+    pass
+
+
+class _TEGroupedFc1(GroupedLinear):
+    pass
+
+
+def test_experts_that_refuse_quantized_rows():
+    class TEGroupedMLPLike:
+        linear_fc1 = _TEGroupedFc1()
+
+    class FP8Like(TEGroupedMLPLike):
+        takes_fp8_rows = True
+
+    class SequentialLike:
+        linear_fc1 = object()
+
+    reason = X.experts_refuse_fp8_reason(TEGroupedMLPLike())
+    assert "GroupedLinear" in reason and "with_fp8_experts" in reason
+    assert X.experts_refuse_fp8_reason(FP8Like()) == ""
+    assert X.experts_refuse_fp8_reason(SequentialLike()) == ""
+    assert X.experts_refuse_fp8_reason(None) == ""
+
+
+def test_dispatcher_asks_the_experts(monkeypatch):
     pytest.importorskip("megatron.core")
+    from megatron_deepep.fp8 import formats as F
     from megatron_deepep.megatron import dispatcher as D
+    from megatron_deepep.megatron import options
 
     class Layer:
-        class experts:
-            takes_fp8_rows = True
+        def __init__(self, experts):
+            self.experts = experts
+
+    class FP8Experts:
+        takes_fp8_rows = True
+        linear_fc1 = _TEGroupedFc1()
+
+    class TEExperts:
+        linear_fc1 = _TEGroupedFc1()
 
     d = D.DeepEPTokenDispatcher.__new__(D.DeepEPTokenDispatcher)
-    d._layer_ref = None
-    assert d._experts_take_fp8_rows() is False
-    layer = Layer()
+    d._layer_ref, d.drop_and_pad = None, False
+    d.options = options.DeepEPOptions(fp8_dispatch="blockwise")
+    assert d._experts() is None
+    seen = []
+    monkeypatch.setattr(D, "fp8_handoff", lambda fmt, training, pad, experts_make_columnwise:
+                        seen.append(experts_make_columnwise) or (True, ""))
+    layer = Layer(FP8Experts())
     d.bind_layer(layer)
-    assert d._experts_take_fp8_rows() is True
+    assert d._fp8_spec().output == "fp8" and seen == [True]
+    layer.experts = TEExperts()
+    spec = d._fp8_spec()
+    assert spec.fmt == F.BLOCKWISE_1x128 and spec.output == "bf16" and seen == [True]
 
 
 # ---- GroupedFP8Linear's plumbing against a fake TE ----------------------------------------------

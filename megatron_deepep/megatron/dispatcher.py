@@ -84,9 +84,10 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
     as e4m3 plus block scales (about half the bytes). The experts receive TE's own quantized
     tensor (no second quantization in TE's GEMM) when TE is installed, its active recipe
     produces the same format (`Float8BlockScaling` with 1x128 activation blocks, or
-    `MXFP8BlockScaling`), the layer is not in pad-to-capacity mode and either grad mode is off,
-    the recipe's backward works from dequantized data or the experts make the columnwise copy
-    themselves (`te_experts.FP8GroupedMLP`, `takes_fp8_rows`); else they receive bf16
+    `MXFP8BlockScaling`), the experts take quantized input (not `TEGroupedMLP`, whose
+    `GroupedLinear` refuses it), the layer is not in pad-to-capacity mode and either grad mode is
+    off, the recipe's backward works from dequantized data or the experts make the columnwise
+    copy themselves (`te_experts.FP8GroupedMLP`, `takes_fp8_rows`); else they receive bf16
     rows dequantized on the receiver (cast to the input dtype), which works with any experts.
     The backward is the bf16 combine of the gradients (straight-through).
 
@@ -187,17 +188,23 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                 log_once(logger, "megatron_deepep: fp8_dispatch=%s dispatches bf16: %s",
                          self.options.fp8_dispatch, reason)
             return None
-        handoff, reason = fp8_handoff(fmt, torch.is_grad_enabled(), self.drop_and_pad,
-                                      experts_make_columnwise=self._experts_take_fp8_rows())
+        from megatron_deepep.megatron import te_experts
+
+        experts = self._experts()
+        handoff, reason = False, te_experts.experts_refuse_fp8_reason(experts)
+        if not reason:
+            handoff, reason = fp8_handoff(
+                fmt, torch.is_grad_enabled(), self.drop_and_pad,
+                experts_make_columnwise=te_experts.experts_take_fp8_rows(experts))
         if not handoff:
             log_once(logger, "megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
                      "(dequantized on the receiver): %s", fmt.name, reason)
         return Fp8Dispatch(fmt, "fp8" if handoff else "bf16")
 
-    def _experts_take_fp8_rows(self) -> bool:
-        """Whether the layer's experts make their own columnwise copy (`te_experts`)."""
+    def _experts(self):
+        """The owning MoELayer's experts module (None before `bind_layer`)."""
         layer = self._layer_ref() if self._layer_ref is not None else None
-        return bool(getattr(getattr(layer, "experts", None), "takes_fp8_rows", False))
+        return getattr(layer, "experts", None)
 
     def _metrics(self):
         if not self.options.metrics:

@@ -389,3 +389,19 @@ def with_fp8_experts(spec: Any) -> Any:
 def experts_take_fp8_rows(experts: Optional[Any]) -> bool:
     """Whether an `MoELayer.experts` module makes its own columnwise copy of FP8 rows."""
     return bool(getattr(experts, TAKES_FP8_ROWS, False))
+
+
+def experts_refuse_fp8_reason(experts: Optional[Any]) -> str:
+    """Why an `MoELayer.experts` module cannot take TE quantized rows at all ("" if it can).
+
+    Megatron's `TEGroupedMLP` feeds its input to TE's `GroupedLinear`, which raises a TypeError
+    for quantized input ("GroupedLinear doesn't support input tensor in FP8"), also in eval and
+    inference; `FP8GroupedMLP` takes them.
+    """
+    if experts is None or experts_take_fp8_rows(experts):
+        return ""
+    fc1 = getattr(experts, "linear_fc1", None)
+    if any(cls.__name__ == "GroupedLinear" for cls in type(fc1).__mro__):
+        return (f"{type(experts).__name__} runs TE's GroupedLinear, which refuses quantized "
+                f"input (with_fp8_experts makes experts that take it)")
+    return ""
