@@ -56,7 +56,7 @@ TESTS="tests/gpu/test_te_gpu.py tests/gpu/test_te_experts_gpu.py
   tests/test_fp8_dispatch_megatron.py::test_handoff_needs_matching_recipe_and_no_capacity_padding"
 t1=$(date +%s)
 # shellcheck disable=SC2086
-timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -o junit_logging=system-out \
+timeout ${TEST_TIMEOUT:-450} python3 -m pytest -q -p no:cacheprovider -o junit_logging=system-out \
   --junitxml="$OUT/te_tests.xml" $TESTS ${PYTEST_ARGS:-} > "$OUT/te_tests.log" 2>&1
 rc=$?
 echo "gpu_te: pytest rc $rc in $(( $(date +%s) - t1 )) s (log $OUT/te_tests.log)"
