@@ -257,6 +257,14 @@ def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, h
         assert _rel(p1[name], p2[name]) < tol, name
 
 
+def _step(layer, x, grad):
+    layer.zero_grad(set_to_none=True)
+    xi = x.detach().requires_grad_(True)
+    with _autocast():
+        out, _ = layer(xi)
+    out.backward(grad)
+
+
 def test_moe_layer_timing(megatron_env):
     """Forward + backward of one MoE layer (H 4096, 64 experts, top-6, 8192 tokens), printed."""
     hidden, ffn, num_experts, topk, tokens = 4096, 1024, 64, 6, 8192
@@ -270,20 +278,12 @@ def test_moe_layer_timing(megatron_env):
                                         ("deepep fp8 -> FP8GroupedMLP", True, "blockwise")]:
         layer = _moe_layer(hidden, ffn, num_experts, topk, fp8_experts, dispatch)
         layer.train()
-
-        def step():
-            layer.zero_grad(set_to_none=True)
-            xi = x.detach().requires_grad_(True)
-            with _autocast():
-                out, _ = layer(xi)
-            out.backward(grad)
-
         for _ in range(3):
-            step()
+            _step(layer, x, grad)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(10):
-            step()
+            _step(layer, x, grad)
         torch.cuda.synchronize()
         results[name] = (time.perf_counter() - start) / 10 * 1e3
         del layer
