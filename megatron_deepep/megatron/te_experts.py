@@ -264,6 +264,17 @@ def grouped_fp8_linear(module: Any, x: Any, splits: Sequence[int]) -> torch.Tens
     return GroupedFP8Linear.apply(x, call, *weights)
 
 
+def _is_quantized(x: Any) -> bool:
+    """A TE quantized tensor (what `GroupedLinear` refuses), not plain rows."""
+    return type(x) is not torch.Tensor and hasattr(x, "dequantize")
+
+
+def _not_wire_reason(x: Any) -> str:
+    if te_bridge.is_wire_tensor(x):
+        return ""
+    return f"{type(x).__name__} rows: the FP8 experts take blockwise 1x128 rows only"
+
+
 def _as_list(splits) -> List[int]:
     return [int(m) for m in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
 
@@ -278,11 +289,13 @@ def fp8_expert_classes() -> Tuple[type, type]:
         """`TEColumnParallelGroupedLinear` that runs wire rows in TE's grouped FP8 GEMM."""
 
         def forward(self, x, m_splits):
-            if te_bridge.is_wire_tensor(x):
-                splits = _as_list(m_splits)
-                reason = fc1_reason(self, splits, te_bridge.active_recipe())
+            if _is_quantized(x):
+                reason = _not_wire_reason(x)
                 if not reason:
-                    return grouped_fp8_linear(self, x, splits), None
+                    splits = _as_list(m_splits)
+                    reason = fc1_reason(self, splits, te_bridge.active_recipe())
+                    if not reason:
+                        return grouped_fp8_linear(self, x, splits), None
                 log_once(logger, "megatron_deepep: FP8 experts dequantize the received rows: %s",
                          reason)
                 x = x.dequantize()
@@ -310,8 +323,8 @@ def fp8_expert_classes() -> Tuple[type, type]:
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
                     *args, **kwargs):
             x = permuted_local_hidden_states
-            if te_bridge.is_wire_tensor(x):
-                reason = self.fp8_reason(tokens_per_expert)
+            if _is_quantized(x):
+                reason = _not_wire_reason(x) or self.fp8_reason(tokens_per_expert)
                 if reason:
                     log_once(logger, "megatron_deepep: FP8 experts dequantize the received "
                              "rows: %s", reason)
