@@ -246,9 +246,13 @@ def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, h
     assert len(calls) == 1, "the FP8 rows did not reach the FP8 experts"
     assert all(m % te_experts.ROW_ALIGNMENT == 0 for m in calls[0])
     o2, g2, p2 = _run_layer(ref, x, grad)
+    groups = {}
+    for name in p1:
+        key = "fc1" if "linear_fc1" in name else "fc2" if "linear_fc2" in name else name
+        groups[key] = max(groups.get(key, 0.0), _rel(p1[name], p2[name]))
     print(f"\nMoELayer H {hidden} E {num_experts} top-{topk}: output rel {_rel(o1, o2):.2e}, "
-          f"input grad rel {_rel(g1, g2):.2e}, "
-          + ", ".join(f"{n} {_rel(p1[n], p2[n]):.2e}" for n in sorted(p1)))
+          f"input grad rel {_rel(g1, g2):.2e}; max grad rel: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in sorted(groups.items())))
     assert _rel(o1, o2) < TOL_SAME
     assert _rel(g1, g2) < 5e-2
     assert p1.keys() == p2.keys()
