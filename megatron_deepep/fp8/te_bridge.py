@@ -396,13 +396,14 @@ def split_scale_index(splits: Sequence[int], num_blocks: int,
         position `nb * scale_offsets[i] + b * round_up(m_i, 4) + j` (see `split_offsets`).
     """
     rows, cols = split_offsets(splits)
-    counts = torch.tensor([int(m) for m in splits], dtype=torch.int64, device=device)
+    # One small host-to-device copy (pinned, asynchronous: no stream synchronization).
+    host = torch.tensor([[int(m) for m in splits], rows[:-1], cols[:-1],
+                         [c1 - c0 for c0, c1 in zip(cols[:-1], cols[1:])]], dtype=torch.int64)
+    if device is not None and torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    counts, row_start, col_start, padded = host.to(device, non_blocking=True).unbind(0)
     split_of_row = torch.repeat_interleave(torch.arange(len(splits), device=device), counts,
                                            output_size=rows[-1])
-    row_start = torch.tensor(rows[:-1], dtype=torch.int64, device=device)
-    col_start = torch.tensor(cols[:-1], dtype=torch.int64, device=device)
-    padded = torch.tensor([c1 - c0 for c0, c1 in zip(cols[:-1], cols[1:])], dtype=torch.int64,
-                          device=device)
     local = torch.arange(rows[-1], device=device) - row_start[split_of_row]
     base = num_blocks * col_start[split_of_row] + local
     block = torch.arange(num_blocks, device=device)
@@ -412,11 +413,13 @@ def split_scale_index(splits: Sequence[int], num_blocks: int,
 def pack_split_scales(scales: torch.Tensor, splits: Sequence[int]) -> List[torch.Tensor]:
     """Wire scales `[N, nb]` -> one GEMM-ready `[nb, round_up(m_i, 4)]` buffer per split.
 
-    One zero-filled allocation and one scatter; the returned buffers are contiguous views.
+    One allocation (zero-filled only where a split needs padding) and one scatter; the returned
+    buffers are contiguous views.
     """
     num_blocks = scales.shape[1]
     rows, cols = split_offsets(splits)
-    flat = scales.new_zeros(num_blocks * cols[-1])
+    padding = cols[-1] != rows[-1]
+    flat = (scales.new_zeros if padding else scales.new_empty)(num_blocks * cols[-1])
     if rows[-1]:
         index = split_scale_index(splits, num_blocks, device=scales.device)
         flat.index_copy_(0, index.reshape(-1), scales.reshape(-1))
