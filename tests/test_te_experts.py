@@ -383,3 +383,99 @@ def test_grouped_fp8_linear_without_grad(fake_te_gemm):
     with torch.no_grad():
         y = X.grouped_fp8_linear(module, x, [16, 16])
     assert y.shape == (32, 32) and not y.requires_grad
+
+
+# ---- FP8GroupedMLP / FP8ColumnParallelGroupedLinear decisions, on fake megatron-core bases --------
+
+class _Rows:
+    """A quantized-tensor stand-in: `dequantize()` gives plain rows."""
+
+    def __init__(self, rows, wire):
+        self.rows, self.wire = rows, wire
+
+    def dequantize(self, dtype=None):
+        return self.rows
+
+
+@pytest.fixture
+def fake_bases(monkeypatch):
+    import sys
+    import types
+
+    import torch
+
+    from megatron_deepep.fp8 import te_bridge
+
+    class TEColumnParallelGroupedLinear(torch.nn.Module):
+        def __init__(self, num, splits_ok=True):
+            super().__init__()
+            self.num_gemms, self.use_bias, self.single_grouped_weight, self.tp_size = num, 0, 0, 1
+            for i in range(num):
+                setattr(self, f"weight{i}", torch.nn.Parameter(torch.zeros(4, 4)))
+
+        def forward(self, x, m_splits):
+            return ("te", x), None
+
+    class TEGroupedMLP(torch.nn.Module):
+        def __init__(self, fc1):
+            super().__init__()
+            self.linear_fc1 = fc1
+            self.config = types.SimpleNamespace(moe_apply_probs_on_input=False)
+
+        def forward(self, x, tokens_per_expert, probs):
+            return self.linear_fc1(x, tokens_per_expert.tolist())
+
+    te_ext = types.SimpleNamespace(TEColumnParallelGroupedLinear=TEColumnParallelGroupedLinear)
+    experts = types.SimpleNamespace(TEGroupedMLP=TEGroupedMLP)
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", te_ext)
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.moe.experts", experts)
+    X.fp8_expert_classes.cache_clear()
+    monkeypatch.setattr(te_bridge, "is_wire_tensor", lambda x: getattr(x, "wire", False))
+    monkeypatch.setattr(te_bridge, "active_recipe", lambda: Float8BlockScaling())
+    monkeypatch.setattr(X, "grouped_fp8_linear", lambda module, x, splits: ("fp8", splits))
+    yield X.fp8_expert_classes()
+    X.fp8_expert_classes.cache_clear()
+
+
+def test_fp8_experts_decide_per_call(fake_bases):
+    import torch
+
+    mlp_cls, fc1_cls = fake_bases
+    mlp = mlp_cls(fc1_cls(3))
+    assert mlp.takes_fp8_rows
+    rows = torch.ones(48, 4)
+    probs = torch.ones(48)
+    # Wire rows, aligned splits: the FP8 grouped GEMM.
+    out, bias = mlp(_Rows(rows, wire=True), torch.tensor([16, 0, 32]), probs)
+    assert out == ("fp8", [16, 0, 32]) and bias is None
+    # Misaligned splits: dequantized, TE's GroupedLinear path.
+    (kind, x), _ = mlp(_Rows(rows, wire=True), torch.tensor([8, 8, 32]), probs)
+    assert kind == "te" and x is rows
+    # Another quantized tensor (MXFP8): dequantized, never handed to GroupedLinear as is.
+    (kind, x), _ = mlp(_Rows(rows, wire=False), torch.tensor([16, 0, 32]), probs)
+    assert kind == "te" and x is rows
+    # Plain rows: untouched.
+    (kind, x), _ = mlp(rows, torch.tensor([16, 0, 32]), probs)
+    assert kind == "te" and x is rows
+    # Expert biases: dequantized.
+    mlp.linear_fc1.use_bias = True
+    (kind, x), _ = mlp(_Rows(rows, wire=True), torch.tensor([16, 0, 32]), probs)
+    assert kind == "te" and x is rows
+
+
+def test_with_fp8_experts_swaps_the_fake_classes(fake_bases):
+    import functools
+    import sys
+
+    mlp_cls, fc1_cls = fake_bases
+    base_mlp = sys.modules["megatron.core.transformer.moe.experts"].TEGroupedMLP
+    base_fc1 = sys.modules["megatron.core.extensions.transformer_engine"]\
+        .TEColumnParallelGroupedLinear
+    spec = functools.partial(MoELayer, submodules=MoESubmodules(experts=functools.partial(
+        base_mlp, submodules=MLPSubmodules(linear_fc1=base_fc1))))
+    new = X.with_fp8_experts(spec)
+    experts = new.keywords["submodules"].experts
+    assert experts.func is mlp_cls
+    assert experts.keywords["submodules"].linear_fc1 is fc1_cls
+    with pytest.raises(ValueError, match="no TEGroupedMLP"):
+        X.with_fp8_experts(functools.partial(MoELayer))
