@@ -385,7 +385,7 @@ def test_grouped_fp8_linear_without_grad(fake_te_gemm):
     assert y.shape == (32, 32) and not y.requires_grad
 
 
-# ---- FP8GroupedMLP / FP8ColumnParallelGroupedLinear decisions, on fake megatron-core bases --------
+# ---- FP8GroupedMLP / FP8ColumnParallelGroupedLinear decisions, on fake megatron-core bases -------
 
 class _Rows:
     """A quantized-tensor stand-in: `dequantize()` gives plain rows."""
