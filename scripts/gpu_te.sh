@@ -25,11 +25,17 @@ if ! ls .whl/transformer_engine_torch-*.whl >/dev/null 2>&1; then
     "(copy ../shared/wheels/te-2.20.2-cp312-sm90/*.whl into .whl/)"
   exit 2
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl; then
+  echo "gpu_te: FAIL pip could not install .whl/*.whl into /tmp/site"
+  exit 2
+fi
+export PYTHONPATH=/tmp/site:$PWD
 echo "gpu_te: wheels installed in $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 - <<'EOF'
+import warnings
+warnings.filterwarnings("ignore")
 import torch
 line = f"torch {torch.__version__} cuda {torch.version.cuda}"
 try:
@@ -55,6 +61,7 @@ TESTS="tests/gpu/test_te_gpu.py tests/gpu/test_te_experts_gpu.py
   tests/test_fp8_dispatch.py::test_te_handoff_wraps_received_rows
   tests/test_fp8_dispatch_megatron.py::test_handoff_needs_matching_recipe_and_no_capacity_padding"
 t1=$(date +%s)
+rm -f "$OUT/te_tests.xml"
 # shellcheck disable=SC2086
 timeout ${TEST_TIMEOUT:-450} python3 -m pytest -q -p no:cacheprovider -o junit_logging=system-out \
   --junitxml="$OUT/te_tests.xml" $TESTS ${PYTEST_ARGS:-} > "$OUT/te_tests.log" 2>&1
@@ -94,8 +101,9 @@ print(f"gpu_te: SUMMARY {counts['PASS']} passed, {counts['FAIL']} failed, "
       f"{counts['SKIP']} skipped")
 EOF
 if [ $rc -ne 0 ]; then
-  echo "gpu_te: last lines of the log:"
-  grep -E "Error|error|assert|FAILED" "$OUT/te_tests.log" | tail -25
+  echo "gpu_te: errors in the log, then its last lines:"
+  grep -E "Error|error|assert|FAILED" "$OUT/te_tests.log" | tail -20
+  tail -n 8 "$OUT/te_tests.log"
 fi
 fi
 if [ "${MAIN_JOB:-0}" != 0 ]; then
