@@ -14,6 +14,8 @@
 # deepep bf16 dispatch, deepep FP8 dispatch dequantized for TEGroupedMLP, and deepep FP8 dispatch
 # into the FP8 experts (MDEEP_FP8_EXPERTS=1); prints rc, first/last loss and the median step
 # time. SKIP_TESTS=1 runs only that: SKIP_TESTS=1 MAIN_JOB=50 bash scripts/gpu_te.sh
+# MAIN_JOB_RUNS picks runs (dispatcher:fp8-dispatch:fp8-experts), e.g. to split them over two
+# calls: MAIN_JOB_RUNS="deepep:blockwise:1 deepep:blockwise:0"; MAIN_JOB_TIMEOUT (200 s a run).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
@@ -109,7 +111,8 @@ fi
 if [ "${MAIN_JOB:-0}" != 0 ]; then
   TE_FLAGS="--transformer-impl transformer_engine --moe-grouped-gemm --fp8-format e4m3
     --fp8-recipe blockwise --moe-router-padding-for-quantization"
-  for run in alltoall:off:0 deepep:off:0 deepep:blockwise:0 deepep:blockwise:1; do
+  for run in ${MAIN_JOB_RUNS:-alltoall:off:0 deepep:off:0 deepep:blockwise:0 deepep:blockwise:1}
+  do
     IFS=: read -r dispatcher fp8 experts <<< "$run"
     name="${dispatcher}_fp8-${fp8}_experts-${experts}"
     t2=$(date +%s)
