@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import megatron_deepep.megatron as mdm  # noqa: E402
+from megatron_deepep import knobs  # noqa: E402
 
 # Before megatron.training builds its parser: the CLI choices come from the config Literal.
 mdm.register_deepep_dispatcher()
@@ -82,6 +83,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     if args.transformer_impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts,
                                                           args.moe_grouped_gemm)
+        if knobs.get("FP8_EXPERTS"):  # docs/fp8.md: FP8 rows into TE's grouped GEMM
+            from megatron_deepep.megatron.te_experts import with_fp8_experts
+
+            spec = with_fp8_experts(spec)
     else:
         spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
     extra = {k: v for k, v in (("vp_stage", vp_stage), ("pg_collection", pg_collection))

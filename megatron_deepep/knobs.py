@@ -101,6 +101,9 @@ _TABLE = (
     Knob("COMM_SHARE_WARN", "int", 20, "20", "warn once per layer and crossing when "
          "(dispatch + combine) time exceeds this percent of expert compute (metrics on; 0: "
          "off)", "dispatcher"),
+    Knob("FP8_EXPERTS", "bool", False, "0", "`examples/pretrain_gpt_moe.py` builds its TE experts "
+         "with `te_experts.with_fp8_experts`: FP8 rows into TE's grouped GEMM in training "
+         "(`docs/fp8.md`)", "dispatcher"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),

@@ -126,8 +126,10 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
     as e4m3 plus block scales (about half the bytes). The experts receive TE's own quantized
     tensor (no second quantization in TE's GEMM) when TE is installed, its active recipe
     produces the same format (`Float8BlockScaling` with 1x128 activation blocks, or
-    `MXFP8BlockScaling`), the layer is not in pad-to-capacity mode and either grad mode is off or
-    the recipe's backward works from dequantized data; in every other case they receive bf16
+    `MXFP8BlockScaling`), the experts take quantized input (not `TEGroupedMLP`, whose
+    `GroupedLinear` refuses it), the layer is not in pad-to-capacity mode and either grad mode is
+    off, the recipe's backward works from dequantized data or the experts make the columnwise
+    copy themselves (`te_experts.FP8GroupedMLP`, `takes_fp8_rows`); else they receive bf16
     rows dequantized on the receiver (cast to the input dtype), which works with any experts.
     The backward is the bf16 combine of the gradients (straight-through).
 
@@ -237,7 +239,14 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                 log_once(logger, "megatron_deepep: fp8_dispatch=%s dispatches bf16: %s",
                          self.options.fp8_dispatch, reason)
             return None
-        handoff, reason = fp8_handoff(fmt, torch.is_grad_enabled(), self.drop_and_pad)
+        from megatron_deepep.megatron import te_experts
+
+        experts = self._experts()
+        handoff, reason = False, te_experts.experts_refuse_fp8_reason(experts)
+        if not reason:
+            handoff, reason = fp8_handoff(
+                fmt, torch.is_grad_enabled(), self.drop_and_pad,
+                experts_make_columnwise=te_experts.experts_take_fp8_rows(experts))
         if not handoff:
             log_once(logger, "megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
                      "(dequantized on the receiver): %s", fmt.name, reason)
@@ -265,6 +274,11 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         """The logical expert of each physical slot under the expert map (None: contiguous)."""
         self._physical_map()
         return self._physical_to_logical
+
+    def _experts(self):
+        """The owning MoELayer's experts module (None before `bind_layer`)."""
+        layer = self._layer_ref() if self._layer_ref is not None else None
+        return getattr(layer, "experts", None)
 
     def _metrics(self):
         if not self.options.metrics:
@@ -415,10 +429,12 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         return out, out_probs, tokens_per_expert
 
 
-def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):
+def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False,
+                experts_make_columnwise: bool = False):
     """Whether the experts get TE quantized tensors for rows of `fmt`: `(ok, reason)`.
 
-    They do when TE's active recipe produces `fmt` and TE can use rowwise-only input (see
+    They do when TE's active recipe produces `fmt` and TE can use rowwise-only input, or the
+    experts make the columnwise copy themselves (`te_experts.FP8GroupedMLP`; see
     `fp8.te_bridge.handoff_reason`), and the layer does not reshuffle rows to capacity (that
     reshuffle is bf16 torch code).
     """
@@ -426,7 +442,8 @@ def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):
 
     if drop_and_pad:
         return False, "moe_pad_expert_input_to_capacity reshuffles the rows in bf16"
-    return te_bridge.handoff_reason(fmt, training)
+    return te_bridge.handoff_reason(fmt, training,
+                                    experts_make_columnwise=experts_make_columnwise)
 
 
 def _group_rank(group) -> int:
