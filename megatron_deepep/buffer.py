@@ -105,21 +105,13 @@ class Buffer:
                       num_topk=num_topk)
         validate.check_int("num_ranks", num_ranks, low=1)
         _check_transport(transport)
-        per_node = num_ranks_per_node
-        if per_node is None and transport == "internode":
-            per_node = min(num_ranks, 8)
-        num_nodes = 1
-        if per_node is not None:
-            validate.check_int("num_ranks_per_node", per_node, low=1, high=8)
-            num_nodes = max(1, num_ranks // per_node)
+        if num_ranks_per_node is not None:
+            validate.check_int("num_ranks_per_node", num_ranks_per_node, low=1, high=8)
         # A size needs no GPU: the kernel transports are sized as if one were present.
-        name = transport_module.resolve(transport, num_ranks,
-                                        transport != "auto" or torch.cuda.is_available(),
-                                        num_nodes)
-        cls = transport_module.transport_class(name)
-        if name == "internode":
-            return cls.size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, per_node)
-        return cls.size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk)
+        return transport_module.size_hint(
+            transport, num_ranks, num_max_tokens_per_rank, hidden, num_topk,
+            cuda_available=transport != "auto" or torch.cuda.is_available(),
+            num_ranks_per_node=num_ranks_per_node)
 
     @property
     def transport_name(self) -> str:

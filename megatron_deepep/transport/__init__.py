@@ -87,6 +87,23 @@ def transport_class(name: str) -> type:
     raise ValueError(f"no transport class for {name!r}")
 
 
+def size_hint(name: str, num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
+              num_topk: int, *, cuda_available: bool,
+              num_ranks_per_node: Optional[int] = None) -> int:
+    """Bytes of device memory one rank of the transport `name` resolves to holds. Nodes are
+    `num_ranks_per_node` ranks each; None: one node, except for "internode", which then assumes
+    nodes of 8 ranks (fewer when the group is smaller)."""
+    per_node = num_ranks_per_node
+    if per_node is None and name == "internode":
+        per_node = min(num_ranks, 8)
+    num_nodes = max(1, num_ranks // per_node) if per_node is not None else 1
+    resolved = resolve(name, num_ranks, cuda_available, num_nodes)
+    cls = transport_class(resolved)
+    if resolved == "internode":
+        return cls.size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, per_node)
+    return cls.size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk)
+
+
 def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
            num_sms: int, timeout_s: float,
            num_ranks_per_node: Optional[int] = None) -> Transport:
@@ -122,4 +139,4 @@ def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk
                                      **kwargs)
 
 
-__all__ = ["TRANSPORT_NAMES", "Transport", "create", "resolve", "transport_class"]
+__all__ = ["TRANSPORT_NAMES", "Transport", "create", "resolve", "size_hint", "transport_class"]

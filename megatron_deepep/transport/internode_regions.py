@@ -89,7 +89,7 @@ class InternodeRegions:
 
     @property
     def num_bytes(self) -> int:
-        """The whole block, rounded to 2 MiB: about N_max (2 M + 2 L M + R) (2 H + 16 K)
+        """The whole block, rounded to 2 MiB: about N_max (4 M + L M + R) (2 H + 16 K)
         bytes, the R N_max staging rows dominating at scale."""
         name, size = self._sizes()[-1]
         return _align(self.offsets[name] + size, 2 << 20)
