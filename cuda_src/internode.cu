@@ -19,9 +19,13 @@
 // data by acknowledgement signals (rail peers), NVLink staging by epoch flags (node peers).
 // Network data is counted in chunks: a receiver expects ceil(count / C) signal increments per
 // source node on top of the running total it keeps in `chunks_seen`.
+// FP8 dispatch (kFmt != bf16): the send quantizes each row once (or copies a pre-quantized
+// row), the network and the NVLink staging carry the wire row (e4m3 data, then its scales), and
+// the expand dequantizes it or hands data and scales on.
 // Built by megatron_deepep/nvshmem_link.py; launched by the ops.internode_* wrappers.
 #include "common/args.cuh"
 #include "common/copy.cuh"
+#include "common/fp8_row.cuh"
 #include "common/warp.cuh"
 #include "internode/net.cuh"
 
@@ -265,7 +269,30 @@ __global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
 
 // ------------------------------------------------------------------------------------ dispatch
 
-template <int kTopk, bool kCached, typename IdxT>
+// Writes token row i of x (bf16, or pre-quantized data + scales) as one wire row at `dst`.
+template <int kFmt>
+__device__ __forceinline__ void write_wire_row(const InternodeArgs& a, int i, u8* dst, int lane) {
+    const int hidden = a.hidden;
+    if (kFmt == fp8::kWireBf16) {
+        int4* dsts[1] = {reinterpret_cast<int4*>(dst)};
+        warp_copy_row<1, false>(reinterpret_cast<const int4*>(a.x + (i64)i * hidden * 2), dsts,
+                                1, hidden * 2 / 16, lane);
+    } else if (a.x_scales == nullptr) {
+        u8* data[1] = {dst};
+        u8* scales[1] = {dst + hidden};
+        fp8::quantize_row<kFmt, 1, false>(reinterpret_cast<const int4*>(a.x + (i64)i * hidden * 2),
+                                          hidden, data, scales, 1, a.amax_epsilon, lane);
+    } else {
+        const int scale_bytes = fp8::scale_row_bytes<kFmt>(hidden);
+        u8* data[1] = {dst};
+        u8* scales[1] = {dst + hidden};
+        fp8::copy_fp8_row<kFmt, 1, false>(a.x + (i64)i * hidden,
+                                          a.x_scales + (i64)i * scale_bytes, hidden, data,
+                                          scales, 1, lane);
+    }
+}
+
+template <int kTopk, bool kCached, typename IdxT, int kFmt>
 __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
@@ -273,7 +300,6 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
     const int C = a.chunk_tokens, N_max = a.max_tokens;
     const int node = a.rank / L, local = a.rank % L;
     const i64 slot_stride = a.row_stride + a.record_stride;
-    const int num_int4 = a.hidden * 2 / 16;
     const IdxT* const topk_idx = static_cast<const IdxT*>(a.topk_idx);
     const Signals sig(a);
     __shared__ int chunk_start[kMaxNodes + 1];
@@ -297,9 +323,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
         for (int j = first + warp; j < last; j += num_warps) {
             const int i = a.node_slot_token[(i64)m * N + j];
             u8* const slot = region + (i64)j * slot_stride;
-            int4* dst[1] = {reinterpret_cast<int4*>(slot)};
-            warp_copy_row<1, false>(reinterpret_cast<const int4*>(a.x + (i64)i * a.hidden * 2),
-                                    dst, 1, num_int4, lane);
+            write_wire_row<kFmt>(a, i, slot, lane);
             NetRecord<kTopk>* rec = reinterpret_cast<NetRecord<kTopk>*>(slot + a.row_stride);
             if (lane == 0) rec->token = i;
             if (lane < kMaxRanksPerNode)
@@ -330,7 +354,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
     const int M = a.num_nodes, L = a.ranks_per_node, C = a.chunk_tokens, N_max = a.max_tokens;
     const int node = a.rank / L, local = a.rank % L, num_local = a.num_local;
     const i64 slot_stride = a.row_stride + a.record_stride;
-    const int num_int4 = a.hidden * 2 / 16;
+    const int num_int4 = (int)((a.wire_bytes + 15) / 16);  // within row_stride
     const Signals sig(a);
     NodeFlags* const mine = flags_of(a.heap, a);
     __shared__ u8* peers[kMaxRanksPerNode];
@@ -389,30 +413,34 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
     }
 }
 
-// Zeroes local expert e's padding rows of recv_x (and their weights) with the whole warp.
+// Zeroes local expert e's padding rows of recv_x (and their scales and weights) with the warp.
 template <bool kCached>
 __device__ __forceinline__ void zero_padding(const InternodeArgs& a, int e, i64 row_bytes,
-                                             int lane) {
+                                             int scale_bytes, int lane) {
     const int first = a.expert_row_start[e] + a.num_recv_tokens_per_expert[e];
     const int last = min(a.expert_row_start[e + 1], a.max_rows);
     for (int row = first; row < last; ++row) {
         warp_zero_row(reinterpret_cast<int4*>(a.recv_x + row * row_bytes), (int)(row_bytes / 16),
                       lane);
+        for (int b = lane; b < scale_bytes; b += 32) a.recv_scales[(i64)row * scale_bytes + b] = 0;
         if (!kCached && lane == 0) a.recv_weights[row] = 0.f;
     }
 }
 
-template <int kTopk, bool kCached>
+template <int kTopk, bool kCached, int kFmt, bool kDequant>
 __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
     const int R = a.num_ranks, L = a.ranks_per_node, N_max = a.max_tokens;
-    const int local = a.rank % L, num_local = a.num_local;
-    const i64 row_bytes = (i64)a.hidden * 2;
+    const int local = a.rank % L, num_local = a.num_local, hidden = a.hidden;
+    constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
+    const i64 row_bytes = kFp8Out ? (i64)hidden : (i64)hidden * 2;
+    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
-    for (int e = warp; e < num_local; e += num_warps) zero_padding<kCached>(a, e, row_bytes, lane);
+    for (int e = warp; e < num_local; e += num_warps)
+        zero_padding<kCached>(a, e, row_bytes, scale_bytes, lane);
     __shared__ int slot_start[kMaxInternodeRanks + 1];
     if (threadIdx.x == 0) {
         slot_start[0] = 0;
@@ -441,15 +469,27 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
             my_rows[lane] = row_lane;
             if (row_lane >= 0) a.recv_weights[row_lane] = meta->weight[lane];
         }
-        int4* dst[kTopk];
+        u8* dst[kTopk];
+        u8* dst_scales[kTopk];
         int num_dst = 0;
 #pragma unroll
         for (int k = 0; k < kTopk; ++k) {
             const int row = __shfl_sync(0xffffffffu, row_lane, k);
-            if (row >= 0) dst[num_dst++] = reinterpret_cast<int4*>(a.recv_x + row * row_bytes);
+            if (row < 0) continue;
+            dst[num_dst] = a.recv_x + row * row_bytes;
+            dst_scales[num_dst++] = a.recv_scales + (i64)row * scale_bytes;
         }
-        warp_copy_row<kTopk, true>(reinterpret_cast<const int4*>(staged), dst, num_dst,
-                                   a.hidden * 2 / 16, lane);
+        if (kFmt == fp8::kWireBf16)
+            warp_copy_row<kTopk, true>(reinterpret_cast<const int4*>(staged),
+                                       reinterpret_cast<int4* const*>(dst), num_dst,
+                                       hidden * 2 / 16, lane);
+        else if (kDequant)
+            fp8::dequant_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden,
+                                                    reinterpret_cast<int4* const*>(dst), num_dst,
+                                                    lane);
+        else
+            fp8::copy_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden, dst,
+                                                 dst_scales, num_dst, lane);
     }
     __shared__ u8* peers[kMaxRanksPerNode];
     if (threadIdx.x < L)

@@ -174,7 +174,8 @@ class InternodeArgs(KernelArgs):
         ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("fwd_count", Ptr),
         ("fwd_slots", Ptr), ("slot_rows", Ptr), ("host_info", Ptr), ("x", Ptr),
         ("recv_x", Ptr), ("recv_weights", Ptr), ("max_rows", I32), ("y", Ptr), ("out", Ptr),
-        ("out_weights", Ptr), ("grad_row_weights", Ptr)]
+        ("out_weights", Ptr), ("grad_row_weights", Ptr), ("x_scales", Ptr),
+        ("recv_scales", Ptr), ("amax_epsilon", F32), ("wire_bytes", I64)]
 
 
 # Sources whose kernels call NVSHMEM's device API: nvshmem_link builds them (tests/
@@ -770,26 +771,36 @@ INTERNODE_NOTIFY_THREADS = 256  # one thread per local expert (kMaxLocalExperts)
 INTERNODE_FIELDS = tuple(name for name, _ in InternodeArgs._fields_)
 
 
-def internode_expressions(num_topk: int, index_type: str) -> Tuple[str, ...]:
-    """Every kernel instantiation of the internode transport for one top-k and topk_idx index
-    type ("int" or "long long")."""
+def internode_expressions(num_topk: int, index_type: str, fp8=None) -> Tuple[str, ...]:
+    """Every kernel instantiation of the internode transport for one top-k, topk_idx index
+    type ("int" or "long long") and wire format (`fp8`: an `Fp8Dispatch` or None)."""
+    fmt, dequant, _ = _wire(fp8)
     k, idx, both = num_topk, index_type, ("false", "true")
+    dq = jit.render_template_arg(dequant)
     return (("internode_node_layout", "internode_notify", f"internode_forward<{k}>")
-            + tuple(f"internode_dispatch_send<{k}, {c}, {idx}>" for c in both)
-            + tuple(f"internode_dispatch_recv<{k}, {c}>" for c in both)
+            + tuple(f"internode_dispatch_send<{k}, {c}, {idx}, {fmt}>" for c in both)
+            + tuple(f"internode_dispatch_recv<{k}, {c}, {fmt}, {dq}>" for c in both)
             + tuple(f"internode_combine_send<{k}, {w}, {g}>" for w in both for g in both)
             + tuple(f"internode_combine_forward<{k}, {g}>" for g in both)
             + tuple(f"internode_combine_reduce<{k}, {g}>" for g in both))
 
 
 def _internode(topk_idx: torch.Tensor, name: str, template_args: tuple, num_blocks: int,
-               threads: int, fields: dict) -> None:
+               threads: int, fields: dict, fp8=None) -> None:
     expr = name
     if template_args:
         expr += "<" + ", ".join(jit.render_template_arg(a) for a in template_args) + ">"
-    family = internode_expressions(topk_idx.shape[1], _index_type(topk_idx))
+    family = internode_expressions(topk_idx.shape[1], _index_type(topk_idx), fp8)
     kernel = nvshmem_link.get_kernels("internode.cu", family, torch.cuda.current_device())[expr]
     kernel.launch(num_blocks, threads, InternodeArgs.fill(**fields), _stream())
+
+
+def internode_wire(fp8, hidden: int) -> dict:
+    """The FP8 fields of `InternodeArgs` (`fp8`: an `Fp8Dispatch` or None): the wire row's bytes
+    (e4m3 data then its scales, or the bf16 row) and the quantizer's epsilon."""
+    _, _, amax_epsilon = _wire(fp8)
+    wire_bytes = 2 * hidden if fp8 is None else fp8.fmt.bytes_per_token(hidden)
+    return dict(wire_bytes=wire_bytes, amax_epsilon=amax_epsilon)
 
 
 def internode_node_layout(topk_idx: torch.Tensor, num_nodes: int, fields: dict) -> None:
@@ -803,25 +814,27 @@ def internode_notify(topk_idx: torch.Tensor, fields: dict) -> None:
     _internode(topk_idx, "internode_notify", (), 1, INTERNODE_NOTIFY_THREADS, fields)
 
 
-def internode_dispatch_send(topk_idx: torch.Tensor, cached: bool, num_sms: int,
+def internode_dispatch_send(topk_idx: torch.Tensor, cached: bool, fp8, num_sms: int,
                             fields: dict) -> None:
-    """Packs and puts every token once per destination node (`topk_idx [N, K]`)."""
+    """Packs (quantizes, for `fp8`) and puts every token once per destination node."""
     _internode(topk_idx, "internode_dispatch_send",
-               (topk_idx.shape[1], cached, _index_type(topk_idx)), num_sms, INTERNODE_THREADS,
-               fields)
+               (topk_idx.shape[1], cached, _index_type(topk_idx), _wire(fp8)[0]), num_sms,
+               INTERNODE_THREADS, fields, fp8)
 
 
-def internode_forward(topk_idx: torch.Tensor, num_sms: int, fields: dict) -> None:
-    """Copies every received token into the staging of its destination ranks in this node."""
+def internode_forward(topk_idx: torch.Tensor, fp8, num_sms: int, fields: dict) -> None:
+    """Copies every received wire row into the staging of its destination ranks in this node."""
     _internode(topk_idx, "internode_forward", (topk_idx.shape[1],), num_sms, INTERNODE_THREADS,
-               fields)
+               fields, fp8)
 
 
-def internode_dispatch_recv(topk_idx: torch.Tensor, cached: bool, num_sms: int,
+def internode_dispatch_recv(topk_idx: torch.Tensor, cached: bool, fp8, num_sms: int,
                             fields: dict) -> None:
-    """Expands the staged rows of every source into the expert-major recv_x."""
-    _internode(topk_idx, "internode_dispatch_recv", (topk_idx.shape[1], cached), num_sms,
-               INTERNODE_THREADS, fields)
+    """Expands the staged rows of every source into the expert-major recv_x (dequantized, or
+    FP8 rows and scales, as `fp8` asks)."""
+    fmt, dequant, _ = _wire(fp8)
+    _internode(topk_idx, "internode_dispatch_recv", (topk_idx.shape[1], cached, fmt, dequant),
+               num_sms, INTERNODE_THREADS, fields, fp8)
 
 
 def internode_combine_send(topk_idx: torch.Tensor, weighted: bool, with_weights: bool,

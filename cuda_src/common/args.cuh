@@ -290,6 +290,12 @@ struct InternodeArgs {
     u8* out;                     // [N, H] bf16
     float* out_weights;          // [N, K]
     const float* grad_row_weights;
+    // FP8 dispatch (kFmt != bf16): the network and the staging carry wire rows (e4m3 data, then
+    // the row's scales) of `wire_bytes`.
+    const u8* x_scales;          // pre-quantized input's scales, or null (quantized in send)
+    u8* recv_scales;             // [max_rows, scale bytes] when the rows stay in FP8
+    float amax_epsilon;
+    i64 wire_bytes;              // bytes of one wire row (2 H for bf16)
 };
 
 }  // namespace mdeep

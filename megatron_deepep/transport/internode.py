@@ -190,7 +190,6 @@ class InternodeTransport(Transport):
                  layout: Optional[DispatchLayout] = None, fp8=None,
                  x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
-        _refuse_fp8(fp8)
         dev, num_ranks = x.device, self.num_ranks
         num_tokens, num_topk = topk_idx.shape
         hidden = x.shape[1]
@@ -206,22 +205,23 @@ class InternodeTransport(Transport):
                                 timeout_ns=self.timeout_ns, arena=arena)
         fields = self._fields(self.dispatch_epoch, topk_idx, num_experts, layout, arena, nodes,
                               hidden)
-        fields.update(x=x.data_ptr(), topk_weights=topk_weights.data_ptr())
+        fields.update(x=x.data_ptr(), topk_weights=topk_weights.data_ptr(),
+                      x_scales=ops.addr(x_scales), **ops.internode_wire(fp8, hidden))
         ops.internode_node_layout(topk_idx, self.num_nodes, fields)
         notify = dict(fields, epoch=self.notify_epoch & 0xFFFFFFFF, alignment=expert_alignment,
                       max_recv_rows=-1 if is_sync else num_max_recv_rows,
                       host_info=self.status.host_info_ptr if is_sync else 0)
         ops.internode_notify(topk_idx, notify)
-        ops.internode_dispatch_send(topk_idx, False, self.num_sms, fields)
-        ops.internode_forward(topk_idx, self.num_sms, fields)
+        ops.internode_dispatch_send(topk_idx, False, fp8, self.num_sms, fields)
+        ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
         with self._naming_nodes():
             num_rows = (self.status.wait_num_rows(self.notify_epoch) if is_sync
                         else num_max_recv_rows)
-        recv_x, _ = empty_recv(num_rows, hidden, None, dev)
+        recv_x, recv_scales = empty_recv(num_rows, hidden, fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        fields.update(recv_x=recv_x.data_ptr(), recv_weights=recv_weights.data_ptr(),
-                      max_rows=num_rows)
-        ops.internode_dispatch_recv(topk_idx, False, self.num_sms, fields)
+        fields.update(recv_x=recv_x.data_ptr(), recv_scales=ops.addr(recv_scales),
+                      recv_weights=recv_weights.data_ptr(), max_rows=num_rows)
+        ops.internode_dispatch_recv(topk_idx, False, fp8, self.num_sms, fields)
         num_local = num_experts // num_ranks
         handle = DispatchHandle.from_arena(
             arena, layout=layout, recv=RecvLayout.from_arena(arena), recv_weights=recv_weights,
@@ -229,7 +229,7 @@ class InternodeTransport(Transport):
             expert_alignment=expert_alignment, num_recv_rows=num_rows,
             tokens_per_expert_list=self.status.tokens_per_expert(num_local) if is_sync else None,
             transport_state=(topk_idx, arena, nodes))
-        return as_recv_x(recv_x, None), recv_weights, handle
+        return as_recv_x(recv_x, recv_scales), recv_weights, handle
 
     def _adopt(self, handle: DispatchHandle) -> None:
         """Makes a handle of a smaller buffer (one `get_buffer` has since replaced) usable here:
@@ -259,18 +259,20 @@ class InternodeTransport(Transport):
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8=None,
                         x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
-        _refuse_fp8(fp8)
         self._adopt(handle)
         topk_idx, arena, nodes = handle.transport_state
+        hidden = x.shape[1]
         self.dispatch_epoch += 1
         fields = self._fields(self.dispatch_epoch, topk_idx, handle.num_experts, handle.layout,
-                              arena, nodes, x.shape[1])
-        recv_x, _ = empty_recv(handle.num_recv_rows, x.shape[1], None, x.device)
-        fields.update(x=x.data_ptr(), recv_x=recv_x.data_ptr(), max_rows=handle.num_recv_rows)
-        ops.internode_dispatch_send(topk_idx, True, self.num_sms, fields)
-        ops.internode_forward(topk_idx, self.num_sms, fields)
-        ops.internode_dispatch_recv(topk_idx, True, self.num_sms, fields)
-        return recv_x
+                              arena, nodes, hidden)
+        recv_x, recv_scales = empty_recv(handle.num_recv_rows, hidden, fp8, x.device)
+        fields.update(x=x.data_ptr(), x_scales=ops.addr(x_scales), recv_x=recv_x.data_ptr(),
+                      recv_scales=ops.addr(recv_scales), max_rows=handle.num_recv_rows,
+                      **ops.internode_wire(fp8, hidden))
+        ops.internode_dispatch_send(topk_idx, True, fp8, self.num_sms, fields)
+        ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
+        ops.internode_dispatch_recv(topk_idx, True, fp8, self.num_sms, fields)
+        return as_recv_x(recv_x, recv_scales)
 
     # ------------------------------------------------------------------ combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool = False,
@@ -302,12 +304,6 @@ class InternodeTransport(Transport):
         self.block = None
         self.status.destroy()
         self.status = None
-
-
-def _refuse_fp8(fp8) -> None:
-    if fp8 is not None:
-        raise ValueError("fp8 dispatch is not available on the internode transport yet: pass "
-                         "fp8=None (bf16 rows), or use transport='reference'")
 
 
 __all__ = ["CHUNK_TOKENS", "InternodeTransport", "MAX_NODES", "node_plan"]

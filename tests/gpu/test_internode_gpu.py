@@ -7,7 +7,8 @@ and compares: dispatch bit-exact (rows, weights, counts, row order), combine wit
 fp32-accumulation tolerance (the forwarder rounds its node's sum once more than the reference) and
 the routing-weight gradients exactly, the node layout against `node_layout.py`, cached dispatch,
 the no-sync mode, skewed/empty/uneven routing, -1 entries, top-k 1-16, back-to-back calls with
-changing shapes, autograd, bad input, and a stalled peer that must raise naming rank and node.
+changing shapes, autograd, FP8 dispatch in every wire format (the network carries e4m3 rows and
+scales), bad input, and a stalled peer that must raise naming rank and node.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron_deepep.node_layout import compute_node_layout
 from megatron_deepep.transport.errors import PeerTimeoutError
 from megatron_deepep.transport.topology import Topology
 from tests.cases import expert_scale, make_inputs
+from tests.gpu import test_fp8_dispatch_gpu as fp8_gpu
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -158,8 +160,8 @@ def _bad_input(rank, world, inter):
                           device=dev)
         inter.dispatch(big, torch.zeros(big.shape[0], 2, dtype=torch.int64, device=dev),
                        torch.ones(big.shape[0], 2, device=dev), num_experts=world)
-    with pytest.raises(ValueError, match="internode"):
-        inter.dispatch(x, idx, w, num_experts=world, fp8="blockwise")
+    with pytest.raises(ValueError, match="outside"):
+        inter.dispatch(x, torch.full_like(idx, 5 * world), w, num_experts=world)
 
 
 def _stalled_peer(rank, world, per_node, stalled):
@@ -197,6 +199,9 @@ def _worker(rank, world, per_node, num_calls):
     _progress(rank, start, "autograd passed")
     _back_to_back(rank, world, inter, num_calls)
     _progress(rank, start, f"{num_calls} back-to-back calls passed")
+    for i, case in enumerate(fp8_gpu.CASES):  # every wire format, fused and pre-quantized
+        fp8_gpu._case(rank, world, inter, ref, 500 * world + i, *case)
+    _progress(rank, start, "FP8 dispatch (every format, both outputs, cached) passed")
     _bad_input(rank, world, inter)
     dist.barrier()
     stalled = Buffer(group, 64, 2048, 4, transport="internode", num_sms=4, timeout_s=3,
@@ -207,21 +212,29 @@ def _worker(rank, world, per_node, num_calls):
     # No NVSHMEM teardown calls: limited mode forbids host collectives at teardown.
 
 
-def _link(topk: int) -> None:
+def _link(family) -> None:
     from megatron_deepep import jit, nvshmem_link, ops
-    nvshmem_link.link_cubin("internode.cu", list(ops.internode_expressions(topk, "long long")),
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    topk, fmt, output = family
+    fp8 = None if fmt is None else Fp8Dispatch(fp8_gpu.FORMATS[fmt], output)
+    nvshmem_link.link_cubin("internode.cu",
+                            list(ops.internode_expressions(topk, "long long", fp8)),
                             jit.device_arch())
 
 
 def _link_once():
-    """Links the kernels here (in parallel), so the ranks find them in the disk cache instead of
-    all linking."""
+    """Links every kernel family the test uses here (in parallel), so the ranks find them in the
+    disk cache instead of all linking."""
     import concurrent.futures
     import multiprocessing
-    topks = sorted({c[4] for c in CASES} | {2, 8, 4, 1})
+    families = [(k, None, None) for k in sorted({c[4] for c in CASES} | {2, 8, 4, 1})]
+    families += [(case[4], fmt, output) for case in fp8_gpu.CASES
+                 for fmt in fp8_gpu.FORMATS for output in ("fp8", "bf16")]
+    families = sorted(set(families), key=str)
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(len(topks), mp_context=context) as pool:
-        list(pool.map(_link, topks))
+    with concurrent.futures.ProcessPoolExecutor(min(len(families), os.cpu_count() or 1),
+                                                mp_context=context) as pool:
+        list(pool.map(_link, families))
 
 
 @pytest.mark.parametrize("shape", NODE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
