@@ -83,8 +83,11 @@ _TABLE = (
     # The Megatron dispatcher's options (`DeepEPOptions`; a config field or
     # `register_deepep_dispatcher(...)` keyword overrides them).
     Knob("TRANSPORT", "str", None, "auto",
-         "`auto` (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the pure-torch "
-         "reference without CUDA), `local`, `nvlink` or `reference`", "dispatcher"),
+         "`auto` (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the internode "
+         "kernels across nodes, the pure-torch reference without CUDA), `local`, `nvlink`, "
+         "`internode` or `reference`", "dispatcher"),
+    Knob("RANKS_PER_NODE", "int", None, "unset", "declares nodes of this many contiguous EP "
+         "ranks (virtual nodes); unset: the ranks' host names", "dispatcher"),
     Knob("NUM_SMS", "int", None, "24", "SM budget of the communication kernels", "dispatcher"),
     Knob("NUM_MAX_TOKENS_PER_RANK", "int", None, "next power of two >= the first call, "
          ">= 4096", "most tokens one rank dispatches per call; the same on every rank",

@@ -226,7 +226,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self._buffer = get_buffer(self.ep_group, num_max_tokens_per_rank=n_max,
                                   hidden=hidden_2b, num_topk=self.topk,
                                   transport=self.options.transport,
-                                  num_sms=self.options.num_sms)
+                                  num_sms=self.options.num_sms,
+                                  num_ranks_per_node=self.options.ranks_per_node)
         return self._buffer
 
     def _fp8_spec(self):

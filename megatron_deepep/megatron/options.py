@@ -20,7 +20,7 @@ DISPATCHER_TYPE = "deepep"
 CONFIG_PREFIX = "moe_mdeep_"
 
 #: Values of the `transport` option.
-TRANSPORT_CHOICES = ("auto", "local", "nvlink", "reference")
+TRANSPORT_CHOICES = ("auto", "local", "nvlink", "internode", "reference")
 
 #: Values of the `fp8_dispatch` option besides the names in `megatron_deepep.fp8.FORMATS`.
 FP8_DISPATCH_CHOICES = FLAG_NAMES  # one list: fp8/dispatch.py's
@@ -38,7 +38,8 @@ class DeepEPOptions:
 
     Attributes:
         transport: "auto" (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the
-            pure-torch reference without CUDA), "local", "nvlink" or "reference".
+            internode kernels when the EP group spans nodes, the pure-torch reference without
+            CUDA), "local", "nvlink", "internode" or "reference".
         num_sms: SM budget of the communication kernels.
         num_max_tokens_per_rank: the most tokens one rank dispatches per call. It sizes the
             symmetric buffer and must be the same on every EP rank; None picks the next power of
@@ -62,6 +63,8 @@ class DeepEPOptions:
             holds logical expert `physical_to_logical[p]`; the expert weights must be
             permuted to match (`balance.permute_expert_weights`). None: the contiguous
             placement.
+        ranks_per_node: declares nodes of this many contiguous EP ranks (virtual nodes, for
+            tests and containers that share a host name); None: the ranks' hosts.
     """
 
     transport: str = "auto"
@@ -71,6 +74,7 @@ class DeepEPOptions:
     metrics_dir: Optional[str] = None
     fp8_dispatch: str = "off"
     expert_map: Optional[object] = None
+    ranks_per_node: Optional[int] = None
 
     def __post_init__(self):
         check_transport_option(self.transport)

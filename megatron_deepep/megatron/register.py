@@ -67,6 +67,8 @@ ARGUMENTS = [
                                    choices=list(TRANSPORT_CHOICES),
                                    help="megatron_deepep transport")),
     ("--moe-mdeep-num-sms", dict(type=int, default=None, help="SMs of the comm kernels")),
+    ("--moe-mdeep-ranks-per-node", dict(
+        type=int, default=None, help="EP ranks per node (default: from host names)")),
     ("--moe-mdeep-num-max-tokens-per-rank", dict(
         type=int, default=None, help="most tokens one rank dispatches (same on every rank)")),
     ("--moe-mdeep-metrics", dict(action="store_true", default=None,
