@@ -95,6 +95,13 @@ __device__ __forceinline__ int find_segment(const int* start, int num, int i) {
     return lo;
 }
 
+// slot_start[s] = staged slots of the sources before s (one thread; `slot_start [R + 1]`).
+__device__ __forceinline__ void prefix_recv_slots(const InternodeArgs& a, int* slot_start) {
+    slot_start[0] = 0;
+    for (int s = 0; s < a.num_ranks; ++s)
+        slot_start[s + 1] = slot_start[s] + a.num_recv_tokens_per_rank[s];
+}
+
 // Fills `peers[t]` (shared) with a load/store pointer to the block of every rank of this node;
 // records an error naming the first unreachable one. Returns false in every thread on failure.
 __device__ __forceinline__ bool map_node_peers(const InternodeArgs& a, u8** peers,
@@ -403,7 +410,8 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
                                               num_int4, lane);
     }
     if (last_block_done(&a.block_counters[0]) && !has_error(err)) {
-        for (int t = 0; t < L; ++t) st_release_sys(&flags_of(peers[t], a)->fwd_done[local], a.epoch);
+        for (int t = 0; t < L; ++t)
+            st_release_sys(&flags_of(peers[t], a)->fwd_done[local], a.epoch);
         for (int n = 0; n < M; ++n) {
             if (n == node) continue;
             a.chunks_seen[n] += num_chunks(a.fwd_count[n], C);
@@ -442,10 +450,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
     for (int e = warp; e < num_local; e += num_warps)
         zero_padding<kCached>(a, e, row_bytes, scale_bytes, lane);
     __shared__ int slot_start[kMaxInternodeRanks + 1];
-    if (threadIdx.x == 0) {
-        slot_start[0] = 0;
-        for (int s = 0; s < R; ++s) slot_start[s + 1] = slot_start[s] + a.num_recv_tokens_per_rank[s];
-    }
+    if (threadIdx.x == 0) prefix_recv_slots(a, slot_start);
     const bool ok = block_wait_node(flags_of(a.heap, a)->fwd_done, a.epoch, a, err,
                                     kPhaseInDispatchRecv);
     for (int i = warp; ok && i < slot_start[R]; i += num_warps) {
@@ -458,8 +463,9 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
         if (kCached) {
             if (lane < kTopk) row_lane = my_rows[lane];
         } else if (lane < kTopk) {
-            const volatile SlotMeta<kTopk>* meta = reinterpret_cast<const volatile SlotMeta<kTopk>*>(
-                a.heap + a.stage_meta + at * a.meta_stride);
+            const volatile SlotMeta<kTopk>* meta =
+                reinterpret_cast<const volatile SlotMeta<kTopk>*>(a.heap + a.stage_meta +
+                                                                  at * a.meta_stride);
             const int e = meta->local_expert[lane];
             if (e >= 0) {
                 row_lane = a.expert_row_start[e] + a.src_expert_offset[s * num_local + e] +
@@ -543,10 +549,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
     const int4* const y = reinterpret_cast<const int4*>(a.y);
     __shared__ u8* peers[kMaxRanksPerNode];
     __shared__ int slot_start[kMaxInternodeRanks + 1];
-    if (threadIdx.x == 0) {
-        slot_start[0] = 0;
-        for (int s = 0; s < R; ++s) slot_start[s + 1] = slot_start[s] + a.num_recv_tokens_per_rank[s];
-    }
+    if (threadIdx.x == 0) prefix_recv_slots(a, slot_start);
     bool ok = map_node_peers(a, peers, err, kPhaseInCombineSend);
     ok = ok && block_wait_node(flags_of(a.heap, a)->comb_consumed, a.epoch - 1, a, err,
                                kPhaseInCombineSend);

@@ -288,8 +288,8 @@ class InternodeTransport(Transport):
         with_weights = grad_row_weights is not None
         out_weights = (torch.empty(handle.num_tokens, handle.num_topk, dtype=torch.float32,
                                    device=y.device) if with_weights else None)
-        fields.update(y=y.data_ptr(), out=out.data_ptr(),
-                      out_weights=ops.addr(out_weights), recv_weights=handle.recv_weights.data_ptr(),
+        fields.update(y=y.data_ptr(), out=out.data_ptr(), out_weights=ops.addr(out_weights),
+                      recv_weights=handle.recv_weights.data_ptr(),
                       grad_row_weights=ops.addr(grad_row_weights))
         ops.internode_combine_send(topk_idx, weighted, with_weights, self.num_sms, fields)
         ops.internode_combine_forward(topk_idx, with_weights, self.num_sms, fields)
