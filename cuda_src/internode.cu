@@ -538,6 +538,32 @@ __device__ __forceinline__ void zero_acc(float (*acc)[8]) {
         for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
 }
 
+// Sums the partial slots `src[0 .. num_src)` (each a bf16 row, then K fp32 routing-weight
+// gradients at +row_stride) in the given order in fp32: the rounded row to `dst`, with
+// kWithWeights the K sums to `dst_weights`. The whole warp takes part.
+template <int kTopk, bool kWithWeights>
+__device__ __forceinline__ void warp_sum_partials(const u8* const* src, int num_src,
+                                                  i64 row_stride, int4* dst, float* dst_weights,
+                                                  int num_int4, int lane) {
+    for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
+        float acc[kCopyUnroll][8];
+        zero_acc(acc);
+        for (int s = 0; s < num_src; ++s)
+            accumulate_chunk(acc, reinterpret_cast<const int4*>(src[s]), base, num_int4, lane,
+                             1.f, false);
+        store_chunk_bf16(dst, acc, base, num_int4, lane);
+    }
+    if (kWithWeights && lane < kTopk) {
+        float sum = 0.f;
+        for (int s = 0; s < num_src; ++s) {
+            const volatile float* weights =
+                reinterpret_cast<const volatile float*>(src[s] + row_stride);
+            sum = __fadd_rn(sum, weights[lane]);
+        }
+        dst_weights[lane] = sum;
+    }
+}
+
 template <int kTopk, bool kWeighted, bool kWithWeights>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
     const __grid_constant__ InternodeArgs a) {
@@ -617,31 +643,19 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_forward(
         u8* const region = a.heap + (own ? a.comb_recv + (i64)node * N_max * comb_stride
                                          : a.comb_send + (i64)n * N_max * comb_stride);
         for (int j = first + warp; j < last; j += num_warps) {
+            // This node's partials of the token, in ascending local rank.
             const int* slots = a.fwd_slots + ((i64)n * N_max + j) * L;
+            const u8* src[kMaxRanksPerNode];
+            int num_src = 0;
+            for (int t = 0; t < L; ++t)
+                if (slots[t] >= 0)
+                    src[num_src++] = a.heap + a.comb_stage +
+                                     (((i64)t * M + n) * N_max + slots[t]) * comb_stride;
             u8* const dst = region + (i64)j * comb_stride;
-            for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
-                float acc[kCopyUnroll][8];
-                zero_acc(acc);
-                for (int t = 0; t < L; ++t) {
-                    if (slots[t] < 0) continue;
-                    const u8* src = a.heap + a.comb_stage +
-                                    (((i64)t * M + n) * N_max + slots[t]) * comb_stride;
-                    accumulate_chunk(acc, reinterpret_cast<const int4*>(src), base, num_int4,
-                                     lane, 1.f, false);
-                }
-                store_chunk_bf16(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
-            }
-            if (kWithWeights && lane < kTopk) {
-                float sum = 0.f;
-                for (int t = 0; t < L; ++t) {
-                    if (slots[t] < 0) continue;
-                    const volatile float* src = reinterpret_cast<const volatile float*>(
-                        a.heap + a.comb_stage +
-                        (((i64)t * M + n) * N_max + slots[t]) * comb_stride + a.row_stride);
-                    sum = __fadd_rn(sum, src[lane]);
-                }
-                reinterpret_cast<float*>(dst + a.row_stride)[lane] = sum;
-            }
+            warp_sum_partials<kTopk, kWithWeights>(src, num_src, a.row_stride,
+                                                   reinterpret_cast<int4*>(dst),
+                                                   reinterpret_cast<float*>(dst + a.row_stride),
+                                                   num_int4, lane);
         }
         __threadfence_system();
         __syncthreads();
@@ -676,29 +690,16 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_reduce(
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
     int4* const out = reinterpret_cast<int4*>(a.out);
     for (int i = warp; ok && i < a.num_tokens; i += num_warps) {
+        // The token's rows from its destination nodes, in ascending node order.
         const int* slots = a.token_slot_in_node + (i64)i * M;
-        for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
-            float acc[kCopyUnroll][8];
-            zero_acc(acc);
-            for (int n = 0; n < M; ++n) {
-                if (slots[n] < 0) continue;
-                const u8* src = a.heap + a.comb_recv + ((i64)n * N_max + slots[n]) * comb_stride;
-                accumulate_chunk(acc, reinterpret_cast<const int4*>(src), base, num_int4, lane,
-                                 1.f, false);
-            }
-            store_chunk_bf16(out + (i64)i * num_int4, acc, base, num_int4, lane);
-        }
-        if (kWithWeights && lane < kTopk) {
-            float sum = 0.f;
-            for (int n = 0; n < M; ++n) {
-                if (slots[n] < 0) continue;
-                const volatile float* src = reinterpret_cast<const volatile float*>(
-                    a.heap + a.comb_recv + ((i64)n * N_max + slots[n]) * comb_stride +
-                    a.row_stride);
-                sum = __fadd_rn(sum, src[lane]);
-            }
-            a.out_weights[(i64)i * kTopk + lane] = sum;
-        }
+        const u8* src[kMaxNodes];
+        int num_src = 0;
+        for (int n = 0; n < M; ++n)
+            if (slots[n] >= 0)
+                src[num_src++] = a.heap + a.comb_recv + ((i64)n * N_max + slots[n]) * comb_stride;
+        warp_sum_partials<kTopk, kWithWeights>(src, num_src, a.row_stride,
+                                               out + (i64)i * num_int4,
+                                               a.out_weights + (i64)i * kTopk, num_int4, lane);
     }
     if (last_block_done(&a.block_counters[4]) && !has_error(err)) {
         for (int n = 0; n < M; ++n) {

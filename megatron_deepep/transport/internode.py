@@ -36,7 +36,8 @@ from megatron_deepep.transport.base import Transport
 from megatron_deepep.transport.errors import PeerTimeoutError
 from megatron_deepep.transport.internode_regions import MAX_NODES, InternodeRegions
 from megatron_deepep.transport.nvshmem_heap import SymmetricHeap
-from megatron_deepep.transport.recv import as_recv_x, dispatch_plan, empty_recv
+from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
+                                            empty_recv, regrow_slots)
 from megatron_deepep.transport.status import KernelStatus
 from megatron_deepep.transport.topology import MAX_RANKS_PER_NODE, detect_topology
 
@@ -240,16 +241,12 @@ class InternodeTransport(Transport):
         if slots == max_tokens:
             return
         num_tokens, num_topk = topk_idx.shape
-        new = dispatch_plan(num_tokens, num_topk, handle.num_experts, self.num_ranks,
-                            max_tokens, False).allocate(self.device)
-        new_nodes = node_plan(num_tokens, self.num_nodes, max_tokens,
-                              self.ranks_per_node).allocate(self.device)
-        for old_arena, new_arena in ((arena, new), (nodes, new_nodes)):
-            for name in new_arena.plan.fields:
-                if name in ("slot_rows", "fwd_slots"):
-                    new_arena.view(name).fill_(-1)[:, :slots].copy_(old_arena.view(name))
-                else:
-                    new_arena.view(name).copy_(old_arena.view(name))
+        new = regrow_slots(arena, dispatch_plan(num_tokens, num_topk, handle.num_experts,
+                                                self.num_ranks, max_tokens, False),
+                           ("slot_rows",), self.device)
+        new_nodes = regrow_slots(nodes, node_plan(num_tokens, self.num_nodes, max_tokens,
+                                                  self.ranks_per_node), ("fwd_slots",),
+                                 self.device)
         for name in new.plan.fields:  # drop views of the old arena
             handle.__dict__.pop(name, None)
         handle.__dict__["_arena"] = new
@@ -284,10 +281,8 @@ class InternodeTransport(Transport):
         self.combine_epoch += 1
         fields = self._fields(self.combine_epoch, topk_idx, handle.num_experts, handle.layout,
                               arena, nodes, y.shape[1])
-        out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         with_weights = grad_row_weights is not None
-        out_weights = (torch.empty(handle.num_tokens, handle.num_topk, dtype=torch.float32,
-                                   device=y.device) if with_weights else None)
+        out, out_weights = empty_combine_out(handle, y, with_weights)
         fields.update(y=y.data_ptr(), out=out.data_ptr(), out_weights=ops.addr(out_weights),
                       recv_weights=handle.recv_weights.data_ptr(),
                       grad_row_weights=ops.addr(grad_row_weights))

@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_deepep.transport.regions import COUNT_STRIDE, PAGE
+from megatron_deepep.transport.regions import COUNT_STRIDE, PAGE, _align
 
 MAX_RANKS_PER_NODE = 8   # kMaxRanksPerNode
 MAX_NODES = 32           # kMaxNodes
 NUM_NODE_FLAGS = 4 * MAX_RANKS_PER_NODE  # struct NodeFlags
-
-
-def _align(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
 
 
 @dataclasses.dataclass(frozen=True)
