@@ -152,3 +152,25 @@ def _growth_during_pending_backward(rank, world):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_get_buffer_growth_keeps_pending_backward_valid(world_size):
     run_distributed(world_size, _growth_during_pending_backward)
+
+
+def _virtual_nodes_worker(rank, world):
+    import logging
+    from megatron_deepep.buffer import Buffer
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megatron_deepep.transport").addHandler(handler)
+    buf = Buffer(torch.distributed.group.WORLD, 16, 64, 2, num_ranks_per_node=1)
+    assert buf.transport_name == "reference"  # no CUDA here: the reference, said in the log
+    assert any("spans 2 nodes" in r.getMessage() for r in records)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        Buffer(torch.distributed.group.WORLD, 16, 64, 2, transport="internode",
+               num_ranks_per_node=1)
+    with pytest.raises(ValueError, match="num_ranks_per_node=3 must divide"):
+        Buffer(torch.distributed.group.WORLD, 16, 64, 2, num_ranks_per_node=3)
+
+
+def test_declared_nodes_pick_the_internode_path_or_say_why_not():
+    from tests.distributed import run_distributed
+    run_distributed(2, _virtual_nodes_worker, backend="gloo", timeout_s=120)
