@@ -96,3 +96,22 @@ def test_size_hint_matches_the_regions():
         InternodeRegions(16, 8, 512, 4096, 8).num_bytes
     assert InternodeTransport.size_hint(4, 512, 4096, 8, 2) == \
         InternodeRegions(4, 2, 512, 4096, 8).num_bytes
+
+
+@pytest.mark.parametrize("text, size", [("1073741824", 1 << 30), ("2G", 2 << 30),
+                                        ("512m", 512 << 20), ("1.5GB", 3 << 29),
+                                        ("64KiB", 64 << 10)])
+def test_heap_size_settings_parse(text, size):
+    from megatron_deepep.transport.nvshmem_heap import parse_heap_size
+    assert parse_heap_size(text) == size
+
+
+def test_heap_limit_defaults_to_nvshmem_default(monkeypatch):
+    from megatron_deepep.transport import nvshmem_heap
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE", raising=False)
+    assert nvshmem_heap.heap_limit() == 1 << 30
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "3G")
+    assert nvshmem_heap.heap_limit() == 3 << 30
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "lots")
+    with pytest.raises(ValueError, match="is not a size"):
+        nvshmem_heap.heap_limit()

@@ -35,7 +35,7 @@ from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
 from megatron_deepep.transport.errors import PeerTimeoutError
 from megatron_deepep.transport.internode_regions import MAX_NODES, InternodeRegions
-from megatron_deepep.transport.nvshmem_heap import SymmetricHeap
+from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit
 from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
                                             empty_recv, regrow_slots)
 from megatron_deepep.transport.status import KernelStatus
@@ -95,6 +95,17 @@ class InternodeTransport(Transport):
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.regions = InternodeRegions(self.num_ranks, self.ranks_per_node,
                                         num_max_tokens_per_rank, hidden, num_topk)
+        limit = heap_limit()
+        if self.regions.num_bytes > limit:
+            raise ValueError(
+                f"the internode transport needs {self.regions.num_bytes} bytes of NVSHMEM "
+                f"symmetric heap per rank for num_max_tokens_per_rank={num_max_tokens_per_rank}, "
+                f"hidden={hidden}, num_topk={num_topk} on {self.num_nodes} nodes x "
+                f"{self.ranks_per_node} (about N_max (4 M + L M + R) rows), more than the heap "
+                f"NVSHMEM gives ({limit} bytes): export NVSHMEM_SYMMETRIC_SIZE >= "
+                f"{self.regions.num_bytes + (64 << 20)} before the first symmetric allocation "
+                "(`Buffer.size_hint(..., transport='internode')` computes it), or lower "
+                "num_max_tokens_per_rank")
         self.heap = SymmetricHeap(self.device)
         self.block = self.heap.empty(self.regions.num_bytes, torch.uint8)
         self.block[:self.regions.control_bytes()].zero_()
