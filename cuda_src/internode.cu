@@ -95,12 +95,22 @@ __device__ __forceinline__ int find_segment(const int* start, int num, int i) {
     return lo;
 }
 
-// slot_start[s] = staged slots of the sources before s (one thread; `slot_start [R + 1]`).
-__device__ __forceinline__ void prefix_recv_slots(const InternodeArgs& a, int* slot_start) {
-    slot_start[0] = 0;
-    for (int s = 0; s < a.num_ranks; ++s)
-        slot_start[s + 1] = slot_start[s] + a.num_recv_tokens_per_rank[s];
+// start[n + 1] = start[n] + ceil(counts[n] / chunk), start[0] = 0 (one thread; `start
+// [num + 1]`): the first chunk (chunk = 1: item) of each segment.
+__device__ __forceinline__ void exclusive_chunk_prefix(const int* counts, int num, int chunk,
+                                                       int* start) {
+    start[0] = 0;
+    for (int n = 0; n < num; ++n) start[n + 1] = start[n] + (counts[n] + chunk - 1) / chunk;
 }
+
+// This rank's place and the call's sizes, as the kernels name them.
+struct Shape {
+    int R, L, M, C, N_max, node, local;
+    __device__ explicit Shape(const InternodeArgs& a)
+        : R(a.num_ranks), L(a.ranks_per_node), M(a.num_nodes), C(a.chunk_tokens),
+          N_max(a.max_tokens), node(a.rank / a.ranks_per_node),
+          local(a.rank % a.ranks_per_node) {}
+};
 
 // Fills `peers[t]` (shared) with a load/store pointer to the block of every rank of this node;
 // records an error naming the first unreachable one. Returns false in every thread on failure.
@@ -303,18 +313,13 @@ template <int kTopk, bool kCached, typename IdxT, int kFmt>
 __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
-    const int M = a.num_nodes, L = a.ranks_per_node, R = a.num_ranks, N = a.num_tokens;
-    const int C = a.chunk_tokens, N_max = a.max_tokens;
-    const int node = a.rank / L, local = a.rank % L;
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int N = a.num_tokens;
     const i64 slot_stride = a.row_stride + a.record_stride;
     const IdxT* const topk_idx = static_cast<const IdxT*>(a.topk_idx);
     const Signals sig(a);
     __shared__ int chunk_start[kMaxNodes + 1];
-    if (threadIdx.x == 0) {
-        chunk_start[0] = 0;
-        for (int m = 0; m < M; ++m)
-            chunk_start[m + 1] = chunk_start[m] + num_chunks(a.num_tokens_per_node[m], C);
-    }
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_tokens_per_node, M, C, chunk_start);
     // Rail peers consumed the previous call's slots (the signal carries their epoch).
     const bool ok = block_wait_rail(sig.disp_ack, nullptr, [&](int) { return (u64)(a.epoch - 1); },
                                     a, err, kPhaseInDispatchSend);
@@ -358,23 +363,19 @@ template <int kTopk>
 __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
-    const int M = a.num_nodes, L = a.ranks_per_node, C = a.chunk_tokens, N_max = a.max_tokens;
-    const int node = a.rank / L, local = a.rank % L, num_local = a.num_local;
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int num_local = a.num_local;
     const i64 slot_stride = a.row_stride + a.record_stride;
     const int num_int4 = (int)((a.wire_bytes + 15) / 16);  // within row_stride
     const Signals sig(a);
     NodeFlags* const mine = flags_of(a.heap, a);
     __shared__ u8* peers[kMaxRanksPerNode];
     __shared__ int tok_start[kMaxNodes + 1];
-    if (threadIdx.x == 0) {
-        tok_start[0] = 0;
-        for (int n = 0; n < M; ++n) tok_start[n + 1] = tok_start[n] + a.fwd_count[n];
-    }
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.fwd_count, M, 1, tok_start);
     bool ok = map_node_peers(a, peers, err, kPhaseInForward);
     ok = ok && block_wait_node(mine->stage_consumed, a.epoch - 1, a, err, kPhaseInForward);
-    ok = ok && block_wait_rail(sig.disp, a.chunks_seen,
-                               [&](int n) { return (u64)num_chunks(a.fwd_count[n], C); }, a, err,
-                               kPhaseInForward);
+    const auto chunks_from = [&](int n) { return (u64)num_chunks(a.fwd_count[n], a.chunk_tokens); };
+    ok = ok && block_wait_rail(sig.disp, a.chunks_seen, chunks_from, a, err, kPhaseInForward);
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
@@ -439,8 +440,8 @@ template <int kTopk, bool kCached, int kFmt, bool kDequant>
 __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
-    const int R = a.num_ranks, L = a.ranks_per_node, N_max = a.max_tokens;
-    const int local = a.rank % L, num_local = a.num_local, hidden = a.hidden;
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int num_local = a.num_local, hidden = a.hidden;
     constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
     const i64 row_bytes = kFp8Out ? (i64)hidden : (i64)hidden * 2;
     const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
@@ -450,7 +451,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
     for (int e = warp; e < num_local; e += num_warps)
         zero_padding<kCached>(a, e, row_bytes, scale_bytes, lane);
     __shared__ int slot_start[kMaxInternodeRanks + 1];
-    if (threadIdx.x == 0) prefix_recv_slots(a, slot_start);
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
     const bool ok = block_wait_node(flags_of(a.heap, a)->fwd_done, a.epoch, a, err,
                                     kPhaseInDispatchRecv);
     for (int i = warp; ok && i < slot_start[R]; i += num_warps) {
@@ -568,14 +569,13 @@ template <int kTopk, bool kWeighted, bool kWithWeights>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
-    const int R = a.num_ranks, L = a.ranks_per_node, M = a.num_nodes, N_max = a.max_tokens;
-    const int local = a.rank % L;
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
     const int num_int4 = a.hidden * 2 / 16;
     const i64 comb_stride = a.row_stride + a.weight_stride;
     const int4* const y = reinterpret_cast<const int4*>(a.y);
     __shared__ u8* peers[kMaxRanksPerNode];
     __shared__ int slot_start[kMaxInternodeRanks + 1];
-    if (threadIdx.x == 0) prefix_recv_slots(a, slot_start);
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
     bool ok = map_node_peers(a, peers, err, kPhaseInCombineSend);
     ok = ok && block_wait_node(flags_of(a.heap, a)->comb_consumed, a.epoch - 1, a, err,
                                kPhaseInCombineSend);
@@ -617,18 +617,13 @@ template <int kTopk, bool kWithWeights>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_forward(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
-    const int M = a.num_nodes, L = a.ranks_per_node, C = a.chunk_tokens, N_max = a.max_tokens;
-    const int node = a.rank / L, local = a.rank % L;
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
     const int num_int4 = a.hidden * 2 / 16;
     const i64 comb_stride = a.row_stride + a.weight_stride;
     const Signals sig(a);
     __shared__ u8* peers[kMaxRanksPerNode];
     __shared__ int chunk_start[kMaxNodes + 1];
-    if (threadIdx.x == 0) {
-        chunk_start[0] = 0;
-        for (int n = 0; n < M; ++n)
-            chunk_start[n + 1] = chunk_start[n] + num_chunks(a.fwd_count[n], C);
-    }
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.fwd_count, M, C, chunk_start);
     bool ok = map_node_peers(a, peers, err, kPhaseInCombineForward);
     ok = ok && block_wait_node(flags_of(a.heap, a)->comb_done, a.epoch, a, err,
                                kPhaseInCombineForward);
@@ -676,14 +671,13 @@ template <int kTopk, bool kWithWeights>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_reduce(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
-    const int M = a.num_nodes, L = a.ranks_per_node, C = a.chunk_tokens, N_max = a.max_tokens;
-    const int node = a.rank / L, local = a.rank % L;
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
     const int num_int4 = a.hidden * 2 / 16;
     const i64 comb_stride = a.row_stride + a.weight_stride;
     const Signals sig(a);
     const bool ok = block_wait_rail(
         sig.comb, a.chunks_seen + M,
-        [&](int n) { return (u64)num_chunks(a.num_tokens_per_node[n], C); }, a, err,
+        [&](int n) { return (u64)num_chunks(a.num_tokens_per_node[n], a.chunk_tokens); }, a, err,
         kPhaseInCombineReduce);
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
