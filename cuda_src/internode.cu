@@ -132,6 +132,14 @@ __device__ __forceinline__ bool map_node_peers(const InternodeArgs& a, u8** peer
     return unreachable == 0;
 }
 
+// Sets flag [my local index] of `kFlags` to the call's epoch on every rank of this node (the
+// last block of a kernel, once every block's writes are fenced).
+template <u32 (NodeFlags::*kFlags)[kMaxRanksPerNode]>
+__device__ __forceinline__ void release_node(u8* const* peers, const InternodeArgs& a) {
+    const int L = a.ranks_per_node, local = a.rank % L;
+    for (int t = 0; t < L; ++t) st_release_sys(&(flags_of(peers[t], a)->*kFlags)[local], a.epoch);
+}
+
 // Thread t < L waits until flags[t] reaches `epoch`; returns in every thread whether all did.
 __device__ __forceinline__ bool block_wait_node(const u32* flags, u32 epoch,
                                                 const InternodeArgs& a, const ErrorState& err,
@@ -411,8 +419,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
                                               num_int4, lane);
     }
     if (last_block_done(&a.block_counters[0]) && !has_error(err)) {
-        for (int t = 0; t < L; ++t)
-            st_release_sys(&flags_of(peers[t], a)->fwd_done[local], a.epoch);
+        release_node<&NodeFlags::fwd_done>(peers, a);
         for (int n = 0; n < M; ++n) {
             if (n == node) continue;
             a.chunks_seen[n] += num_chunks(a.fwd_count[n], C);
@@ -503,8 +510,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
         peers[threadIdx.x] = static_cast<u8*>(
             net::peer_ptr(a.heap, a.pe_of_rank[(a.rank / L) * L + threadIdx.x]));
     if (last_block_done(&a.block_counters[1]) && !has_error(err))
-        for (int t = 0; t < L; ++t)
-            st_release_sys(&flags_of(peers[t], a)->stage_consumed[local], a.epoch);
+        release_node<&NodeFlags::stage_consumed>(peers, a);
 }
 
 // ------------------------------------------------------------------------------------ combine
@@ -609,8 +615,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
         }
     }
     if (last_block_done(&a.block_counters[2]) && !has_error(err))
-        for (int t = 0; t < L; ++t)
-            st_release_sys(&flags_of(peers[t], a)->comb_done[local], a.epoch);
+        release_node<&NodeFlags::comb_done>(peers, a);
 }
 
 template <int kTopk, bool kWithWeights>
@@ -663,8 +668,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_forward(
     __syncthreads();
     if (threadIdx.x == 0) net::quiet();
     if (last_block_done(&a.block_counters[3]) && !has_error(err))
-        for (int t = 0; t < L; ++t)
-            st_release_sys(&flags_of(peers[t], a)->comb_consumed[local], a.epoch);
+        release_node<&NodeFlags::comb_consumed>(peers, a);
 }
 
 template <int kTopk, bool kWithWeights>
