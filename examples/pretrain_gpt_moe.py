@@ -20,6 +20,9 @@ DIR`, `--moe-mdeep-num-sms N`, `--moe-mdeep-transport {auto,local,nvlink,referen
 `--moe-mdeep-fp8-dispatch {off,blockwise,mxfp8,auto}` (README, "FP8 dispatch"). A patched
 Megatron defines them as config fields itself; here they are added only when missing, and
 `apply_arguments` makes the parsed values the dispatcher's defaults.
+
+`GPT_MOE_ARGS` (environment): more flags, shell-quoted, appended after the command line's (so
+they win); the model-family templates in `examples/configs/` use it through the Slurm template.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import importlib
 import inspect
 import logging
 import os
+import shlex
 import sys
 from functools import partial
 
@@ -36,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import megatron_deepep.megatron as mdm  # noqa: E402
+from megatron_deepep import knobs  # noqa: E402
 
 # Before megatron.training builds its parser: the CLI choices come from the config Literal.
 mdm.register_deepep_dispatcher()
@@ -78,6 +83,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     if args.transformer_impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts,
                                                           args.moe_grouped_gemm)
+        if knobs.get("FP8_EXPERTS"):  # docs/fp8.md: FP8 rows into TE's grouped GEMM
+            from megatron_deepep.megatron.te_experts import with_fp8_experts
+
+            spec = with_fp8_experts(spec)
     else:
         spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
     extra = {k: v for k, v in (("vp_stage", vp_stage), ("pg_collection", pg_collection))
@@ -186,7 +195,15 @@ def use_prebuilt_dataset_helpers() -> bool:
     return True
 
 
+def append_env_args(argv: list, environ=os.environ) -> list:
+    """`argv` plus the flags in `GPT_MOE_ARGS` (shell-quoted), which come last and so override
+    the launcher's own: how `examples/configs/*.sh` send a model family's flags through
+    `examples/slurm_gpt_moe.sbatch` (Slurm passes the environment to every task)."""
+    return argv + shlex.split(environ.get("GPT_MOE_ARGS", ""))
+
+
 def main() -> None:
+    sys.argv = append_env_args(sys.argv)
     use_prebuilt_dataset_helpers()
     call_args, call_kwargs = pretrain_call(pretrain)
     pretrain(*call_args, **call_kwargs)

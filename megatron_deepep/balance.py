@@ -34,8 +34,9 @@ Command line (no GPU)::
 `--loads` reads a JSON file (a list `[E]` or `[steps, E]`, or an object with a
 `tokens_per_expert` list) or the dispatcher's metrics JSON lines
 (`{"step": s, "layers": {"<layer>": {"tokens_per_expert": [...]}}}` per line; the field is
-`tokens_per_expert`, all E experts in the order of the placement the run used, which must be
-the default one). Each layer gets its own plan.
+`tokens_per_expert`, all E experts in the order of the placement the run used; a run under an
+expert map also writes `physical_to_logical`, and the copies' counts are added back to their
+logical experts). Each layer gets its own plan.
 """
 
 from __future__ import annotations
@@ -305,6 +306,20 @@ def synthetic_loads(spec: str, num_tokens: int = 1_000_000) -> torch.Tensor:
     return weights / weights.sum() * num_tokens
 
 
+def logical_loads(tokens_per_slot: Sequence[float],
+                  physical_to_logical: Optional[Sequence[int]] = None) -> List[float]:
+    """Per logical expert loads from per physical slot counts (a run under an expert map):
+    the copies of an expert add up. Without a map the counts are returned as they are."""
+    if physical_to_logical is None:
+        return list(tokens_per_slot)
+    assert len(physical_to_logical) == len(tokens_per_slot), \
+        f"{len(tokens_per_slot)} counts for {len(physical_to_logical)} physical slots"
+    out = [0.0] * (max(physical_to_logical) + 1)
+    for load, e in zip(tokens_per_slot, physical_to_logical):
+        out[e] += load
+    return out
+
+
 def read_loads(path: str, layer: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """Per-layer load histories `[steps, E]` from a JSON file or metrics JSON lines.
 
@@ -325,7 +340,8 @@ def read_loads(path: str, layer: Optional[str] = None) -> Dict[str, torch.Tensor
                 continue
             for name, values in json.loads(line).get("layers", {}).items():
                 if layer is None or name == str(layer):
-                    rows.setdefault(name, []).append(values["tokens_per_expert"])
+                    rows.setdefault(name, []).append(logical_loads(
+                        values["tokens_per_expert"], values.get("physical_to_logical")))
         assert rows, f"{path}: no tokens_per_expert" + (f" for layer {layer}" if layer else "")
         return {k: torch.tensor(v, dtype=torch.float64) for k, v in rows.items()}
     data = json.loads(text)

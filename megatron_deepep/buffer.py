@@ -43,20 +43,26 @@ class Buffer:
             fp32 row of H elements needs hidden >= 2 * H.
         num_topk: the largest top-k any call uses (at most 16).
         transport: "auto" (with CUDA: the EP = 1 kernels for one rank, the NVLink kernels for
-            2-8; without: the pure-torch reference), "local", "nvlink" or "reference".
+            2-8 ranks of one node, the internode kernels for a group spanning nodes; without:
+            the pure-torch reference), "local", "nvlink", "internode" or "reference".
         num_sms: SM budget of the communication kernels (the rest stay free for compute).
         timeout_s: how long any cross-GPU wait may last before it fails naming the peer.
+        num_ranks_per_node: declares nodes of this many contiguous ranks (virtual nodes: e.g.
+            4 processes on one GPU with 2 model 2 nodes x 2 GPUs); by default the nodes are
+            the ranks' hosts.
     """
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                  transport: str = "auto", num_sms: int = DEFAULT_NUM_SMS,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, num_ranks_per_node: Optional[int] = None):
         _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                       num_topk=num_topk)
         _check_transport(transport)
         validate.check_int("num_sms", num_sms, low=1)
         timeout_s = validate.check_timeout("timeout_s", timeout_s)
         group = validate.check_group(group)
+        if num_ranks_per_node is not None:
+            validate.check_int("num_ranks_per_node", num_ranks_per_node, low=1)
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -67,7 +73,7 @@ class Buffer:
         self.timeout_s = timeout_s
         self._transport = transport_module.create(
             transport, group, num_max_tokens_per_rank, hidden, num_topk, num_sms=num_sms,
-            timeout_s=timeout_s)
+            timeout_s=timeout_s, num_ranks_per_node=num_ranks_per_node)
         self.device = self._transport.device  # None: the transport follows its inputs
         self._comm_stream = (torch.cuda.Stream(device=self.device)
                              if self.device is not None else None)
@@ -82,7 +88,7 @@ class Buffer:
     # ----------------------------------------------------------------------------------------
     @staticmethod
     def size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int,
-                  transport: str = "auto") -> int:
+                  transport: str = "auto", num_ranks_per_node: Optional[int] = None) -> int:
         """Bytes of device memory each rank's transport holds for these limits (0 for the
         EP = 1 kernels and the reference: they hold none between calls).
 
@@ -91,22 +97,26 @@ class Buffer:
             hidden: the widest row (bf16 elements).
             num_ranks: the EP size.
             num_topk: the largest top-k.
-            transport: as for `Buffer` ("auto" resolves as it would on this machine; "local"
-                and "nvlink" are sized without needing a GPU).
+            transport: as for `Buffer` ("auto" resolves as it would on this machine; "local",
+                "nvlink" and "internode" are sized without needing a GPU).
+            num_ranks_per_node: ranks per node; None: one node, except for "internode", which
+                then assumes nodes of 8 ranks.
         """
         _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                       num_topk=num_topk)
         validate.check_int("num_ranks", num_ranks, low=1)
         _check_transport(transport)
-        # A size needs no GPU: "nvlink" and "local" are sized as if one were present.
-        name = transport_module.resolve(transport, num_ranks,
-                                        transport != "auto" or torch.cuda.is_available())
-        return transport_module.transport_class(name).size_hint(
-            num_ranks, num_max_tokens_per_rank, hidden, num_topk)
+        if num_ranks_per_node is not None:
+            validate.check_int("num_ranks_per_node", num_ranks_per_node, low=1, high=8)
+        # A size needs no GPU: the kernel transports are sized as if one were present.
+        return transport_module.size_hint(
+            transport, num_ranks, num_max_tokens_per_rank, hidden, num_topk,
+            cuda_available=transport != "auto" or torch.cuda.is_available(),
+            num_ranks_per_node=num_ranks_per_node)
 
     @property
     def transport_name(self) -> str:
-        """The transport serving this Buffer ("local", "nvlink" or "reference")."""
+        """The transport serving this Buffer ("local", "nvlink", "internode" or "reference")."""
         return self._current()._transport.name
 
     @property
@@ -433,10 +443,10 @@ def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, 
     _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                   num_topk=num_topk)
     _check_transport(transport)
-    unknown = sorted(set(kwargs) - {"num_sms", "timeout_s"})
+    unknown = sorted(set(kwargs) - {"num_sms", "timeout_s", "num_ranks_per_node"})
     if unknown:
         raise TypeError(f"get_buffer got unexpected keyword argument(s) {unknown}; it takes "
-                        f"transport, num_sms and timeout_s")
+                        f"transport, num_sms, timeout_s and num_ranks_per_node")
     group = validate.check_group(group)
     key = (id(group), transport)
     buf = _BUFFERS.get(key)

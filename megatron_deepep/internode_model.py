@@ -28,11 +28,13 @@ Rates assumed by default (NVIDIA's H100/H200 SXM NVLink 4 and ConnectX-7 400 Gb/
 50 GB/s per 400 Gb/s NIC, one NIC per GPU (DGX/HGX H100/H200 line rate; about 46-48 GB/s
 practical); NVLink4 on H100/H200 SXM 450 GB/s per direction (18 links, 900 GB/s
 bidirectional; NCCL reaches about 370 GB/s). `fixed` is 0 unless measured. `--measured-json
-FILE` replaces them with the kernels'
-own per-byte costs measured on a GPU: a JSON object with optional keys `network_gbps`,
-`nvlink_gbps`, `fixed_us` at the top level (both phases) or inside `"dispatch"` / `"combine"`
-(one phase), and an optional `"source"` string printed with the table. A cost per byte is
-1 / rate: 1 / (50 GB/s) = 0.02 ns per byte.
+FILE` replaces them with measured costs: a JSON object with optional keys `network_gbps`,
+`nvlink_gbps`, `fixed_us`, or per-byte costs `network_ns_per_byte`, `nvlink_ns_per_byte`
+(1 / rate: 1 / (50 GB/s) = 0.02 ns per byte), at the top level (both phases) or inside
+`"dispatch"` / `"combine"` (one phase), and an optional `"source"` string printed with the
+table. `python -m megatron_deepep.bench_network` (the network leg on one GPU) and
+`scripts/multinode_check.py --json` (dispatch and combine GB/s per NIC on real nodes) write
+such files.
 
 Routing: "uniform" picks each token's top-k experts uniformly (top-k of uniform random scores);
 "node-limited" runs Megatron's group-limited routing (`node_layout.node_limited_topk`, groups =
@@ -108,6 +110,51 @@ def route(num_tokens: int, num_experts: int, topk: int, num_ranks: int, *, seed:
     return out
 
 
+def source_counts(layout) -> Dict[str, List[int]]:
+    """What one source rank's `node_layout.NodeLayout` contributes to `accumulate_rank_rows`:
+    `network` and `nvlink` `[num_nodes]` rows per destination node, `per_rank` `[R]` tokens per
+    destination rank, and `tokens` (a one-element list: N). Small, so a multi-node check can
+    all-gather it instead of every rank's routing."""
+    return {"network": layout.num_network_rows_per_node.tolist(),
+            "nvlink": layout.num_nvlink_rows_per_node.tolist(),
+            "per_rank": layout.num_tokens_per_rank.tolist(),
+            "tokens": [layout.num_tokens]}
+
+
+def accumulate_rank_rows(counts: Sequence[Dict[str, List[int]]],
+                         num_ranks_per_node: int) -> Dict[str, List[int]]:
+    """Per-rank row counts of one dispatch from every source's `source_counts`.
+
+    Args:
+        counts: `[R]`, `source_counts` of every source rank, in rank order.
+        num_ranks_per_node: P.
+
+    Returns:
+        As `rank_rows`.
+    """
+    num_ranks = len(counts)
+    topo = Topology(num_ranks, num_ranks_per_node)
+    per_node = num_ranks_per_node
+    zeros = [0] * num_ranks
+    rows = {k: list(zeros) for k in ("net_send", "net_recv", "nvl_send", "nvl_recv",
+                                     "flat_net_send", "crossings", "tokens")}
+    for src, c in enumerate(counts):
+        node, local = divmod(src, per_node)
+        network, nvlink, per_rank = c["network"], c["nvlink"], c["per_rank"]
+        rows["net_send"][src] = sum(network)
+        rows["crossings"][src] = rows["net_send"][src]  # one crossing per network row
+        rows["tokens"][src] = c["tokens"][0]
+        rows["flat_net_send"][src] = sum(n for d, n in enumerate(per_rank) if d // per_node != node)
+        for b in range(topo.num_nodes):
+            forwarder = b * per_node + local
+            rows["net_recv"][forwarder] += network[b]
+            rows["nvl_send"][forwarder] += nvlink[b]
+            for j in range(per_node):
+                if j != local:
+                    rows["nvl_recv"][b * per_node + j] += per_rank[b * per_node + j]
+    return rows
+
+
 def rank_rows(topk_idxs: Sequence[torch.Tensor], num_experts: int,
               num_ranks_per_node: int) -> Dict[str, List[int]]:
     """Per-rank row counts of one dispatch over the whole group (see the module docstring).
@@ -122,30 +169,10 @@ def rank_rows(topk_idxs: Sequence[torch.Tensor], num_experts: int,
         non-hierarchical all-to-all would send over the network: one per (token, rank on another
         node)), crossings (sum over tokens of network crossings), tokens.
     """
-    num_ranks = len(topk_idxs)
-    topo = Topology(num_ranks, num_ranks_per_node)
-    per_node = num_ranks_per_node
-    zeros = [0] * num_ranks
-    rows = {k: list(zeros) for k in ("net_send", "net_recv", "nvl_send", "nvl_recv",
-                                     "flat_net_send", "crossings", "tokens")}
-    for src, idx in enumerate(topk_idxs):
-        layout = compute_node_layout(idx, num_experts, topo, rank=src)
-        node, local = divmod(src, per_node)
-        network = layout.num_network_rows_per_node.tolist()
-        nvlink = layout.num_nvlink_rows_per_node.tolist()
-        per_rank = layout.num_tokens_per_rank.tolist()
-        rows["net_send"][src] = sum(network)
-        rows["crossings"][src] = rows["net_send"][src]  # one crossing per network row
-        rows["tokens"][src] = layout.num_tokens
-        rows["flat_net_send"][src] = sum(c for d, c in enumerate(per_rank) if d // per_node != node)
-        for b in range(topo.num_nodes):
-            forwarder = b * per_node + local
-            rows["net_recv"][forwarder] += network[b]
-            rows["nvl_send"][forwarder] += nvlink[b]
-            for j in range(per_node):
-                if j != local:
-                    rows["nvl_recv"][b * per_node + j] += per_rank[b * per_node + j]
-    return rows
+    topo = Topology(len(topk_idxs), num_ranks_per_node)
+    counts = [source_counts(compute_node_layout(idx, num_experts, topo, rank=src))
+              for src, idx in enumerate(topk_idxs)]
+    return accumulate_rank_rows(counts, num_ranks_per_node)
 
 
 def phase_model(rows: Dict[str, List[int]], row_bytes: int, rates: Rates) -> Dict[str, float]:
@@ -200,7 +227,8 @@ def load_rates(nic_gbps: float, nvlink_gbps: float,
     base = Rates(network_gbps=nic_gbps, nvlink_gbps=nvlink_gbps)
     if not measured:
         return {p: base for p in PHASES}
-    keys = ("network_gbps", "nvlink_gbps", "fixed_us")
+    keys = ("network_gbps", "nvlink_gbps", "fixed_us", "network_ns_per_byte",
+            "nvlink_ns_per_byte")
     source = str(measured.get("source", "measured"))
     out = {}
     for phase in PHASES:
@@ -208,7 +236,12 @@ def load_rates(nic_gbps: float, nvlink_gbps: float,
         values.update({k: float(v) for k, v in measured.get(phase, {}).items() if k in keys})
         for k, v in values.items():
             if v < 0 or (k != "fixed_us" and v == 0):
-                raise ValueError(f"measured {phase} {k}={v}: rates must be > 0, fixed_us >= 0")
+                raise ValueError(f"measured {phase} {k}={v}: rates and costs per byte must be "
+                                 f"> 0, fixed_us >= 0")
+        for link in ("network", "nvlink"):
+            cost = values.pop(f"{link}_ns_per_byte", None)
+            if cost is not None:  # 1 ns per byte = 1 GB/s
+                values[f"{link}_gbps"] = 1.0 / cost
         out[phase] = dataclasses.replace(base, source=source if values else "assumed", **values)
     return out
 

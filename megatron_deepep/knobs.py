@@ -83,8 +83,11 @@ _TABLE = (
     # The Megatron dispatcher's options (`DeepEPOptions`; a config field or
     # `register_deepep_dispatcher(...)` keyword overrides them).
     Knob("TRANSPORT", "str", None, "auto",
-         "`auto` (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the pure-torch "
-         "reference without CUDA), `local`, `nvlink` or `reference`", "dispatcher"),
+         "`auto` (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the internode "
+         "kernels across nodes, the pure-torch reference without CUDA), `local`, `nvlink`, "
+         "`internode` or `reference`", "dispatcher"),
+    Knob("RANKS_PER_NODE", "int", None, "unset", "declares nodes of this many contiguous EP "
+         "ranks (virtual nodes); unset: the ranks' host names", "dispatcher"),
     Knob("NUM_SMS", "int", None, "24", "SM budget of the communication kernels", "dispatcher"),
     Knob("NUM_MAX_TOKENS_PER_RANK", "int", None, "next power of two >= the first call, "
          ">= 4096", "most tokens one rank dispatches per call; the same on every rank",
@@ -98,6 +101,15 @@ _TABLE = (
     Knob("RANK_CAPACITY_FACTOR", "str", None, "unset", "sync-free dispatch: receive at most "
          "factor x tokens x top-k rows per rank (Megatron's `--moe-expert-rank-capacity-factor` "
          "wins where it exists); more is an error", "dispatcher"),
+    Knob("EXPERT_MAP", "str", None, "unset", "a placement from `python -m "
+         "megatron_deepep.balance --json` (per layer, or one plan for every layer): the "
+         "dispatcher routes logical experts to its physical slots", "dispatcher"),
+    Knob("COMM_SHARE_WARN", "int", 20, "20", "warn once per layer and crossing when "
+         "(dispatch + combine) time exceeds this percent of expert compute (metrics on; 0: "
+         "off)", "dispatcher"),
+    Knob("FP8_EXPERTS", "bool", False, "0", "`examples/pretrain_gpt_moe.py` builds its TE experts "
+         "with `te_experts.with_fp8_experts`: FP8 rows into TE's grouped GEMM in training "
+         "(`docs/fp8.md`)", "dispatcher"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),
@@ -111,6 +123,9 @@ _TABLE = (
     # The GPU tier.
     Knob("TEST_PROCS", "ints", (1, 2, 3, 4, 8), "1,2,3,4,8", "EP sizes (processes sharing the "
          "GPU) the GPU tier runs", "tests"),
+    Knob("TEST_NODES", "str", "2x1,2x2,3x2,2x3,4x2,2x4", "2x1,2x2,3x2,2x3,4x2,2x4",
+         "virtual node shapes (nodes x ranks per node) the GPU tier's internode test runs",
+         "tests"),
     Knob("TEST_CALLS", "int", 1000, "1000", "back-to-back calls of the GPU tier's long test",
          "tests"),
 )

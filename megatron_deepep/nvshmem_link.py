@@ -382,14 +382,25 @@ def get_kernel(source_file: str, name: str, template_args: Sequence = ()) -> Ker
 @functools.lru_cache(maxsize=None)
 def _get_kernel(source_file: str, name: str, template_args: tuple,
                 device_index: int) -> Kernel:
-    from cuda.bindings import driver
     args = ", ".join(render_template_arg(a) for a in template_args)
     expr = f"{name}<{args}>" if template_args else name
+    return get_kernels(source_file, (expr,), device_index)[expr]
+
+
+@functools.lru_cache(maxsize=None)
+def get_kernels(source_file: str, name_expressions: Tuple[str, ...],
+                device_index: int) -> Dict[str, Kernel]:
+    """Several kernels of `cuda_src/<source_file>` linked into one module (one NVRTC compile,
+    one link, one NVSHMEM module init): name expression -> `jit.Kernel`."""
+    from cuda.bindings import driver
     start = time.perf_counter()
-    cubin, lowered = link_cubin(source_file, [expr], device_arch())
+    cubin, lowered = link_cubin(source_file, list(name_expressions), device_arch())
     module = load_module(cubin)
-    function = cu_check(driver.cuModuleGetFunction(module, lowered[expr].encode()),
-                        f"cuModuleGetFunction({expr})")
-    logger.info("loaded %s from %s (NVSHMEM-linked) in %.1f s", expr, source_file,
-                time.perf_counter() - start)
-    return Kernel(expr, function, device_index)
+    kernels = {}
+    for expr in name_expressions:
+        function = cu_check(driver.cuModuleGetFunction(module, lowered[expr].encode()),
+                            f"cuModuleGetFunction({expr})")
+        kernels[expr] = Kernel(expr, function, device_index)
+    logger.info("loaded %d kernels from %s (NVSHMEM-linked) in %.1f s", len(kernels),
+                source_file, time.perf_counter() - start)
+    return kernels

@@ -153,9 +153,38 @@ class LegArgs(KernelArgs):
                 ("error_claim", Ptr), ("error_record", Ptr), ("info", Ptr)]
 
 
+class InternodeArgs(KernelArgs):
+    c_name = "mdeep::InternodeArgs"
+    _fields_ = [
+        ("heap", Ptr), ("notify_recv", I64), ("notify_send", I64), ("signals", I64),
+        ("flags", I64), ("net_send", I64), ("net_recv", I64), ("stage_rows", I64),
+        ("stage_meta", I64), ("comb_stage", I64), ("comb_send", I64), ("comb_recv", I64),
+        ("row_stride", I64), ("record_stride", I64), ("meta_stride", I64),
+        ("weight_stride", I64), ("max_tokens", I32), ("chunk_tokens", I32), ("rank", I32),
+        ("num_ranks", I32), ("ranks_per_node", I32), ("num_nodes", I32), ("pe_of_rank", Ptr),
+        ("epoch", U32), ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr),
+        ("block_counters", Ptr), ("chunks_seen", Ptr), ("topk_idx", Ptr),
+        ("topk_weights", Ptr), ("pos_in_expert", Ptr), ("num_tokens_per_rank", Ptr),
+        ("num_tokens_per_expert", Ptr), ("is_token_in_rank", Ptr),
+        ("token_slot_in_rank", Ptr), ("num_tokens_per_node", Ptr),
+        ("token_slot_in_node", Ptr), ("node_slot_token", Ptr), ("num_tokens", I32),
+        ("num_experts", I32), ("num_local", I32), ("hidden", I32), ("num_topk", I32),
+        ("alignment", I32), ("max_recv_rows", I32), ("num_recv_tokens_per_rank", Ptr),
+        ("num_recv_tokens_per_expert", Ptr), ("tokens_per_expert", Ptr),
+        ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("fwd_count", Ptr),
+        ("fwd_slots", Ptr), ("slot_rows", Ptr), ("host_info", Ptr), ("x", Ptr),
+        ("recv_x", Ptr), ("recv_weights", Ptr), ("max_rows", I32), ("y", Ptr), ("out", Ptr),
+        ("out_weights", Ptr), ("grad_row_weights", Ptr), ("x_scales", Ptr),
+        ("recv_scales", Ptr), ("amax_epsilon", F32), ("wire_bytes", I64)]
+
+
 # Sources whose kernels call NVSHMEM's device API: nvshmem_link builds them (tests/
 # test_nvshmem_link.py links them in the CPU tier), not the plain NVRTC path.
-NVSHMEM_SOURCES = ("internode_leg.cu",)
+NVSHMEM_SOURCES = ("internode_leg.cu", "internode.cu")
+
+INTERNODE_KERNELS = ("internode_node_layout", "internode_notify", "internode_dispatch_send",
+                     "internode_forward", "internode_dispatch_recv", "internode_combine_send",
+                     "internode_combine_forward", "internode_combine_reduce")
 
 # Every kernel's argument struct (checked against the CUDA kernels by the CPU tests).
 KERNEL_ARGS = {
@@ -173,6 +202,7 @@ KERNEL_ARGS = {
     ("ceiling.cu", "fan_in_sum"): FanInArgs,
     ("internode_leg.cu", "internode_leg_send"): LegArgs,
     ("internode_leg.cu", "internode_leg_wait"): LegArgs,
+    **{("internode.cu", name): InternodeArgs for name in INTERNODE_KERNELS},
 }
 
 
@@ -763,3 +793,101 @@ def internode_leg_wait(signals: torch.Tensor, source: int, expected: int, timeou
                         error_record=errors.record, info=info.data_ptr())
     nvshmem_link.get_kernel("internode_leg.cu", "internode_leg_wait").launch(
         1, 32, args, _stream())
+
+
+# ---------------------------------------------------------------------------------------------
+# The internode transport (cuda_src/internode.cu; NVSHMEM-linked). Every kernel takes the same
+# `InternodeArgs`; the transport fills the fields of the call (`fields`: every name of
+# InternodeArgs) and each wrapper picks the template arguments and the grid. All kernels of one
+# (top-k, topk_idx dtype) are linked into one module on first use (one link, one module init).
+
+INTERNODE_THREADS = 512
+INTERNODE_NOTIFY_THREADS = 256  # one thread per local expert (kMaxLocalExperts)
+INTERNODE_FIELDS = tuple(name for name, _ in InternodeArgs._fields_)
+
+
+def internode_expressions(num_topk: int, index_type: str, fp8=None) -> Tuple[str, ...]:
+    """Every kernel instantiation of the internode transport for one top-k, topk_idx index
+    type ("int" or "long long") and wire format (`fp8`: an `Fp8Dispatch` or None)."""
+    fmt, dequant, _ = _wire(fp8)
+    k, idx, both = num_topk, index_type, ("false", "true")
+    dq = jit.render_template_arg(dequant)
+    return (("internode_node_layout", "internode_notify", f"internode_forward<{k}>")
+            + tuple(f"internode_dispatch_send<{k}, {c}, {idx}, {fmt}>" for c in both)
+            + tuple(f"internode_dispatch_recv<{k}, {c}, {fmt}, {dq}>" for c in both)
+            + tuple(f"internode_combine_send<{k}, {w}, {g}>" for w in both for g in both)
+            + tuple(f"internode_combine_forward<{k}, {g}>" for g in both)
+            + tuple(f"internode_combine_reduce<{k}, {g}>" for g in both))
+
+
+def _internode(topk_idx: torch.Tensor, name: str, template_args: tuple, num_blocks: int,
+               threads: int, fields: dict, fp8=None) -> None:
+    expr = name
+    if template_args:
+        expr += "<" + ", ".join(jit.render_template_arg(a) for a in template_args) + ">"
+    family = internode_expressions(topk_idx.shape[1], _index_type(topk_idx), fp8)
+    kernel = nvshmem_link.get_kernels("internode.cu", family, torch.cuda.current_device())[expr]
+    kernel.launch(num_blocks, threads, InternodeArgs.fill(**fields), _stream())
+
+
+def internode_wire(fp8, hidden: int) -> dict:
+    """The FP8 fields of `InternodeArgs` (`fp8`: an `Fp8Dispatch` or None): the wire row's bytes
+    (e4m3 data then its scales, or the bf16 row) and the quantizer's epsilon."""
+    _, _, amax_epsilon = _wire(fp8)
+    wire_bytes = 2 * hidden if fp8 is None else fp8.fmt.bytes_per_token(hidden)
+    return dict(wire_bytes=wire_bytes, amax_epsilon=amax_epsilon)
+
+
+def internode_node_layout(topk_idx: torch.Tensor, num_nodes: int, fields: dict) -> None:
+    """Node-level layout (token_slot_in_node, node_slot_token, num_tokens_per_node) from
+    is_token_in_rank: one block per node."""
+    _internode(topk_idx, "internode_node_layout", (), num_nodes, INTERNODE_THREADS, fields)
+
+
+def internode_notify(topk_idx: torch.Tensor, fields: dict) -> None:
+    """Counts to every PE, then this rank's receive layout and forwarding counts."""
+    _internode(topk_idx, "internode_notify", (), 1, INTERNODE_NOTIFY_THREADS, fields)
+
+
+def internode_dispatch_send(topk_idx: torch.Tensor, cached: bool, fp8, num_sms: int,
+                            fields: dict) -> None:
+    """Packs (quantizes, for `fp8`) and puts every token once per destination node."""
+    _internode(topk_idx, "internode_dispatch_send",
+               (topk_idx.shape[1], cached, _index_type(topk_idx), _wire(fp8)[0]), num_sms,
+               INTERNODE_THREADS, fields, fp8)
+
+
+def internode_forward(topk_idx: torch.Tensor, fp8, num_sms: int, fields: dict) -> None:
+    """Copies every received wire row into the staging of its destination ranks in this node."""
+    _internode(topk_idx, "internode_forward", (topk_idx.shape[1],), num_sms, INTERNODE_THREADS,
+               fields, fp8)
+
+
+def internode_dispatch_recv(topk_idx: torch.Tensor, cached: bool, fp8, num_sms: int,
+                            fields: dict) -> None:
+    """Expands the staged rows of every source into the expert-major recv_x (dequantized, or
+    FP8 rows and scales, as `fp8` asks)."""
+    fmt, dequant, _ = _wire(fp8)
+    _internode(topk_idx, "internode_dispatch_recv", (topk_idx.shape[1], cached, fmt, dequant),
+               num_sms, INTERNODE_THREADS, fields, fp8)
+
+
+def internode_combine_send(topk_idx: torch.Tensor, weighted: bool, with_weights: bool,
+                           num_sms: int, fields: dict) -> None:
+    """One partial row per staged token, to the token's forwarder in this node."""
+    _internode(topk_idx, "internode_combine_send", (topk_idx.shape[1], weighted, with_weights),
+               num_sms, INTERNODE_THREADS, fields)
+
+
+def internode_combine_forward(topk_idx: torch.Tensor, with_weights: bool, num_sms: int,
+                              fields: dict) -> None:
+    """Sums this node's partials per forwarded token and puts them back to the sources."""
+    _internode(topk_idx, "internode_combine_forward", (topk_idx.shape[1], with_weights),
+               num_sms, INTERNODE_THREADS, fields)
+
+
+def internode_combine_reduce(topk_idx: torch.Tensor, with_weights: bool, num_sms: int,
+                             fields: dict) -> None:
+    """Sums each token's partials over its destination nodes, in node order."""
+    _internode(topk_idx, "internode_combine_reduce", (topk_idx.shape[1], with_weights),
+               num_sms, INTERNODE_THREADS, fields)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import traceback
+from multiprocessing import connection
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors):
+def _worker(rank, world_size, port, backend, fn, args, errors, hard_exit=False):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -36,27 +38,59 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if hard_exit:
+        # Skips the interpreter's exit handlers: NVSHMEM's finalization is a host collective,
+        # which its several-processes-per-GPU mode does not support (it hangs there).
+        os._exit(0)
 
 
-def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 600):
+def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s: float = 600,
+                    hard_exit: bool = False, exit_grace_s: float = 30.0):
     """Runs `fn(rank, world_size, *args)` on `world_size` processes; re-raises the first failure.
 
     `fn` must be a module-level function (it is pickled into the spawned processes).
+    `hard_exit`: a rank leaves with `os._exit(0)` once its work is checked (no exit handlers).
+    A process still alive `exit_grace_s` after every rank reported success is stopped, with a
+    warning: its checks passed, only its teardown hung.
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world_size, port, backend, fn, args, errors, hard_exit))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout_s)
-    for p in procs:
+    # Fail fast: the first rank that reports a failure ends the run (its peers would otherwise
+    # wait in a collective until the timeout).
+    deadline = time.monotonic() + timeout_s
+    done, failure = set(), None
+    while failure is None and any(p.is_alive() for p in procs):
+        if time.monotonic() > deadline:
+            break
+        if len(done) == world_size:
+            deadline = min(deadline, time.monotonic() + exit_grace_s)
+        connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+        while not errors.empty():
+            rank, tb = errors.get()
+            if tb is not None and failure is None:
+                failure = (rank, tb)
+            elif tb is None:
+                done.add(rank)
+    if failure is not None:
+        time.sleep(2.0)  # let the other ranks report theirs, then stop them
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise AssertionError(f"rank {failure[0]} failed:\n{failure[1]}")
+    for r, p in enumerate(procs):
         if p.is_alive():
             p.kill()
-            raise TimeoutError(f"rank process {p.pid} did not finish within {timeout_s}s")
-    done = set()
+            if r not in done:
+                raise TimeoutError(f"rank process {p.pid} did not finish within {timeout_s}s")
+            logger.warning("rank %d passed its checks but hung in teardown; stopped", r)
+    for p in procs:
+        p.join()
     while not errors.empty():
         rank, tb = errors.get()
         if tb is not None:

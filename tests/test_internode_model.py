@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from megatron_deepep import internode_model as model
+from megatron_deepep.node_layout import compute_node_layout
+from megatron_deepep.transport.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,6 +77,22 @@ def test_load_rates_from_measured():
     assert model.load_rates(50, 450, None)["combine"] == model.Rates(50, 450)
     with pytest.raises(ValueError, match="network_gbps=0.0"):
         model.load_rates(50, 450, {"dispatch": {"network_gbps": 0}})
+    per_byte = model.load_rates(50, 450, {"network_ns_per_byte": 0.025,
+                                          "combine": {"nvlink_ns_per_byte": 0.004}})
+    assert per_byte["dispatch"].network_gbps == pytest.approx(40.0)
+    assert per_byte["combine"].nvlink_gbps == pytest.approx(250.0)
+    assert per_byte["dispatch"].nvlink_gbps == 450
+    with pytest.raises(ValueError, match="network_ns_per_byte=0.0"):
+        model.load_rates(50, 450, {"network_ns_per_byte": 0})
+
+
+def test_accumulated_counts_match_rank_rows():
+    idxs = model.route(32, 16, 4, 8, seed=2)
+    topo = Topology(8, 2)
+    counts = [model.source_counts(compute_node_layout(idx, 16, topo, rank=r))
+              for r, idx in enumerate(idxs)]
+    assert counts[0]["tokens"] == [32] and len(counts[0]["network"]) == 4
+    assert model.accumulate_rank_rows(counts, 2) == model.rank_rows(idxs, 16, 2)
 
 
 def test_node_limited_routing_bounds_crossings():

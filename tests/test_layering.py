@@ -10,7 +10,7 @@ nothing of the package; the module-level import graph has no cycle):
     4 transport/       (base, local, nvlink, reference, ipc, regions, errors, ...)
     5 buffer
     6 autograd, and the package's `__init__` (it re-exports Buffer and autograd)
-    7 megatron/        (options, dispatcher, metrics, patching, register)
+    7 megatron/        (options, dispatcher, metrics, patching, register, te_experts)
     8 bench
 
 A new module must be placed in `LAYERS` (the test fails on a module missing from it). Besides
@@ -63,11 +63,13 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.megatron.metrics": 7,
     "megatron_deepep.megatron.patching": 7,
     "megatron_deepep.megatron.register": 7,
+    "megatron_deepep.megatron.te_experts": 7,  # FP8 experts: wire rows into TE's grouped GEMM
     "megatron_deepep.bench": 8,
     "megatron_deepep.precompile": 8,  # the command that fills the kernel cache ahead of a job
     "megatron_deepep.internode_model": 8,
     "megatron_deepep.bench_network": 8,
     "megatron_deepep.balance": 8,  # the load-balance planner and its command
+    "megatron_deepep.sweep": 8,  # which configuration for a model family: measure + model
 }
 
 #: The only modules that may import `jit` (they launch the kernels).

@@ -112,11 +112,14 @@ def test_one_test_command_everywhere():
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert prepare.TORCH_PIN in f.read()
     hints = []
-    for name in sorted(os.listdir(os.path.join(ROOT, "examples"))):
-        if name == "prepare_env.py":  # defines TEST_COMMAND (compared above)
-            continue
-        with open(os.path.join(ROOT, "examples", name)) as f:
-            hints += [(name, m) for m in re.findall(r"[^'\n]*python -m pytest[^'\n]*", f.read())]
+    examples = os.path.join(ROOT, "examples")
+    for folder, _, files in sorted(os.walk(examples)):
+        for name in sorted(files):
+            if name == "prepare_env.py":  # defines TEST_COMMAND (compared above)
+                continue
+            with open(os.path.join(folder, name), errors="replace") as f:
+                hints += [(name, m)
+                          for m in re.findall(r"[^'\n]*python -m pytest[^'\n]*", f.read())]
     for module in ("bench.py", "bench_network.py"):  # their no-GPU hints
         with open(os.path.join(ROOT, "megatron_deepep", module)) as f:
             text = f.read().replace('" "', "").replace('\\"', '"')

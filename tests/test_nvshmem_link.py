@@ -110,4 +110,32 @@ def test_every_nvshmem_kernel_is_linked_here():
     sweep of tests/test_kernels_compile.py leaves them out)."""
     from megatron_deepep import ops
     nvshmem_kernels = {k for k in ops.KERNEL_ARGS if k[0] in ops.NVSHMEM_SOURCES}
-    assert nvshmem_kernels == {("internode_leg.cu", name) for name in LEG_KERNELS}
+    assert nvshmem_kernels == ({("internode_leg.cu", name) for name in LEG_KERNELS}
+                               | {("internode.cu", name) for name in ops.INTERNODE_KERNELS})
+
+
+@needs_wheel
+@pytest.mark.parametrize("num_topk,index_type,fp8", [(8, "long long", None),
+                                                     (1, "int", "blockwise"),
+                                                     (4, "long long", "mxfp8:fp8")])
+def test_internode_kernels_link(num_topk, index_type, fp8, tmp_path, monkeypatch):
+    """Every instantiation the internode transport launches for a (top-k, index type, wire
+    format) compiles and links against the wheel's device library into one module, for sm_90,
+    without a GPU."""
+    from megatron_deepep import ops
+    monkeypatch.setenv("MDEEP_CACHE_DIR", str(tmp_path))
+    expressions = ops.internode_expressions(num_topk, index_type, _fp8_request(fp8))
+    cubin, lowered = nvshmem_link.link_cubin("internode.cu", list(expressions), "sm_90")
+    assert set(lowered) == set(expressions)
+    assert cubin[:4] == b"\x7fELF"
+    names = {expr.split("<")[0] for expr in expressions}
+    assert names == set(ops.INTERNODE_KERNELS)
+
+
+def _fp8_request(spec):
+    """None, or the `Fp8Dispatch` of "format[:output]" (output "bf16" by default)."""
+    if spec is None:
+        return None
+    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    name, _, output = spec.partition(":")
+    return as_fp8_dispatch(name, output or "bf16")

@@ -30,12 +30,29 @@ def test_resolve(name, num_ranks, cuda, expected):
     assert transport.resolve(name, num_ranks, cuda) == expected
 
 
-def test_a_group_across_hosts_gets_the_reference_or_an_error():
-    assert transport.resolve("auto", 16, True, num_nodes=2) == "reference"
+def test_a_group_across_nodes_gets_the_internode_transport_or_an_error():
+    assert transport.resolve("auto", 16, True, num_nodes=2) == "internode"
+    assert transport.resolve("internode", 16, True, num_nodes=2) == "internode"
+    assert transport.resolve("auto", 16, False, num_nodes=2) == "reference"
     assert transport.resolve("reference", 16, True, num_nodes=2) == "reference"
     for name in ("nvlink", "local"):
-        with pytest.raises(ValueError, match="spans 2 hosts.*transport='reference'"):
+        with pytest.raises(ValueError, match="spans 2 nodes.*transport='internode'"):
             transport.resolve(name, 8, True, num_nodes=2)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        transport.resolve("internode", 16, False, num_nodes=2)
+    with pytest.raises(ValueError, match="num_ranks_per_node to declare virtual nodes"):
+        transport.resolve("internode", 8, True, num_nodes=1)
+
+
+def test_internode_size_hint_counts_its_regions():
+    """size_hint grows with the staging formula: about N_max (4 M + L M + R) row slots."""
+    from megatron_deepep.transport.internode_regions import InternodeRegions
+    small = transport.size_hint("internode", 16, 256, 7168, 8, cuda_available=True)
+    assert small == InternodeRegions(16, 8, 256, 7168, 8).num_bytes
+    rows = 256 * (4 * 2 + 8 * 2 + 16) * 7168 * 2
+    assert rows <= small <= 1.2 * rows + (8 << 20)
+    assert transport.size_hint("internode", 16, 256, 7168, 8, cuda_available=True,
+                               num_ranks_per_node=4) > small  # more nodes, more net slots
 
 
 @pytest.mark.parametrize("name, num_ranks, cuda, message", [
@@ -50,7 +67,7 @@ def test_resolve_errors_name_the_limit(name, num_ranks, cuda, message):
         transport.resolve(name, num_ranks, cuda)
 
 
-@pytest.mark.parametrize("name", ["local", "nvlink", "reference"])
+@pytest.mark.parametrize("name", ["local", "nvlink", "internode", "reference"])
 def test_every_transport_implements_the_interface(name):
     cls = transport.transport_class(name)
     assert issubclass(cls, Transport) and cls.name == name
@@ -135,3 +152,25 @@ def _growth_during_pending_backward(rank, world):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_get_buffer_growth_keeps_pending_backward_valid(world_size):
     run_distributed(world_size, _growth_during_pending_backward)
+
+
+def _virtual_nodes_worker(rank, world):
+    import logging
+    from megatron_deepep.buffer import Buffer
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megatron_deepep.transport").addHandler(handler)
+    buf = Buffer(torch.distributed.group.WORLD, 16, 64, 2, num_ranks_per_node=1)
+    assert buf.transport_name == "reference"  # no CUDA here: the reference, said in the log
+    assert any("spans 2 nodes" in r.getMessage() for r in records)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        Buffer(torch.distributed.group.WORLD, 16, 64, 2, transport="internode",
+               num_ranks_per_node=1)
+    with pytest.raises(ValueError, match="num_ranks_per_node=3 must divide"):
+        Buffer(torch.distributed.group.WORLD, 16, 64, 2, num_ranks_per_node=3)
+
+
+def test_declared_nodes_pick_the_internode_path_or_say_why_not():
+    from tests.distributed import run_distributed
+    run_distributed(2, _virtual_nodes_worker, backend="gloo", timeout_s=120)

@@ -238,4 +238,64 @@ struct LegArgs {
     i64* info;                  // wait: [my_pe, num_pes]
 };
 
+// internode.cu: every kernel of the internode transport (one struct for the family; a kernel
+// reads the fields of its step, the others are null). Offsets are bytes from `heap`, the
+// symmetric block of this PE (the same offsets on every PE; megatron_deepep/transport/
+// internode_regions.py lays it out). R ranks, L ranks per node, M nodes, N_max slots.
+struct InternodeArgs {
+    u8* heap;
+    i64 notify_recv, notify_send, signals, flags;  // counts [2][R] / [R] rows, u64 / u32 words
+    i64 net_send, net_recv;      // [M][N_max] slots of row_stride + record_stride bytes
+    i64 stage_rows, stage_meta;  // [R][N_max] rows / SlotMeta of meta_stride bytes
+    i64 comb_stage;              // [L][M][N_max] slots of row_stride + weight_stride bytes
+    i64 comb_send, comb_recv;    // [M][N_max] slots of row_stride + weight_stride bytes
+    i64 row_stride, record_stride, meta_stride, weight_stride;
+    int max_tokens, chunk_tokens;
+    int rank, num_ranks, ranks_per_node, num_nodes;
+    const int* pe_of_rank;       // [R]: NVSHMEM PE of each EP rank
+    u32 epoch;
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+    u32* block_counters;         // local [8]
+    u64* chunks_seen;            // local [2][M]: dispatch, combine chunks received per node
+    // Sender-side layout.
+    const void* topk_idx;        // [N, K] int or long long (the kernel's IdxT)
+    const float* topk_weights;
+    const int* pos_in_expert;
+    const int* num_tokens_per_rank;
+    const int* num_tokens_per_expert;
+    const u8* is_token_in_rank;
+    const int* token_slot_in_rank;
+    int* num_tokens_per_node;    // [M]
+    int* token_slot_in_node;     // [N, M]
+    int* node_slot_token;        // [M, N]
+    int num_tokens, num_experts, num_local, hidden, num_topk, alignment, max_recv_rows;
+    // Receive layout and forwarding state (the handle's).
+    int* num_recv_tokens_per_rank;
+    int* num_recv_tokens_per_expert;
+    int* tokens_per_expert;
+    int* expert_row_start;
+    int* src_expert_offset;
+    int* fwd_count;              // [M]: tokens from the rail peer on each node
+    int* fwd_slots;              // [M, N_max, L]: their slot on each rank of this node, or -1
+    int* slot_rows;              // [R, N_max, K]
+    HostInfo* host_info;
+    // Rows.
+    const u8* x;                 // [N, H] bf16
+    u8* recv_x;                  // [max_rows, H] bf16
+    float* recv_weights;
+    int max_rows;
+    const u8* y;                 // [M_rows, H] bf16
+    u8* out;                     // [N, H] bf16
+    float* out_weights;          // [N, K]
+    const float* grad_row_weights;
+    // FP8 dispatch (kFmt != bf16): the network and the staging carry wire rows (e4m3 data, then
+    // the row's scales) of `wire_bytes`.
+    const u8* x_scales;          // pre-quantized input's scales, or null (quantized in send)
+    u8* recv_scales;             // [max_rows, scale bytes] when the rows stay in FP8
+    float amax_epsilon;
+    i64 wire_bytes;              // bytes of one wire row (2 H for bf16)
+};
+
 }  // namespace mdeep

@@ -47,6 +47,17 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
     nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal, value, static_cast<int>(op), pe);
 }
 
+// Updates the symmetric `signal` word on `pe` alone (no data): one thread calls it. Used for
+// acknowledgements ("I consumed your data of epoch e"), so it needs no quiet before reuse.
+__device__ __forceinline__ void signal(u64* signal, u64 value, int pe, Signal op = Signal::kSet) {
+    nvshmemx_signal_op(signal, value, static_cast<int>(op), pe);
+}
+
+// A pointer through which this thread can load and store `pe`'s copy of the symmetric object
+// at `sym`, or null when `pe` is not reachable by load/store (another node). Ranks of one node
+// (NVLink P2P, or processes sharing a GPU) are reachable.
+__device__ __forceinline__ void* peer_ptr(void* sym, int pe) { return nvshmem_ptr(sym, pe); }
+
 // Completes every put this thread (or the threadgroup it issued them with) has outstanding:
 // afterwards their source buffers may be reused. Call from one thread after the block's or
 // warp's puts (after __syncthreads() / __syncwarp()).

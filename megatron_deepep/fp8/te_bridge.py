@@ -8,30 +8,42 @@ What this bridge does not do:
 - Only the rowwise (1xN along hidden) copy exists. TE's wgrad GEMM needs the input's columnwise
   copy (Nx1 blocks along tokens), which TE quantizes from the high-precision input and which
   cannot be derived from rowwise data. Use the wrapped tensor where TE needs rowwise data only
-  (forward / inference, or a recipe with `backward_override="dequantized"`), or dequantize.
+  (forward / inference, or a recipe with `backward_override="dequantized"`), with experts that
+  make the columnwise copy themselves (`megatron.te_experts`), or dequantize.
 - TE is never required: without it every function raises `TEUnavailableError` (or returns a
   reason), and callers fall back to `formats.dequantize` / the bf16 path.
 
-TE sources this follows (NVIDIA/TransformerEngine): the rowwise scale shapes of
-`Float8BlockQuantizer.get_scale_shape` (`transformer_engine/pytorch/tensor/
-float8_blockwise_tensor.py`: 1D rowwise is `[ceil(K / 128), round_up(M, 4)]`, i.e. transposed
-and padded, "GEMM ready") and of `MXFP8Quantizer.get_scale_shape` (`mxfp8_tensor.py`:
-`[round_up(M, 128), round_up(K / 32, 4)]` uint8, unswizzled when `optimize_for_gemm` is off);
-recipe fields from `transformer_engine/common/recipe/__init__.py` (`Float8BlockScaling`:
+Scale layouts (TE sources, NVIDIA/TransformerEngine, `transformer_engine/pytorch/tensor/`):
+- Blockwise 1x128 rowwise scales are "GEMM ready", `[ceil(H / 128), round_up(N, 4)]` fp32
+  (transposed and padded; `Float8BlockQuantizer.get_scale_shape`), in every TE version except one
+  case: TE 2.5 up to 2.11 had a quantizer flag `all_gather_usage` that makes them "compact",
+  `[N, ceil(H / 128)]`. The layout is chosen from the TE version and that flag
+  (`blockwise_scale_layout`), never from the shapes, which coincide when N == ceil(H / 128) and
+  N % 4 == 0 (N=4 H=512, N=56 H=7168).
+- MXFP8 1x32 rowwise scales are `[round_up(N, 128), round_up(H / 32, 4)]` uint8, unswizzled when
+  `optimize_for_gemm` is off (`mxfp8_tensor.py`).
+The buffers are allocated by the quantizer's own `make_empty`; a buffer whose shape differs from
+the layout's raises `TEUnavailableError` instead of being guessed at.
+
+Shape rules checked before a handoff (`gemm_shape_reason`), each TE's own:
+- every FP8 GEMM input: rows % 8 == 0 and hidden % 16 == 0
+  (`transformer_engine/pytorch/utils.py`, `assert_dim_for_fp8_exec`; the cuBLAS leading-dimension
+  and outer-dimension checks of `common/gemm/cublaslt_gemm.cu`, `CanonicalizeGemmInput`);
+- MXFP8: rows % 32 == 0 and hidden % 32 == 0 (`pytorch/csrc/quantizer.cpp`,
+  `MXFP8Quantizer::create_tensor`, which raises a RuntimeError otherwise).
+Recipe fields come from `transformer_engine/common/recipe/__init__.py` (`Float8BlockScaling`:
 `x_block_scaling_dim`, `fp8_quant_fwd_inp.power_2_scale` / `.amax_epsilon`; `MXFP8BlockScaling`).
-The buffers are allocated by the quantizer's own `make_empty`, so their shapes follow the
-installed TE version; a layout this module does not recognise raises instead of guessing.
 """
 
 from __future__ import annotations
 
-import functools
-
 import copy
 import dataclasses
+import functools
 import logging
 import math
-from typing import Any, Optional, Tuple
+import re
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,6 +71,102 @@ def te_available() -> Tuple[bool, str]:
     except Exception as exc:  # ImportError, or a broken install raising at import
         return False, f"transformer_engine is not importable ({type(exc).__name__}: {exc})"
     return True, ""
+
+
+#: TE versions [first, end) whose `Float8BlockQuantizer.all_gather_usage` selects compact scales.
+COMPACT_LAYOUT_VERSIONS = ((2, 5), (2, 12))
+GEMM_READY = "gemm_ready"
+COMPACT = "compact"
+#: TE's FP8 GEMM input rule (`assert_dim_for_fp8_exec`): rows % 8, hidden % 16.
+GEMM_ROW_MULTIPLE = 8
+GEMM_HIDDEN_MULTIPLE = 16
+#: TE's MXFP8 quantizer rule (`MXFP8Quantizer::create_tensor`): both dims % 32.
+MXFP8_MULTIPLE = 32
+
+
+def parse_version(text: str) -> Tuple[int, int, int]:
+    """`"2.20.2"`, `"2.5.0.dev0+abc"` -> `(major, minor, patch)`; (0, 0, 0) if unreadable."""
+    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    if match is None:
+        return (0, 0, 0)
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def te_version() -> Tuple[int, int, int]:
+    """The installed Transformer Engine version, `(0, 0, 0)` without TE."""
+    if not te_available()[0]:
+        return (0, 0, 0)
+    import transformer_engine
+
+    return parse_version(getattr(transformer_engine, "__version__", ""))
+
+
+def blockwise_scale_layout(version: Tuple[int, ...], quantizer: Any = None) -> str:
+    """The rowwise 1x128 scale layout TE `version` gives a tensor made by `quantizer`.
+
+    Args:
+        version: TE's `(major, minor, patch)`.
+        quantizer: the `Float8BlockQuantizer` that allocates the tensor (or None).
+
+    Returns:
+        `COMPACT` (`[N, ceil(H / 128)]`) only for TE 2.5 up to 2.11 with the quantizer's
+        `all_gather_usage` set; else `GEMM_READY` (`[ceil(H / 128), round_up(N, 4)]`).
+    """
+    first, end = COMPACT_LAYOUT_VERSIONS
+    if first <= tuple(version[:2]) < end and getattr(quantizer, "all_gather_usage", False):
+        return COMPACT
+    return GEMM_READY
+
+
+def blockwise_scale_shape(layout: str, num_tokens: int, hidden: int) -> Tuple[int, int]:
+    """TE's rowwise 1x128 scale buffer shape for `[num_tokens, hidden]` in `layout`."""
+    num_blocks = math.ceil(hidden / 128)
+    if layout == COMPACT:
+        return (num_tokens, num_blocks)
+    if layout != GEMM_READY:
+        raise ValueError(f"unknown blockwise scale layout {layout!r}")
+    return (num_blocks, 4 * math.ceil(num_tokens / 4))
+
+
+def mxfp8_scale_shape(num_tokens: int, hidden: int) -> Tuple[int, int]:
+    """TE's rowwise MXFP8 scale shape (unswizzled): `[round_up(N, 128), round_up(H / 32, 4)]`."""
+    return (128 * math.ceil(num_tokens / 128), 4 * math.ceil(math.ceil(hidden / 32) / 4))
+
+
+def to_te_scales(scales: torch.Tensor, layout: str) -> torch.Tensor:
+    """Wire scales `[N, nb]` -> TE's blockwise buffer in `layout` (zeros in the padding)."""
+    num_tokens, num_blocks = scales.shape
+    if layout == COMPACT:
+        return scales.contiguous().clone()
+    out = scales.new_zeros(blockwise_scale_shape(layout, num_tokens, num_blocks * 128))
+    out[:, :num_tokens].copy_(scales.t())
+    return out
+
+
+def from_te_scales(buffer: torch.Tensor, layout: str, num_tokens: int) -> torch.Tensor:
+    """Inverse of `to_te_scales`: TE's blockwise buffer -> wire scales `[N, nb]` (a view)."""
+    if layout == COMPACT:
+        return buffer[:num_tokens]
+    return buffer[:, :num_tokens].t()
+
+
+def gemm_shape_reason(fmt: Fp8Format, num_rows: int, hidden: int) -> str:
+    """Why TE cannot take `[num_rows, hidden]` rows of `fmt` into its FP8 GEMMs ("" if it can)."""
+    if num_rows % GEMM_ROW_MULTIPLE or hidden % GEMM_HIDDEN_MULTIPLE:
+        return (f"TE's FP8 GEMMs need rows % {GEMM_ROW_MULTIPLE} == 0 and hidden % "
+                f"{GEMM_HIDDEN_MULTIPLE} == 0 (transformer_engine.pytorch.utils."
+                f"assert_dim_for_fp8_exec), got rows={num_rows}, hidden={hidden}")
+    return _mxfp8_shape_reason(fmt, num_rows, hidden)
+
+
+def _mxfp8_shape_reason(fmt: Fp8Format, num_rows: int, hidden: int) -> str:
+    if fmt.scale_kind is ScaleKind.E8M0 and (num_rows % MXFP8_MULTIPLE
+                                             or hidden % MXFP8_MULTIPLE):
+        return (f"TE's MXFP8 tensors need rows % {MXFP8_MULTIPLE} == 0 and hidden % "
+                f"{MXFP8_MULTIPLE} == 0 (MXFP8Quantizer::create_tensor), got rows={num_rows}, "
+                f"hidden={hidden}")
+    return ""
 
 
 def _require_te() -> None:
@@ -162,21 +270,19 @@ def _rowwise_quantizer(fmt: Fp8Format, quantizer: Any) -> Any:
     return quantizer
 
 
-def _fill_scales(dst: torch.Tensor, scales: torch.Tensor, transposed: bool) -> None:
-    """Writes compact `[N, nb]` scales into TE's padded buffer (zeros in the padding)."""
-    src = scales.t() if transposed else scales
-    if dst.dim() != 2 or dst.shape[0] < src.shape[0] or dst.shape[1] < src.shape[1]:
+def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
         raise TEUnavailableError(
-            f"unrecognised TE scale buffer {tuple(dst.shape)} for scales {tuple(scales.shape)}")
-    dst.zero_()
-    dst[: src.shape[0], : src.shape[1]].copy_(src)
+            f"TE allocated a scale buffer {tuple(dst.shape)}, the layout needs {tuple(src.shape)}")
+    dst.copy_(src)
 
 
 def to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, *,
-                 quantizer: Any = None, dtype: torch.dtype = torch.bfloat16) -> Any:
+                 quantizer: Any = None, dtype: torch.dtype = torch.bfloat16,
+                 check_gemm_shape: bool = True) -> Any:
     """Wraps wire data as TE's quantized tensor, so TE's GEMM skips its own quantization.
 
-    The e4m3 data is used without a copy; the scales are copied into TE's padded layout.
+    The e4m3 data is used without a copy; the scales are copied into TE's layout.
 
     Args:
         x_fp8: `[num_tokens, hidden]`, torch.float8_e4m3fn (or torch.uint8), CUDA.
@@ -186,39 +292,173 @@ def to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format, *,
         quantizer: the TE quantizer the consumer would have used (its settings are checked
             against `fmt`); None builds one from `fmt`.
         dtype: the nominal high-precision dtype of the TE tensor.
+        check_gemm_shape: refuse shapes TE's FP8 GEMMs reject (`gemm_shape_reason`); off, only
+            the quantizer's own rule applies (e.g. to dequantize any shape).
 
     Returns:
         A `Float8BlockwiseQTensor` (1D, rowwise only) or an `MXFP8Tensor` (rowwise only).
 
     Raises:
-        TEUnavailableError: TE is missing, the quantizer disagrees with `fmt`, or the installed
-            TE allocates a scale layout this bridge does not know.
+        TEUnavailableError: TE is missing, the quantizer disagrees with `fmt`, the shape breaks a
+            TE rule (the message names it), TE raised while allocating, or the installed TE
+            allocates a scale layout this bridge does not know.
     """
     _require_te()
     assert x_fp8.dim() == 2, f"x_fp8 must be [num_tokens, hidden], got {tuple(x_fp8.shape)}"
     num_tokens, hidden = x_fp8.shape
     assert tuple(scales.shape) == (num_tokens, fmt.num_blocks(hidden)), "scales shape"
     assert scales.dtype == fmt.scale_dtype, f"{fmt.name} scales must be {fmt.scale_dtype}"
-    if fmt.scale_kind is ScaleKind.E8M0 and hidden % 32 != 0:
-        raise TEUnavailableError(f"TE MXFP8 needs hidden % 32 == 0, got {hidden}")
+    if check_gemm_shape:
+        reason = gemm_shape_reason(fmt, num_tokens, hidden)
+    else:
+        reason = _mxfp8_shape_reason(fmt, num_tokens, hidden)
+    if reason:
+        raise TEUnavailableError(reason)
     quantizer = _rowwise_quantizer(fmt, quantizer)
-    tensor = quantizer.make_empty((num_tokens, hidden), dtype=dtype, device=x_fp8.device)
+    try:
+        tensor = quantizer.make_empty((num_tokens, hidden), dtype=dtype, device=x_fp8.device)
+    except RuntimeError as exc:  # TE's NVTE_CHECK on a shape rule this module does not know
+        raise TEUnavailableError(f"TE refused a {fmt.name} tensor of "
+                                 f"{(num_tokens, hidden)}: {str(exc).splitlines()[0]}") from exc
     data = x_fp8.contiguous().view(torch.uint8)
     if tuple(tensor._rowwise_data.shape) != tuple(data.shape):
         raise TEUnavailableError(f"TE rowwise data is {tuple(tensor._rowwise_data.shape)}")
     tensor._rowwise_data = data
     dst = tensor._rowwise_scale_inv
     if fmt.scale_kind is ScaleKind.FP32_SCALE_INV:
-        # GEMM-ready layout is transposed: [ceil(H/128), round_up(N, 4)]; a compact [N, nb]
-        # buffer (older TE "COMPACT" format) is filled as is.
-        compact = tuple(dst.shape) == (num_tokens, fmt.num_blocks(hidden))
-        expected = (fmt.num_blocks(hidden), 4 * math.ceil(num_tokens / 4))
-        if not compact and tuple(dst.shape) != expected:
-            raise TEUnavailableError(f"TE blockwise scale_inv {tuple(dst.shape)}, want {expected}")
-        _fill_scales(dst, scales, transposed=not compact)
+        _fill(dst, to_te_scales(scales, blockwise_scale_layout(te_version(), quantizer)))
     else:
-        _fill_scales(dst, scales, transposed=False)
+        expected = mxfp8_scale_shape(num_tokens, hidden)
+        if tuple(dst.shape) != expected:
+            raise TEUnavailableError(f"TE MXFP8 scale_inv {tuple(dst.shape)}, want {expected}")
+        dst.zero_()
+        dst[:num_tokens, :scales.shape[1]].copy_(scales)
     return tensor
+
+
+def from_te_tensor(tensor: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The wire pair of a rowwise 1x128 `Float8BlockwiseQTensor` (inverse of `to_te_tensor`).
+
+    Returns:
+        `(x_fp8 [N, H] torch.float8_e4m3fn, scales [N, ceil(H / 128)] torch.float32)`; the data
+        is TE's buffer (no copy), the scales a view of TE's.
+    """
+    data = tensor._rowwise_data
+    num_tokens = data.shape[0]
+    layout = blockwise_scale_layout(te_version(), getattr(tensor, "_quantizer", None))
+    scales = from_te_scales(tensor._rowwise_scale_inv, layout, num_tokens)
+    return data.view(torch.float8_e4m3fn), scales
+
+
+def is_wire_tensor(x: Any) -> bool:
+    """Whether `x` is a TE 1x128 blockwise tensor with rowwise e4m3 data (what we hand over)."""
+    if not te_available()[0] or type(x) is torch.Tensor:
+        return False
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage,
+    )
+    import transformer_engine_torch as tex
+
+    return (isinstance(x, Float8BlockwiseQTensorStorage) and not x._is_2D_scaled
+            and x._rowwise_data is not None and x._rowwise_data.dim() == 2
+            and int(x._fp8_dtype) == int(tex.DType.kFloat8E4M3))
+
+
+def split_offsets(splits: Sequence[int], align: int = 4) -> Tuple[List[int], List[int]]:
+    """Row offsets of each split, and each split's scale-column offset in a packed buffer.
+
+    Split `i`'s GEMM-ready scales `[nb, round_up(m_i, align)]` are packed one after another
+    into one flat buffer: split `i` occupies `nb * round_up(m_i, align)` elements from
+    `nb * scale_offsets[i]` on.
+
+    Returns:
+        `(row_offsets, scale_offsets)`, both of length `len(splits) + 1` (the last entries are
+        the totals).
+    """
+    rows, cols = [0], [0]
+    for m in splits:
+        rows.append(rows[-1] + int(m))
+        cols.append(cols[-1] + align * math.ceil(int(m) / align))
+    return rows, cols
+
+
+def split_scale_index(splits: Sequence[int], num_blocks: int,
+                      device: Any = None) -> torch.Tensor:
+    """Where each wire scale lands in the packed per-split GEMM-ready scale buffer.
+
+    Args:
+        splits: rows per split (sum N).
+        num_blocks: scales per row (nb).
+        device: where to build the index.
+
+    Returns:
+        `[N, nb]` int64: for row `r` of split `i` (local row `j`) and block `b`, the flat
+        position `nb * scale_offsets[i] + b * round_up(m_i, 4) + j` (see `split_offsets`).
+    """
+    rows, cols = split_offsets(splits)
+    # One small host-to-device copy (pinned, asynchronous: no stream synchronization).
+    host = torch.tensor([[int(m) for m in splits], rows[:-1], cols[:-1],
+                         [c1 - c0 for c0, c1 in zip(cols[:-1], cols[1:])]], dtype=torch.int64)
+    if device is not None and torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    counts, row_start, col_start, padded = host.to(device, non_blocking=True).unbind(0)
+    split_of_row = torch.repeat_interleave(torch.arange(len(splits), device=device), counts,
+                                           output_size=rows[-1])
+    local = torch.arange(rows[-1], device=device) - row_start[split_of_row]
+    base = num_blocks * col_start[split_of_row] + local
+    block = torch.arange(num_blocks, device=device)
+    return base.unsqueeze(1) + block.unsqueeze(0) * padded[split_of_row].unsqueeze(1)
+
+
+def pack_split_scales(scales: torch.Tensor, splits: Sequence[int]) -> List[torch.Tensor]:
+    """Wire scales `[N, nb]` -> one GEMM-ready `[nb, round_up(m_i, 4)]` buffer per split.
+
+    One allocation (zero-filled only where a split needs padding) and one scatter; the returned
+    buffers are contiguous views.
+    """
+    num_blocks = scales.shape[1]
+    rows, cols = split_offsets(splits)
+    padding = cols[-1] != rows[-1]
+    flat = (scales.new_zeros if padding else scales.new_empty)(num_blocks * cols[-1])
+    if rows[-1]:
+        index = split_scale_index(splits, num_blocks, device=scales.device)
+        flat.index_copy_(0, index.reshape(-1), scales.reshape(-1))
+    return [flat[num_blocks * c0: num_blocks * c1].view(num_blocks, c1 - c0)
+            for c0, c1 in zip(cols[:-1], cols[1:])]
+
+
+def split_rowwise(x_fp8: torch.Tensor, scales: torch.Tensor, splits: Sequence[int], *,
+                  fmt: Fp8Format = BLOCKWISE_1x128, dtype: torch.dtype = torch.bfloat16
+                  ) -> List[Any]:
+    """Per-split TE tensors of wire rows: one quantized GEMM operand per expert.
+
+    Args:
+        x_fp8: `[N, H]` torch.float8_e4m3fn (or uint8), CUDA, rows grouped by split.
+        scales: `[N, ceil(H / 128)]` torch.float32 wire scales.
+        splits: rows per split (sum N).
+        fmt: a blockwise 1x128 format.
+        dtype: the nominal high-precision dtype.
+
+    Returns:
+        One rowwise-only `Float8BlockwiseQTensorStorage` per split (data: a view of `x_fp8`;
+        scales: GEMM-ready, `pack_split_scales`).
+    """
+    _require_te()
+    if fmt.scale_kind is not ScaleKind.FP32_SCALE_INV:
+        raise TEUnavailableError(f"split_rowwise takes blockwise 1x128 rows, not {fmt.name}")
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage,
+    )
+
+    quantizer = _rowwise_quantizer(fmt, None)
+    data = x_fp8.contiguous().view(torch.uint8)
+    rows, _ = split_offsets(splits)
+    if rows[-1] != data.shape[0]:
+        raise ValueError(f"splits sum to {rows[-1]}, rows are {data.shape[0]}")
+    packed = pack_split_scales(scales, splits)
+    return [Float8BlockwiseQTensorStorage(
+        data[r0:r1], scale, None, None, quantizer.dtype, quantizer, False, fake_dtype=dtype)
+        for r0, r1, scale in zip(rows[:-1], rows[1:], packed)]
 
 
 def maybe_to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format,
@@ -237,16 +477,22 @@ def maybe_to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format
         return None, str(exc)
 
 
-def handoff_reason(fmt: Fp8Format, training: bool, recipe: Any = None) -> Tuple[bool, str]:
+def handoff_reason(fmt: Fp8Format, training: bool, recipe: Any = None, *,
+                   experts_make_columnwise: bool = False, num_rows: Optional[int] = None,
+                   hidden: Optional[int] = None) -> Tuple[bool, str]:
     """Whether received rows of `fmt` may go to TE's GEMMs as TE quantized tensors.
 
     Args:
         fmt: the wire format.
         training: whether the experts' weights will get gradients (grad mode on). TE's wgrad
             GEMM then needs the input's columnwise copy, which the wire does not carry, so the
-            handoff also needs a recipe whose backward works from dequantized data
-            (`backward_override` set, e.g. "dequantized").
+            handoff also needs experts that make that copy themselves
+            (`experts_make_columnwise`, blockwise only) or a recipe whose backward works from
+            dequantized data (`backward_override` set, e.g. "dequantized").
         recipe: the TE recipe (default: the active one).
+        experts_make_columnwise: the experts build the columnwise copy (`te_experts`).
+        num_rows, hidden: the received shape when known; checked against TE's shape rules
+            (`gemm_shape_reason`).
 
     Returns:
         (True, "") or (False, the reason).
@@ -255,7 +501,14 @@ def handoff_reason(fmt: Fp8Format, training: bool, recipe: Any = None) -> Tuple[
     ok, reason = recipe_matches(fmt, recipe)
     if not ok:
         return False, reason
+    if num_rows is not None and hidden is not None:
+        reason = gemm_shape_reason(fmt, num_rows, hidden)
+        if reason:
+            return False, reason
     if training and not getattr(recipe, "backward_override", None):
+        if experts_make_columnwise and fmt.scale_kind is ScaleKind.FP32_SCALE_INV:
+            return True, ""
         return False, (f"{type(recipe).__name__} without backward_override: TE's wgrad needs "
-                       f"columnwise data the wire does not carry")
+                       f"columnwise data the wire does not carry (experts that make it: "
+                       f"megatron_deepep.megatron.te_experts, blockwise only)")
     return True, ""

@@ -33,9 +33,14 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_deepep.logs import log_once
 from megatron_deepep.megatron import metrics
-from megatron_deepep.megatron.options import (check_config, fp8_format_for_option,
-                                              rank_capacity_factor, rank_capacity_rows,
-                                              resolve_options)
+from megatron_deepep.megatron.options import (
+    check_config,
+    fp8_format_for_option,
+    physical_to_logical_for_layer,
+    rank_capacity_factor,
+    rank_capacity_rows,
+    resolve_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,43 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     return topk_idx, topk_weights
 
 
+def logical_to_physical_table(physical_to_logical: List[int], num_experts: int):
+    """`(table [E, C] int64, copies [E] int64)`: the physical slots of each logical expert
+    (padded with its first slot to the most copies C), and how many it has.
+
+    Raises:
+        ValueError: a logical expert has no slot or an id is out of range.
+    """
+    slots: List[List[int]] = [[] for _ in range(num_experts)]
+    for p, e in enumerate(physical_to_logical):
+        if not 0 <= e < num_experts:
+            raise ValueError(f"expert map: physical slot {p} holds expert {e}, outside "
+                             f"[0, {num_experts})")
+        slots[e].append(p)
+    missing = [e for e, s in enumerate(slots) if not s]
+    if missing:
+        raise ValueError(f"expert map: logical experts {missing[:8]} have no physical slot")
+    width = max(len(s) for s in slots)
+    table = torch.tensor([s + [s[0]] * (width - len(s)) for s in slots], dtype=torch.int64)
+    copies = torch.tensor([len(s) for s in slots], dtype=torch.int64)
+    return table, copies
+
+
+def map_topk_to_physical(topk_idx: torch.Tensor, table: torch.Tensor,
+                         copies: torch.Tensor) -> torch.Tensor:
+    """Logical `topk_idx [T, K]` (-1: none) -> physical slots `[T, K]` int64 (no host sync).
+
+    A replicated expert's tokens spread over its copies by token index (token t takes copy
+    t mod copies), so each copy gets an even share.
+    """
+    valid = topk_idx >= 0
+    logical = topk_idx.clamp(min=0).long()
+    token = torch.arange(topk_idx.shape[0], device=topk_idx.device).unsqueeze(1)
+    copy = token % copies.to(topk_idx.device)[logical]
+    physical = table.to(topk_idx.device)[logical, copy]
+    return torch.where(valid, physical, torch.full_like(physical, -1))
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -93,10 +135,18 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
     as e4m3 plus block scales (about half the bytes). The experts receive TE's own quantized
     tensor (no second quantization in TE's GEMM) when TE is installed, its active recipe
     produces the same format (`Float8BlockScaling` with 1x128 activation blocks, or
-    `MXFP8BlockScaling`), the layer is not in pad-to-capacity mode and either grad mode is off or
-    the recipe's backward works from dequantized data; in every other case they receive bf16
+    `MXFP8BlockScaling`), the experts take quantized input (not `TEGroupedMLP`, whose
+    `GroupedLinear` refuses it), the layer is not in pad-to-capacity mode and either grad mode is
+    off, the recipe's backward works from dequantized data or the experts make the columnwise
+    copy themselves (`te_experts.FP8GroupedMLP`, `takes_fp8_rows`); else they receive bf16
     rows dequantized on the receiver (cast to the input dtype), which works with any experts.
     The backward is the bf16 combine of the gradients (straight-through).
+
+    Expert placement (`--moe-mdeep-expert-map`, see `DeepEPOptions.expert_map`): routed logical
+    experts go to their physical slots (a replicated expert's tokens spread over its copies by
+    token index), so a `megatron_deepep.balance` plan applies at a restart once the expert
+    weights are permuted with `balance.permute_expert_weights`. This layer's E_local is then
+    the plan's slots per rank (E / EP for a plan without copies).
 
     Raises:
         ValueError: for settings it does not support (expert tensor parallelism,
@@ -143,6 +193,9 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self._metrics_pending = None
         self._used_rows = None
         self._sync_free = False
+        self._tokens_dropped = None
+        self._expert_map = None  # (table, copies, num_physical) once resolved; False: none
+        self._physical_to_logical = None
         # What `dispatch_preprocess` leaves for the later hooks: the graph outputs of Megatron's
         # `moe_preprocess` CUDA-graph scope (the dispatch itself is captured by the `moe` scope,
         # sync-free only).
@@ -188,7 +241,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self._buffer = get_buffer(self.ep_group, num_max_tokens_per_rank=n_max,
                                   hidden=hidden_2b, num_topk=self.topk,
                                   transport=self.options.transport,
-                                  num_sms=self.options.num_sms)
+                                  num_sms=self.options.num_sms,
+                                  num_ranks_per_node=self.options.ranks_per_node)
         return self._buffer
 
     def _fp8_spec(self):
@@ -201,13 +255,48 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                 log_once(logger, "megatron_deepep: fp8_dispatch=%s dispatches bf16: %s",
                          self.options.fp8_dispatch, reason)
             return None
-        handoff, reason = fp8_handoff(fmt, torch.is_grad_enabled(), self.drop_and_pad)
+        from megatron_deepep.megatron import te_experts
+
+        experts = self._experts()
+        handoff, reason = False, te_experts.experts_refuse_fp8_reason(experts)
+        if not reason:
+            handoff, reason = fp8_handoff(
+                fmt, torch.is_grad_enabled(), self.drop_and_pad,
+                experts_make_columnwise=te_experts.experts_take_fp8_rows(experts))
         if handoff and self.rank_capacity_factor is not None:
             handoff, reason = False, "sync-free dispatch zeroes the rows past the used ones"
         if not handoff:
             log_once(logger, "megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
                      "(dequantized on the receiver): %s", fmt.name, reason)
         return Fp8Dispatch(fmt, "fp8" if handoff else "bf16")
+
+    def _physical_map(self):
+        """`(table, copies, num_physical)` of the `expert_map` option, or None (contiguous)."""
+        if self._expert_map is None:
+            p2l = physical_to_logical_for_layer(self.options.expert_map, self.layer_number)
+            self._expert_map = False
+            if p2l is not None:
+                num_physical = self.num_local_experts * max(self.ep_size, 1)
+                if len(p2l) != num_physical:
+                    raise ValueError(
+                        f"--moe-mdeep-expert-map has {len(p2l)} physical slots; this layer has "
+                        f"{num_physical} (EP {self.ep_size} x {self.num_local_experts} local "
+                        f"experts)")
+                table, copies = logical_to_physical_table(p2l, self.num_experts)
+                self._expert_map = (table, copies, num_physical)
+                self._physical_to_logical = list(p2l)
+        return self._expert_map or None
+
+    @property
+    def physical_to_logical(self) -> Optional[List[int]]:
+        """The logical expert of each physical slot under the expert map (None: contiguous)."""
+        self._physical_map()
+        return self._physical_to_logical
+
+    def _experts(self):
+        """The owning MoELayer's experts module (None before `bind_layer`)."""
+        layer = self._layer_ref() if self._layer_ref is not None else None
+        return getattr(layer, "experts", None)
 
     def _metrics(self):
         if not self.options.metrics:
@@ -222,6 +311,16 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         hidden = tokens.reshape(-1, self.hidden_shape[-1])
         self._probs_dtype = probs.dtype
         self._topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
+        if self.options.metrics:  # capacity drops: routed entries the router took away
+            k = min(self.topk, routing_map.shape[1])
+            self._tokens_dropped = (self._topk_idx[:, :k] < 0).sum()
+        expert_map = self._physical_map()
+        if expert_map is not None:
+            table, copies, num_physical = expert_map
+            if table.device != self._topk_idx.device:  # moved once, not per call
+                table, copies = table.to(self._topk_idx.device), copies.to(self._topk_idx.device)
+                self._expert_map = (table, copies, num_physical)
+            self._topk_idx = map_topk_to_physical(self._topk_idx, table, copies)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(tokens.view(self.hidden_shape))
         return hidden, topk_weights
@@ -237,12 +336,13 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         x = hidden_states.contiguous()
         if spec is not None:
             x = x.to(torch.bfloat16)  # FP8 rows are quantized from bf16 (TE's input rules)
+        expert_map = self._physical_map()
         bound = self.num_max_recv_rows(x.shape[0])
         self._sync_free = bound is not None
         recv_x, recv_weights, handle = dispatch(
             buffer, x, self._topk_idx, probs.float().contiguous(),
-            num_experts=self.num_experts, expert_alignment=self.expert_alignment, fp8=spec,
-            num_max_recv_rows=bound)
+            num_experts=expert_map[2] if expert_map is not None else self.num_experts,
+            expert_alignment=self.expert_alignment, fp8=spec, num_max_recv_rows=bound)
         if spec is not None and spec.dequantize and recv_x.dtype != hidden_states.dtype:
             recv_x = recv_x.to(hidden_states.dtype)
         if collector is not None:
@@ -315,7 +415,9 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             pending, self._metrics_pending = self._metrics_pending, None
             if pending is not None:
                 dispatch_timer, handle, row_bytes = pending
-                collector.record(self, handle, dispatch_timer, combine_timer, row_bytes=row_bytes)
+                collector.record(self, handle, dispatch_timer, combine_timer, row_bytes=row_bytes,
+                                 tokens_dropped=self._tokens_dropped)
+                self._tokens_dropped = None
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()
@@ -361,6 +463,9 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         expert_of_row = expert_of_row.clamp(max=e_local - 1)
         pos = torch.arange(m, device=device) - starts[expert_of_row]
         keep = in_segment & (pos < used_counts[expert_of_row]) & (pos < seg)
+        if self.options.metrics and self._tokens_dropped is not None:  # rows past a segment
+            self._tokens_dropped = self._tokens_dropped + (
+                in_segment & (pos >= seg) & (pos < used_counts[expert_of_row])).sum()
         dump = e_local * seg
         dest = torch.where(keep, expert_of_row * seg + pos, torch.full_like(pos, dump))
         self._pad_dest = dest
@@ -407,10 +512,12 @@ class _ZeroUnusedRows(torch.autograd.Function):
         return grad.masked_fill(~used.unsqueeze(1), 0), None
 
 
-def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):
+def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False,
+                experts_make_columnwise: bool = False):
     """Whether the experts get TE quantized tensors for rows of `fmt`: `(ok, reason)`.
 
-    They do when TE's active recipe produces `fmt` and TE can use rowwise-only input (see
+    They do when TE's active recipe produces `fmt` and TE can use rowwise-only input, or the
+    experts make the columnwise copy themselves (`te_experts.FP8GroupedMLP`; see
     `fp8.te_bridge.handoff_reason`), and the layer does not reshuffle rows to capacity (that
     reshuffle is bf16 torch code).
     """
@@ -418,7 +525,8 @@ def fp8_handoff(fmt, training: bool, drop_and_pad: bool = False):
 
     if drop_and_pad:
         return False, "moe_pad_expert_input_to_capacity reshuffles the rows in bf16"
-    return te_bridge.handoff_reason(fmt, training)
+    return te_bridge.handoff_reason(fmt, training,
+                                    experts_make_columnwise=experts_make_columnwise)
 
 
 def _group_rank(group) -> int:

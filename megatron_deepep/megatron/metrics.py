@@ -21,8 +21,31 @@ all_gather per layer) and derives:
 | `deepep_load_imbalance` | max over mean of the tokens per expert (all E experts)          |
 | `deepep_rank_imbalance` | max over mean of the tokens each EP rank's experts receive      |
 | `deepep_idle_share`     | `1 - min/max` rank load: the share of the expert phase the       |
-|                         | least-loaded rank waits for the most loaded one                 |
+|                         | least-loaded rank waits for the most loaded one (token counts)  |
+| `deepep_expert_ms`      | expert compute time: from the end of the dispatch to the start  |
+|                         | of the combine (postprocess, experts, preprocess), summed over  |
+|                         | micro-batches, mean over EP ranks                               |
+| `deepep_comm_share`     | `(dispatch_ms + combine_ms) / expert_ms`: above about 20% EP    |
+|                         | scaling has reached its limit for the configuration             |
+| `deepep_idle_share_time`| `1 - min/max` of the ranks' expert times: the worst rank's idle |
+|                         | share of the expert phase, measured from time (next to the      |
+|                         | count-based `deepep_idle_share`)                                |
+| `deepep_tokens_dropped` | routed (token, expert) entries dropped in the step, summed over |
+|                         | EP ranks: the router's capacity drops plus rows a               |
+|                         | pad-to-capacity segment could not hold                          |
 
+Expert time is read from the events the dispatch and combine spans already record (the end of
+one, the start of the other), at `flush()`: nothing more is synchronized in forward. Under
+Megatron's EP A2A overlap the interval also holds the other micro-batch's work. Sync-free
+dispatch budgets (`num_max_recv_rows`) cannot drop rows (a budget that is too small raises), and
+the dispatcher sizes its output exactly, so drops come from capacity only.
+
+When a layer's `comm_share` rises above `MDEEP_COMM_SHARE_WARN` percent (default 20; 0: off),
+EP rank 0 logs one warning for that layer, with what usually helps; it warns again only after
+the share has fallen back below the limit and crossed it anew.
+
+Under an expert map (`--moe-mdeep-expert-map`) `tokens_per_expert` counts physical slots and
+the line also holds the map's `physical_to_logical` (`balance` folds the counts back).
 Tokens per expert and per rank (vectors) go to the JSON-lines file only
 (`metrics_dir/deepep_metrics_rank<R>.jsonl`, one line per step), which `scripts/plot_metrics.py`
 renders. Under `moe` recompute only the pass that builds the graph is counted; evaluation passes
@@ -50,6 +73,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_deepep import knobs
 from megatron_deepep.megatron.options import resolve_options
 
 logger = logging.getLogger(__name__)
@@ -57,8 +81,16 @@ logger = logging.getLogger(__name__)
 TRACKER_NAMES = (
     "deepep_dispatch_ms", "deepep_combine_ms", "deepep_bytes_sent_MB", "deepep_bytes_recv_MB",
     "deepep_dispatch_GBps", "deepep_combine_GBps", "deepep_load_imbalance",
-    "deepep_rank_imbalance", "deepep_idle_share",
+    "deepep_rank_imbalance", "deepep_idle_share", "deepep_expert_ms", "deepep_comm_share",
+    "deepep_idle_share_time", "deepep_tokens_dropped",
 )
+
+#: What usually lowers a high `comm_share` (the warning says it).
+COMM_SHARE_ADVICE = (
+    "FP8 dispatch (--moe-mdeep-fp8-dispatch blockwise: about half the bytes), node-limited "
+    "routing (--moe-router-num-groups <nodes> --moe-router-group-topk <M>), a smaller EP group "
+    "(--expert-model-parallel-size), or more tokens per rank (micro-batch size x sequence "
+    "length)")
 
 
 class Span:
@@ -91,6 +123,12 @@ class Span:
             return float(self.start_event.elapsed_time(self.end_event))
         return (self.t1 - self.t0) * 1e3
 
+    def ms_until(self, later: "Span") -> float:
+        """Milliseconds from this span's stop to `later`'s start (both synchronized)."""
+        if self._cuda:
+            return float(self.end_event.elapsed_time(later.start_event))
+        return (later.t0 - self.t1) * 1e3
+
 
 class _LayerStats:
     """Accumulators of one MoE layer within one step (device tensors, no syncs)."""
@@ -112,8 +150,10 @@ class _LayerStats:
                                                 device=self.device)
         self.tokens_recv_per_rank = torch.zeros(self.ep_size, dtype=torch.int64,
                                                 device=self.device)
+        self.tokens_dropped = torch.zeros((), dtype=torch.int64, device=self.device)
         self.row_bytes = 0
         self.num_calls = 0
+        self.physical_to_logical = None
 
 
 class MetricsCollector:
@@ -130,6 +170,7 @@ class MetricsCollector:
         self._step = 0
         self.last_results: Dict[int, dict] = {}
         self.recorded_names = set()
+        self._comm_share_high: Dict[int, bool] = {}  # layer -> above the warning limit
 
     def start(self) -> Span:
         """Starts timing an operation (records an event on the current stream)."""
@@ -153,8 +194,13 @@ class MetricsCollector:
         return torch.is_grad_enabled() or not recompute
 
     def record(self, dispatcher, handle, dispatch_span: Span, combine_span: Span,
-               row_bytes: int) -> None:
-        """Adds one forward dispatch + combine of `dispatcher` (no host synchronization)."""
+               row_bytes: int, tokens_dropped: Optional[torch.Tensor] = None) -> None:
+        """Adds one forward dispatch + combine of `dispatcher` (no host synchronization).
+
+        The expert time is the interval between `dispatch_span`'s stop and `combine_span`'s
+        start. `tokens_dropped`: a 0-d int64 tensor (any device) of this call's dropped
+        (token, expert) entries, or None.
+        """
         if not self._counts_this_call(dispatcher):
             return
         key = self._layer_key(dispatcher)
@@ -172,8 +218,12 @@ class MetricsCollector:
         stats.tokens_per_local_expert += handle.num_recv_tokens_per_expert.to(stats.device)
         stats.tokens_sent_per_rank += handle.num_tokens_per_rank.to(stats.device)
         stats.tokens_recv_per_rank += handle.num_recv_tokens_per_rank.to(stats.device)
+        if tokens_dropped is not None:
+            stats.tokens_dropped += tokens_dropped.to(stats.device)
         stats.row_bytes = row_bytes
         stats.num_calls += 1
+        if stats.num_calls == 1:
+            stats.physical_to_logical = getattr(dispatcher, "physical_to_logical", None)
 
     # ------------------------------------------------------------------------------------------
     def flush(self, iteration: Optional[int] = None) -> Dict[int, dict]:
@@ -188,6 +238,7 @@ class MetricsCollector:
             if stats.num_calls == 0:
                 continue
             results[key] = self._reduce_layer(stats)
+            self._warn_comm_share(key, results[key], stats.ep_rank)
             stats.reset()
         step = self._step if iteration is None else int(iteration)
         self._step = step + 1
@@ -201,6 +252,7 @@ class MetricsCollector:
             span.synchronize()
         dispatch_ms = sum(s.elapsed_ms() for s in stats.dispatch_spans)
         combine_ms = sum(s.elapsed_ms() for s in stats.combine_spans)
+        expert_ms = sum(d.ms_until(c) for d, c in zip(stats.dispatch_spans, stats.combine_spans))
         me = stats.ep_rank
         peer = torch.ones(stats.ep_size, dtype=torch.bool)
         peer[me] = False
@@ -208,16 +260,19 @@ class MetricsCollector:
         recv_rows = stats.tokens_recv_per_rank.cpu()[peer].sum().item()
         local = torch.tensor(
             [dispatch_ms, combine_ms, sent_rows * stats.row_bytes, recv_rows * stats.row_bytes,
-             stats.num_calls] + stats.tokens_per_local_expert.cpu().tolist(),
+             stats.num_calls, expert_ms, stats.tokens_dropped.item()]
+            + stats.tokens_per_local_expert.cpu().tolist(),
             dtype=torch.float64)
-        table = _all_gather_rows(local, stats.ep_group, stats.ep_size)  # [R, 5 + E_local]
+        table = _all_gather_rows(local, stats.ep_group, stats.ep_size)  # [R, 7 + E_local]
         dispatch_all, combine_all = table[:, 0], table[:, 1]
         sent_all, recv_all = table[:, 2], table[:, 3]
-        tokens_per_expert = table[:, 5:].reshape(-1)
-        tokens_per_rank = table[:, 5:].sum(dim=1)
+        expert_all = table[:, 5].clamp(min=0.0)
+        tokens_per_expert = table[:, 7:].reshape(-1)
+        tokens_per_rank = table[:, 7:].sum(dim=1)
         d_ms, c_ms = dispatch_all.mean().item(), combine_all.mean().item()
+        e_ms = expert_all.mean().item()
         sent_mean, recv_mean = sent_all.mean().item(), recv_all.mean().item()
-        return {
+        result = {
             "num_micro_batches": int(stats.num_calls),
             "dispatch_ms": d_ms,
             "combine_ms": c_ms,
@@ -232,8 +287,30 @@ class MetricsCollector:
             "load_imbalance": _max_over_mean(tokens_per_expert),
             "rank_imbalance": _max_over_mean(tokens_per_rank),
             "idle_share": _idle_share(tokens_per_rank),
+            "expert_ms": e_ms,
+            "expert_ms_per_rank": expert_all.tolist(),
+            "comm_share": (d_ms + c_ms) / e_ms if e_ms > 0 else 0.0,
+            "idle_share_time": _idle_share(expert_all),
+            "tokens_dropped": int(table[:, 6].sum().item()),
             "num_layers": stats.num_layers,
         }
+        if stats.physical_to_logical is not None:  # tokens_per_expert counts physical slots
+            result["physical_to_logical"] = list(stats.physical_to_logical)
+        return result
+
+    def _warn_comm_share(self, layer: int, m: dict, ep_rank: int) -> None:
+        """Logs once per layer and crossing of `MDEEP_COMM_SHARE_WARN` (EP rank 0 only)."""
+        limit = knobs.get("COMM_SHARE_WARN") / 100.0
+        high = limit > 0 and m["comm_share"] > limit
+        was_high = self._comm_share_high.get(layer, False)
+        self._comm_share_high[layer] = high
+        if high and not was_high and ep_rank == 0:
+            logger.warning(
+                "megatron_deepep: layer %d: EP communication (dispatch %.3f ms + combine %.3f "
+                "ms) is %.0f%% of expert compute (%.3f ms), above MDEEP_COMM_SHARE_WARN=%g%%: "
+                "EP scaling is at its limit for this configuration. What usually helps: %s",
+                layer, m["dispatch_ms"], m["combine_ms"], 100 * m["comm_share"],
+                m["expert_ms"], 100 * limit, COMM_SHARE_ADVICE)
 
     def _write_jsonl(self, step: int, results: Dict[int, dict]) -> None:
         any_stats = next(iter(self._layers.values()))
@@ -265,6 +342,10 @@ class MetricsCollector:
                 "deepep_load_imbalance": m["load_imbalance"],
                 "deepep_rank_imbalance": m["rank_imbalance"],
                 "deepep_idle_share": m["idle_share"],
+                "deepep_expert_ms": m["expert_ms"],
+                "deepep_comm_share": m["comm_share"],
+                "deepep_idle_share_time": m["idle_share_time"],
+                "deepep_tokens_dropped": m["tokens_dropped"],
             }
             for name, value in scalars.items():
                 _tracker_record(name, value / scale, layer, m["num_layers"])

@@ -21,7 +21,7 @@ DISPATCHER_TYPE = "deepep"
 CONFIG_PREFIX = "moe_mdeep_"
 
 #: Values of the `transport` option.
-TRANSPORT_CHOICES = ("auto", "local", "nvlink", "reference")
+TRANSPORT_CHOICES = ("auto", "local", "nvlink", "internode", "reference")
 
 #: Values of the `fp8_dispatch` option besides the names in `megatron_deepep.fp8.FORMATS`.
 FP8_DISPATCH_CHOICES = FLAG_NAMES  # one list: fp8/dispatch.py's
@@ -39,7 +39,8 @@ class DeepEPOptions:
 
     Attributes:
         transport: "auto" (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the
-            pure-torch reference without CUDA), "local", "nvlink" or "reference".
+            internode kernels when the EP group spans nodes, the pure-torch reference without
+            CUDA), "local", "nvlink", "internode" or "reference".
         num_sms: SM budget of the communication kernels.
         num_max_tokens_per_rank: the most tokens one rank dispatches per call. It sizes the
             symmetric buffer and must be the same on every EP rank; None picks the next power of
@@ -64,6 +65,15 @@ class DeepEPOptions:
             layer's combine; the excess rows are never written), never a silent drop. Under
             `--moe-pad-expert-input-to-capacity` the dispatch is sync-free without it (the
             capacity bounds every expert).
+        expert_map: a logical-to-physical expert placement (`megatron_deepep.balance`): the
+            path of `python -m megatron_deepep.balance --json` output (a plan per layer
+            number; a single layer "0" applies to every layer), a plan dict, or a
+            `physical_to_logical` list. Physical slot p lives on EP rank p // E_local and
+            holds logical expert `physical_to_logical[p]`; the expert weights must be
+            permuted to match (`balance.permute_expert_weights`). None: the contiguous
+            placement.
+        ranks_per_node: declares nodes of this many contiguous EP ranks (virtual nodes, for
+            tests and containers that share a host name); None: the ranks' hosts.
     """
 
     transport: str = "auto"
@@ -73,6 +83,8 @@ class DeepEPOptions:
     metrics_dir: Optional[str] = None
     fp8_dispatch: str = "off"
     rank_capacity_factor: Optional[float] = None
+    expert_map: Optional[object] = None
+    ranks_per_node: Optional[int] = None
 
     def __post_init__(self):
         check_transport_option(self.transport)
@@ -294,3 +306,42 @@ def _check_sync_free(config, options: Optional[DeepEPOptions]) -> None:
             f"host: set --moe-expert-rank-capacity-factor (Megatron 0.19+) or "
             f"--moe-mdeep-rank-capacity-factor / MDEEP_RANK_CAPACITY_FACTOR (a per-rank row "
             f"bound), or use --moe-pad-expert-input-to-capacity with a capacity factor")
+
+
+def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
+    """The `physical_to_logical` list the `expert_map` option gives one layer (None: none).
+
+    Args:
+        expert_map: the option (see `DeepEPOptions.expert_map`).
+        layer_number: the MoE layer's `layer_number` (None: unbound, takes layer "0" or the
+            only plan).
+
+    Raises:
+        ValueError: the map has no plan for this layer or is malformed (naming the option).
+    """
+    import json
+
+    if expert_map is None:
+        return None
+    data = expert_map
+    if isinstance(data, str):
+        with open(data, encoding="utf-8") as f:
+            data = json.load(f)
+    if isinstance(data, dict) and "layers" in data:
+        layers = {str(k): v for k, v in data["layers"].items()}
+        plan = layers.get(str(layer_number))
+        if plan is None and len(layers) == 1:
+            plan = next(iter(layers.values()))
+        if plan is None:
+            plan = layers.get("0")
+        if plan is None:
+            raise ValueError(
+                f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP) has no plan "
+                f"for layer {layer_number} (layers {sorted(layers)}) and no layer 0 for all")
+        data = plan
+    if isinstance(data, dict):
+        data = data.get("physical_to_logical")
+    if not isinstance(data, (list, tuple)) or not all(isinstance(v, int) for v in data):
+        raise ValueError("--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP): "
+                         "expected a balance plan or a physical_to_logical list of ints")
+    return [int(v) for v in data]

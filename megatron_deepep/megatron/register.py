@@ -68,6 +68,8 @@ ARGUMENTS = [
                                    choices=list(TRANSPORT_CHOICES),
                                    help="megatron_deepep transport")),
     ("--moe-mdeep-num-sms", dict(type=int, default=None, help="SMs of the comm kernels")),
+    ("--moe-mdeep-ranks-per-node", dict(
+        type=int, default=None, help="EP ranks per node (default: from host names)")),
     ("--moe-mdeep-num-max-tokens-per-rank", dict(
         type=int, default=None, help="most tokens one rank dispatches (same on every rank)")),
     ("--moe-mdeep-metrics", dict(action="store_true", default=None,
@@ -82,6 +84,10 @@ ARGUMENTS = [
         type=float, default=None,
         help="sync-free dispatch: each rank receives at most factor x tokens x top-k rows "
              "(Megatron's --moe-expert-rank-capacity-factor wins where it exists)")),
+    ("--moe-mdeep-expert-map", dict(
+        type=str, default=None,
+        help="expert placement JSON from python -m megatron_deepep.balance --json (expert "
+             "weights permuted to match)")),
 ]
 
 

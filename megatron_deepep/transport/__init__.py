@@ -4,17 +4,19 @@
 |-------------|---------------------------|---------------------------------------------------|
 | `local`     | 1 rank                    | the EP = 1 kernels: no peers, no symmetric buffer |
 | `nvlink`    | 2-8 ranks of one node     | kernels over a CUDA-IPC symmetric buffer          |
+| `internode` | 2-32 nodes x 1-8 ranks    | NVSHMEM puts between nodes, NVLink inside a node  |
 | `reference` | any (CPU included)        | pure torch over `all_to_all_single`               |
 
 `create` picks one for "auto" (and "nvlink" at EP = 1, where there are no peers) from the group
-and the machine; the caller never asks its name again. An EP group that spans hosts gets the
-reference under "auto" (a logged warning) and an error under "local" / "nvlink", until the
-internode transport (`docs/internode.md`) lands.
+and the machine; the caller never asks its name again. An EP group that spans hosts (or declares
+virtual nodes with `num_ranks_per_node`) gets `internode` under "auto", and the pure-torch
+reference (a logged warning) where NVSHMEM cannot start.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from megatron_deepep.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT_NAMES = ("auto", "local", "nvlink", "reference")
+TRANSPORT_NAMES = ("auto", "local", "nvlink", "internode", "reference")
 
 
 def resolve(name: str, num_ranks: int, cuda_available: bool, num_nodes: int = 1) -> str:
@@ -37,13 +39,20 @@ def resolve(name: str, num_ranks: int, cuda_available: bool, num_nodes: int = 1)
     if name == "reference":
         return name
     if num_nodes > 1:
-        # The kernels reach peers through CUDA IPC, which ends at the node (docs/internode.md
-        # designs the transport that crosses it).
-        if name == "auto":
-            return "reference"
+        if not cuda_available:
+            if name == "auto":
+                return "reference"
+            raise ValueError(f"transport={name!r} runs CUDA kernels, but torch sees no CUDA "
+                             "device here; use transport='reference' (pure torch) or 'auto'")
+        if name in ("auto", "internode"):
+            return "internode"
         raise ValueError(f"transport={name!r} reaches peers through CUDA IPC inside one node, "
-                         f"but this EP group spans {num_nodes} hosts; use transport='reference' "
-                         "(pure torch over all_to_all_single, correct on any network) or 'auto'")
+                         f"but this EP group spans {num_nodes} nodes; use transport='internode' "
+                         "or 'auto' (or 'reference': pure torch, correct on any network)")
+    if name == "internode":
+        raise ValueError(f"transport='internode' serves EP groups that span 2 or more nodes; "
+                         f"this one ({num_ranks} ranks) runs on one node: use 'auto' or "
+                         "'nvlink', or pass num_ranks_per_node to declare virtual nodes")
     if not cuda_available:
         if name == "auto":
             return "reference"
@@ -69,27 +78,65 @@ def transport_class(name: str) -> type:
     if name == "nvlink":
         from megatron_deepep.transport.nvlink import NVLinkTransport
         return NVLinkTransport
+    if name == "internode":
+        from megatron_deepep.transport.internode import InternodeTransport
+        return InternodeTransport
     if name == "reference":
         from megatron_deepep.transport.reference import ReferenceTransport
         return ReferenceTransport
     raise ValueError(f"no transport class for {name!r}")
 
 
+def size_hint(name: str, num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
+              num_topk: int, *, cuda_available: bool,
+              num_ranks_per_node: Optional[int] = None) -> int:
+    """Bytes of device memory one rank of the transport `name` resolves to holds. Nodes are
+    `num_ranks_per_node` ranks each; None: one node, except for "internode", which then assumes
+    nodes of 8 ranks (fewer when the group is smaller)."""
+    per_node = num_ranks_per_node
+    if per_node is None and name == "internode":
+        per_node = min(num_ranks, 8)
+    num_nodes = max(1, num_ranks // per_node) if per_node is not None else 1
+    resolved = resolve(name, num_ranks, cuda_available, num_nodes)
+    cls = transport_class(resolved)
+    if resolved == "internode":
+        return cls.size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, per_node)
+    return cls.size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk)
+
+
 def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
-           num_sms: int, timeout_s: float) -> Transport:
-    """Builds the transport `name` resolves to for `group` (collective for `nvlink`)."""
+           num_sms: int, timeout_s: float,
+           num_ranks_per_node: Optional[int] = None) -> Transport:
+    """Builds the transport `name` resolves to for `group` (collective for the kernel
+    transports). `num_ranks_per_node` declares nodes of that many contiguous ranks (virtual
+    nodes); by default nodes are the ranks' hosts."""
     num_ranks = dist.get_world_size(group)
     num_nodes = 1
-    if name != "reference" and num_ranks > 1:
+    if num_ranks_per_node is not None:
+        from megatron_deepep.transport.topology import Topology
+        num_nodes = Topology(num_ranks, num_ranks_per_node).num_nodes  # validates it
+    elif name != "reference" and num_ranks > 1:
         from megatron_deepep.transport.topology import count_hosts
         num_nodes = count_hosts(group)
     resolved = resolve(name, num_ranks, torch.cuda.is_available(), num_nodes)
     if name == "auto" and resolved == "reference" and num_nodes > 1:
-        logger.warning("megatron_deepep: the EP group spans %d hosts; the kernel transports "
-                       "reach peers inside one node, so transport='auto' runs the pure-torch "
-                       "reference (all_to_all_single: correct, not fast)", num_nodes)
+        logger.warning("megatron_deepep: the EP group spans %d nodes but torch sees no CUDA "
+                       "device; transport='auto' runs the pure-torch reference", num_nodes)
+    kwargs = dict(num_sms=num_sms, timeout_s=timeout_s)
+    if resolved == "internode":
+        kwargs["num_ranks_per_node"] = num_ranks_per_node
+        if name == "auto":
+            from megatron_deepep.nvshmem_link import NvshmemUnavailable
+            from megatron_deepep.transport.nvshmem_heap import check_available
+            try:
+                check_available()
+            except NvshmemUnavailable as exc:
+                logger.warning("megatron_deepep: the EP group spans %d nodes, but NVSHMEM "
+                               "cannot start (%s); transport='auto' runs the pure-torch "
+                               "reference", num_nodes, exc)
+                resolved, kwargs = "reference", dict(num_sms=num_sms, timeout_s=timeout_s)
     return transport_class(resolved)(group, num_max_tokens_per_rank, hidden, num_topk,
-                                     num_sms=num_sms, timeout_s=timeout_s)
+                                     **kwargs)
 
 
-__all__ = ["TRANSPORT_NAMES", "Transport", "create", "resolve", "transport_class"]
+__all__ = ["TRANSPORT_NAMES", "Transport", "create", "resolve", "size_hint", "transport_class"]

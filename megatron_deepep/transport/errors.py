@@ -6,9 +6,17 @@ import numpy as np
 
 ERROR_RECORD_WORDS = 10  # sizeof(ErrorRecord) = 40 bytes
 CODE_TIMEOUT, CODE_BAD_EXPERT_ID, CODE_RANK_MISMATCH, CODE_RECV_OVERFLOW = 1, 2, 3, 4
+CODE_PEER_UNREACHABLE = 5
 PHASES = {0: "layout", 1: "notify", 2: "dispatch send (waiting for the peer to consume the "
           "previous dispatch)", 3: "dispatch receive", 4: "combine send (waiting for the peer to "
-          "consume the previous combine)", 5: "combine reduce", 6: "network leg"}
+          "consume the previous combine)", 5: "combine reduce", 6: "network leg",
+          7: "internode notify", 8: "internode dispatch send (waiting for the rail peer to "
+          "consume the previous dispatch)", 9: "internode forward (waiting for the rail peer's "
+          "rows or for node peers to consume the previous dispatch)", 10: "internode dispatch "
+          "receive (waiting for this node's forwarders)", 11: "internode combine send (waiting "
+          "for this node's forwarders to consume the previous combine)", 12: "internode combine "
+          "forward (waiting for this node's partials or the source's acknowledgement)",
+          13: "internode combine reduce (waiting for the rail peers' rows)"}
 HEADER_FIELDS = {1: "hidden", 2: "top-k", 3: "num_experts", 4: "expert_alignment"}
 
 
@@ -50,4 +58,9 @@ def error_from_record(words: np.ndarray, timeout_s: float):
     if code == CODE_RECV_OVERFLOW:
         return ValueError(f"num_max_recv_rows={expected} is too small: rank {rank} receives "
                           f"{seen} rows (padding included)")
+    if code == CODE_PEER_UNREACHABLE:
+        return RuntimeError(
+            f"megatron_deepep: rank {rank} cannot reach rank {peer} by load/store (NVLink P2P) "
+            f"in {where}, though both are on one node of {detail} ranks: the node's GPUs must "
+            "be NVLink peers; check num_ranks_per_node and the launch's ranks per node")
     return RuntimeError(f"megatron_deepep: kernel error code {code} on rank {rank}")

@@ -23,7 +23,9 @@ and how to fall back: transport='reference' works everywhere.
 from __future__ import annotations
 
 import logging
-from typing import List, Sequence, Union
+import os
+import re
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -77,6 +79,29 @@ def check_available() -> None:
             f"megatron_deepep: torch {torch.__version__} cannot load NVSHMEM (is the "
             f"nvidia-nvshmem-cu13 wheel installed, matching torch's CUDA?). Install "
             f"`pip install {PIP_PACKAGES}`, {_FALLBACK}.")
+
+
+DEFAULT_HEAP_BYTES = 1 << 30  # NVSHMEM's default NVSHMEM_SYMMETRIC_SIZE
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_heap_size(text: str) -> int:
+    """Bytes of an NVSHMEM size setting ("1073741824", "2G", "512m", "1.5GB").
+
+    Raises:
+        ValueError: not a size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", text)
+    if match is None:
+        raise ValueError(f"NVSHMEM_SYMMETRIC_SIZE={text!r} is not a size (e.g. 2G or 2147483648)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def heap_limit() -> int:
+    """Bytes of symmetric heap NVSHMEM gives each PE: NVSHMEM_SYMMETRIC_SIZE, else its
+    default (1 GiB)."""
+    text: Optional[str] = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    return DEFAULT_HEAP_BYTES if not text else parse_heap_size(text)
 
 
 def use_nvshmem_backend(device: torch.device) -> None:

@@ -94,7 +94,9 @@ def _case(rank, world, nvl, ref, seed, kind, num_tokens, hidden, per_rank, topk,
     assert torch.equal(free[2].tokens_per_expert.cpu(), exp[2].tokens_per_expert)
 
 
-def _autograd(rank, world, nvl, ref, seed):
+def _autograd(rank, world, nvl, ref, seed, exact_combine=True):
+    """Forward and backward through autograd against the reference; `exact_combine`: the
+    transport sums partials in the reference's order (else within bf16 rounding)."""
     xs, idxs, ws = make_inputs(seed, world, 33, 2048, 4 * world, 4, "dropped")
     results = []
     for buf, dev in ((nvl, "cuda"), (ref, "cpu")):
@@ -108,9 +110,12 @@ def _autograd(rank, world, nvl, ref, seed):
         (out.float() * g).sum().backward()
         results.append((out.detach().cpu(), x.grad.cpu(), w.grad.cpu()))
     (o1, gx1, gw1), (o2, gx2, gw2) = results
-    assert torch.equal(o1, o2)
+    if exact_combine:
+        assert torch.equal(o1, o2)
+    torch.testing.assert_close(o1.float(), o2.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(gx1.float(), gx2.float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(gw1, gw2, rtol=1e-4, atol=1e-4)
+    tolerance = 1e-4 if exact_combine else 1e-2
+    torch.testing.assert_close(gw1, gw2, rtol=tolerance, atol=tolerance)
 
 
 def _back_to_back(rank, world, nvl, num_calls):

@@ -1,0 +1,710 @@
+// The internode transport (docs/internode.md): EP groups of M nodes x L ranks. A token crosses
+// the network once per destination node, to its rail peer there (the rank with the sender's
+// local index), which forwards it over NVLink to each destination rank of that node, where it is
+// expanded into the expert-major rows. Combine runs the same path backwards.
+//
+// Kernels, in stream order on every rank (R ranks, N tokens, N_max slots, C tokens per chunk):
+//   internode_node_layout     node-level layout from is_token_in_rank (local)
+//   internode_notify          counts to every PE over NVSHMEM; receive layout (as notify.cu)
+//   internode_dispatch_send   packs each token once per destination node, by chunks of C slots,
+//                             and puts every remote chunk with a signal (own node: in place)
+//   internode_forward         (rail peer) copies each received token into the NVLink staging of
+//                             each rank of its node that holds one of its experts
+//   internode_dispatch_recv   expands the staged rows of all R sources into recv_x
+//   internode_combine_send    (expert rank) one partial per staged token, to its forwarder
+//   internode_combine_forward (forwarder) sums its node's partials, puts one row per token back
+//   internode_combine_reduce  (source) sums the partials of its nodes in node order
+//
+// Reuse hazards: every writer first waits until its reader consumed the previous call: network
+// data by acknowledgement signals (rail peers), NVLink staging by epoch flags (node peers).
+// Network data is counted in chunks: a receiver expects ceil(count / C) signal increments per
+// source node on top of the running total it keeps in `chunks_seen`.
+// FP8 dispatch (kFmt != bf16): the send quantizes each row once (or copies a pre-quantized
+// row), the network and the NVLink staging carry the wire row (e4m3 data, then its scales), and
+// the expand dequantizes it or hands data and scales on.
+// Built by megatron_deepep/nvshmem_link.py; launched by the ops.internode_* wrappers.
+#include "common/args.cuh"
+#include "common/copy.cuh"
+#include "common/fp8_row.cuh"
+#include "common/warp.cuh"
+#include "internode/net.cuh"
+
+using namespace mdeep;
+
+constexpr int kInternodeThreads = 512;  // ops.INTERNODE_THREADS
+constexpr int kInternodeNotifyThreads = kMaxLocalExperts;  // one thread per local expert
+constexpr int kMaxRanksPerNode = 8;     // one NVLink domain
+constexpr int kMaxNodes = 32;
+constexpr int kMaxInternodeRanks = kMaxRanksPerNode * kMaxNodes;
+constexpr int kHdrNodeTokens = 5;       // notify header: tokens the source sends to my node
+
+// Error-record phases (transport/errors.py names them).
+constexpr int kPhaseInNotify = 7, kPhaseInDispatchSend = 8, kPhaseInForward = 9,
+              kPhaseInDispatchRecv = 10, kPhaseInCombineSend = 11, kPhaseInCombineForward = 12,
+              kPhaseInCombineReduce = 13;
+constexpr int kErrPeerUnreachable = 5;
+
+// What travels with each row over the network: the source token and, for the rank's node, the
+// token's slot on each rank (or -1), then its global expert ids, positions and weights.
+template <int kTopk>
+struct NetRecord {
+    int token;
+    int slot_in_rank[kMaxRanksPerNode];
+    int expert[kTopk];
+    int pos[kTopk];
+    float weight[kTopk];
+};
+
+// Epoch flags written by node peers into this rank's block, index = the writer's local rank.
+struct NodeFlags {
+    u32 fwd_done[kMaxRanksPerNode];        // forwarder t finished writing my staging
+    u32 stage_consumed[kMaxRanksPerNode];  // rank t expanded what I staged for it
+    u32 comb_done[kMaxRanksPerNode];       // rank t wrote its partials into my combine staging
+    u32 comb_consumed[kMaxRanksPerNode];   // forwarder t consumed the partials I wrote
+};
+
+// Signal words (u64) of the block: notify [2][R], then per source node: dispatch data,
+// dispatch acknowledgement, combine data, combine acknowledgement.
+struct Signals {
+    u64* notify;
+    u64 *disp, *disp_ack, *comb, *comb_ack;
+    __device__ Signals(const InternodeArgs& a) {
+        notify = reinterpret_cast<u64*>(a.heap + a.signals);
+        disp = notify + 2 * a.num_ranks;
+        disp_ack = disp + a.num_nodes;
+        comb = disp_ack + a.num_nodes;
+        comb_ack = comb + a.num_nodes;
+    }
+};
+
+__device__ __forceinline__ NodeFlags* flags_of(u8* block, const InternodeArgs& a) {
+    return reinterpret_cast<NodeFlags*>(block + a.flags);
+}
+
+__device__ __forceinline__ int num_chunks(int count, int chunk) {
+    return (count + chunk - 1) / chunk;
+}
+
+// Segment s of the exclusive prefix `start [num + 1]` holding item i (binary search).
+__device__ __forceinline__ int find_segment(const int* start, int num, int i) {
+    int lo = 0, hi = num - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (start[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// start[n + 1] = start[n] + ceil(counts[n] / chunk), start[0] = 0 (one thread; `start
+// [num + 1]`): the first chunk (chunk = 1: item) of each segment.
+__device__ __forceinline__ void exclusive_chunk_prefix(const int* counts, int num, int chunk,
+                                                       int* start) {
+    start[0] = 0;
+    for (int n = 0; n < num; ++n) start[n + 1] = start[n] + (counts[n] + chunk - 1) / chunk;
+}
+
+// This rank's place and the call's sizes, as the kernels name them.
+struct Shape {
+    int R, L, M, C, N_max, node, local;
+    __device__ explicit Shape(const InternodeArgs& a)
+        : R(a.num_ranks), L(a.ranks_per_node), M(a.num_nodes), C(a.chunk_tokens),
+          N_max(a.max_tokens), node(a.rank / a.ranks_per_node),
+          local(a.rank % a.ranks_per_node) {}
+};
+
+// Fills `peers[t]` (shared) with a load/store pointer to the block of every rank of this node;
+// records an error naming the first unreachable one. Returns false in every thread on failure.
+__device__ __forceinline__ bool map_node_peers(const InternodeArgs& a, u8** peers,
+                                               const ErrorState& err, int phase) {
+    __shared__ int unreachable;
+    const int L = a.ranks_per_node, node = a.rank / L;
+    if (threadIdx.x == 0) unreachable = 0;
+    __syncthreads();
+    if (threadIdx.x < L) {
+        const int peer = node * L + threadIdx.x;
+        peers[threadIdx.x] = static_cast<u8*>(net::peer_ptr(a.heap, a.pe_of_rank[peer]));
+        if (peers[threadIdx.x] == nullptr) {
+            record_error(err, kErrPeerUnreachable, a.rank, peer, phase, L, 0, 0);
+            unreachable = 1;
+        }
+    }
+    __syncthreads();
+    return unreachable == 0;
+}
+
+// Sets flag [my local index] of `kFlags` to the call's epoch on every rank of this node (the
+// last block of a kernel, once every block's writes are fenced).
+template <u32 (NodeFlags::*kFlags)[kMaxRanksPerNode]>
+__device__ __forceinline__ void release_node(u8* const* peers, const InternodeArgs& a) {
+    const int L = a.ranks_per_node, local = a.rank % L;
+    for (int t = 0; t < L; ++t) st_release_sys(&(flags_of(peers[t], a)->*kFlags)[local], a.epoch);
+}
+
+// Thread t < L waits until flags[t] reaches `epoch`; returns in every thread whether all did.
+__device__ __forceinline__ bool block_wait_node(const u32* flags, u32 epoch,
+                                                const InternodeArgs& a, const ErrorState& err,
+                                                int phase) {
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    const int L = a.ranks_per_node, t = threadIdx.x;
+    if (t < L && !wait_epoch(&flags[t], epoch, a.timeout_ns, err, a.rank,
+                             (a.rank / L) * L + t, phase))
+        failed = 1;
+    __syncthreads();
+    return failed == 0;
+}
+
+// Thread n < M (other than this rank's node) waits until signals[n] >= base[n] + extra(n);
+// returns in every thread whether all did. The peer named on a timeout is the rail peer.
+template <typename Extra>
+__device__ __forceinline__ bool block_wait_rail(u64* signals, const u64* base, Extra extra,
+                                                const InternodeArgs& a, const ErrorState& err,
+                                                int phase) {
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    const int L = a.ranks_per_node, node = a.rank / L;
+    for (int n = threadIdx.x; n < a.num_nodes; n += blockDim.x) {
+        if (n == node) continue;
+        const u64 target = (base != nullptr ? base[n] : 0) + extra(n);
+        if (!net::wait_signal_ge(signals + n, target, a.timeout_ns, err, a.rank,
+                                 n * L + a.rank % L, phase))
+            failed = 1;
+    }
+    __syncthreads();
+    return failed == 0;
+}
+
+// ------------------------------------------------------------------------------------ layout
+
+// Grid: one block per node m. token_slot_in_node[:, m], node_slot_token[m, :] and
+// num_tokens_per_node[m] from is_token_in_rank, in token order (node_layout.py defines them).
+__global__ void __launch_bounds__(kInternodeThreads) internode_node_layout(
+    const __grid_constant__ InternodeArgs a) {
+    __shared__ int scan_smem[33];
+    const int m = blockIdx.x, L = a.ranks_per_node, R = a.num_ranks, M = a.num_nodes;
+    const int N = a.num_tokens;
+    int base = 0;
+    for (int first = 0; first < N; first += blockDim.x) {
+        const int i = first + threadIdx.x;
+        int in_node = 0;
+        if (i < N)
+            for (int t = 0; t < L; ++t) in_node |= a.is_token_in_rank[(i64)i * R + m * L + t];
+        int total;
+        const int slot = base + block_exclusive_scan(in_node, scan_smem, &total);
+        if (i < N) {
+            a.token_slot_in_node[(i64)i * M + m] = in_node ? slot : -1;
+            if (in_node) a.node_slot_token[(i64)m * N + slot] = i;
+        }
+        base += total;
+    }
+    if (threadIdx.x == 0) a.num_tokens_per_node[m] = base;
+}
+
+// ------------------------------------------------------------------------------------ notify
+
+// One block. Every source puts to every PE its header and its counts for that PE's local
+// experts (with a signal carrying the epoch), into a region of two halves by epoch parity (a
+// source can be one call ahead of a reader, never two: its own notify waits for everyone's).
+// Then the receive layout exactly as notify.cu, over R sources, and the forwarding counts.
+__global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const int R = a.num_ranks, L = a.ranks_per_node, M = a.num_nodes, me = a.rank;
+    const int num_local = a.num_local, row_len = 8 + num_local;
+    const int parity = a.epoch & 1;
+    int* send = reinterpret_cast<int*>(a.heap + a.notify_send);
+    int(*counts)[kCountStride] =
+        reinterpret_cast<int(*)[kCountStride]>(a.heap + a.notify_recv) + parity * R;
+    u64* const signals = Signals(a).notify + parity * R;
+    // 1. My row for every destination (mine goes straight into my own region).
+    for (int i = threadIdx.x; i < R * row_len; i += blockDim.x) {
+        const int d = i / row_len, col = i % row_len;
+        int value;
+        switch (col) {
+            case kHdrTokens: value = a.num_tokens_per_rank[d]; break;
+            case kHdrHidden: value = a.hidden; break;
+            case kHdrTopk: value = a.num_topk; break;
+            case kHdrExperts: value = a.num_experts; break;
+            case kHdrAlign: value = a.alignment; break;
+            case kHdrNodeTokens: value = a.num_tokens_per_node[d / L]; break;
+            default: value = col >= 8 ? a.num_tokens_per_expert[d * num_local + col - 8] : 0;
+        }
+        send[d * kCountStride + col] = value;
+        if (d == me) counts[me][col] = value;
+    }
+    __threadfence_system();  // the network engine reads `send` from outside the SMs
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    for (int d = warp; d < R; d += num_warps)
+        if (d != me)
+            net::put_signal_warp(&counts[me][0], send + d * kCountStride, row_len * sizeof(int),
+                                 signals + me, a.epoch, a.pe_of_rank[d], net::Signal::kSet);
+    __syncwarp();
+    if (lane == 0) net::quiet();
+    // 2. Everyone's row.
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < R; s += blockDim.x)
+        if (s != me && !net::wait_signal_ge(signals + s, a.epoch, a.timeout_ns, err, me, s,
+                                            kPhaseInNotify))
+            failed = 1;
+    __syncthreads();
+    if (failed) return;
+    volatile int(*rows)[kCountStride] = counts;
+    for (int s = threadIdx.x; s < R; s += blockDim.x) {
+        const int mine[5] = {0, a.hidden, a.num_topk, a.num_experts, a.alignment};
+        for (int f = kHdrHidden; f <= kHdrAlign; ++f)
+            if (rows[s][f] != mine[f])
+                record_error(err, kErrRankMismatch, me, s, kPhaseInNotify, f, mine[f],
+                             rows[s][f]);
+        a.num_recv_tokens_per_rank[s] = rows[s][kHdrTokens];
+    }
+    for (int n = threadIdx.x; n < M; n += blockDim.x)
+        a.fwd_count[n] = rows[n * L + me % L][kHdrNodeTokens];
+    // 3. Receive layout: one thread per local expert, as notify.cu.
+    __shared__ int scan_smem[33];
+    const int e = threadIdx.x;
+    int padded = 0;
+    if (e < num_local) {
+        int running = 0;
+        for (int s = 0; s < R; ++s) {
+            a.src_expert_offset[s * num_local + e] = running;
+            running += rows[s][8 + e];
+        }
+        a.num_recv_tokens_per_expert[e] = running;
+        padded = (running + a.alignment - 1) / a.alignment * a.alignment;
+        a.tokens_per_expert[e] = padded;
+        if (a.host_info != nullptr) a.host_info->tokens_per_expert[e] = padded;
+    }
+    if (a.host_info != nullptr) __threadfence_system();
+    int num_rows;
+    const int row_start = block_exclusive_scan(padded, scan_smem, &num_rows);
+    if (e < num_local) a.expert_row_start[e] = row_start;
+    if (threadIdx.x == 0) {
+        a.expert_row_start[num_local] = num_rows;
+        if (a.max_recv_rows >= 0 && num_rows > a.max_recv_rows)
+            record_error(err, kErrRecvOverflow, me, -1, kPhaseInNotify, 0, a.max_recv_rows,
+                         num_rows);
+        if (a.host_info != nullptr) publish_host_info(a.host_info, num_rows, a.epoch);
+    }
+}
+
+// ------------------------------------------------------------------------------------ dispatch
+
+// Writes token row i of x (bf16, or pre-quantized data + scales) as one wire row at `dst`.
+template <int kFmt>
+__device__ __forceinline__ void write_wire_row(const InternodeArgs& a, int i, u8* dst, int lane) {
+    const int hidden = a.hidden;
+    if (kFmt == fp8::kWireBf16) {
+        int4* dsts[1] = {reinterpret_cast<int4*>(dst)};
+        warp_copy_row<1, false>(reinterpret_cast<const int4*>(a.x + (i64)i * hidden * 2), dsts,
+                                1, hidden * 2 / 16, lane);
+    } else if (a.x_scales == nullptr) {
+        u8* data[1] = {dst};
+        u8* scales[1] = {dst + hidden};
+        fp8::quantize_row<kFmt, 1, false>(reinterpret_cast<const int4*>(a.x + (i64)i * hidden * 2),
+                                          hidden, data, scales, 1, a.amax_epsilon, lane);
+    } else {
+        const int scale_bytes = fp8::scale_row_bytes<kFmt>(hidden);
+        u8* data[1] = {dst};
+        u8* scales[1] = {dst + hidden};
+        fp8::copy_fp8_row<kFmt, 1, false>(a.x + (i64)i * hidden,
+                                          a.x_scales + (i64)i * scale_bytes, hidden, data,
+                                          scales, 1, lane);
+    }
+}
+
+template <int kTopk, bool kCached, typename IdxT, int kFmt>
+__global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int N = a.num_tokens;
+    const i64 slot_stride = a.row_stride + a.record_stride;
+    const IdxT* const topk_idx = static_cast<const IdxT*>(a.topk_idx);
+    const Signals sig(a);
+    __shared__ int chunk_start[kMaxNodes + 1];
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_tokens_per_node, M, C, chunk_start);
+    // Rail peers consumed the previous call's slots (the signal carries their epoch).
+    const bool ok = block_wait_rail(sig.disp_ack, nullptr, [&](int) { return (u64)(a.epoch - 1); },
+                                    a, err, kPhaseInDispatchSend);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    for (int item = blockIdx.x; ok && item < chunk_start[M]; item += gridDim.x) {
+        const int m = find_segment(chunk_start, M, item);
+        const int first = (item - chunk_start[m]) * C;
+        const int last = min(a.num_tokens_per_node[m], first + C);
+        // The own node's slots go straight where the forward kernel reads them.
+        const bool own = m == node;
+        u8* const region = a.heap + (own ? a.net_recv + (i64)node * N_max * slot_stride
+                                         : a.net_send + (i64)m * N_max * slot_stride);
+        for (int j = first + warp; j < last; j += num_warps) {
+            const int i = a.node_slot_token[(i64)m * N + j];
+            u8* const slot = region + (i64)j * slot_stride;
+            write_wire_row<kFmt>(a, i, slot, lane);
+            NetRecord<kTopk>* rec = reinterpret_cast<NetRecord<kTopk>*>(slot + a.row_stride);
+            if (lane == 0) rec->token = i;
+            if (lane < kMaxRanksPerNode)
+                rec->slot_in_rank[lane] =
+                    lane < L ? a.token_slot_in_rank[(i64)i * R + m * L + lane] : -1;
+            if (lane < kTopk) {
+                rec->expert[lane] = (int)topk_idx[(i64)i * kTopk + lane];
+                rec->pos[lane] = a.pos_in_expert[(i64)i * kTopk + lane];
+                rec->weight[lane] = kCached ? 0.f : a.topk_weights[(i64)i * kTopk + lane];
+            }
+        }
+        __threadfence_system();  // the network engine reads the chunk from outside the SMs
+        __syncthreads();
+        if (!own)
+            net::put_signal_block(a.heap + a.net_recv + ((i64)node * N_max + first) * slot_stride,
+                                  region + (i64)first * slot_stride,
+                                  (size_t)(last - first) * slot_stride, sig.disp + node, 1,
+                                  a.pe_of_rank[m * L + local], net::Signal::kAdd);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) net::quiet();
+}
+
+template <int kTopk>
+__global__ void __launch_bounds__(kInternodeThreads) internode_forward(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int num_local = a.num_local;
+    const i64 slot_stride = a.row_stride + a.record_stride;
+    const int num_int4 = (int)((a.wire_bytes + 15) / 16);  // within row_stride
+    const Signals sig(a);
+    NodeFlags* const mine = flags_of(a.heap, a);
+    __shared__ u8* peers[kMaxRanksPerNode];
+    __shared__ int tok_start[kMaxNodes + 1];
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.fwd_count, M, 1, tok_start);
+    bool ok = map_node_peers(a, peers, err, kPhaseInForward);
+    ok = ok && block_wait_node(mine->stage_consumed, a.epoch - 1, a, err, kPhaseInForward);
+    const auto chunks_from = [&](int n) { return (u64)num_chunks(a.fwd_count[n], a.chunk_tokens); };
+    ok = ok && block_wait_rail(sig.disp, a.chunks_seen, chunks_from, a, err, kPhaseInForward);
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int i = warp; ok && i < tok_start[M]; i += num_warps) {
+        const int n = find_segment(tok_start, M, i);
+        const int j = i - tok_start[n];
+        const int source = n * L + local;
+        const u8* slot = a.heap + a.net_recv + ((i64)n * N_max + j) * slot_stride;
+        const volatile NetRecord<kTopk>* rec =
+            reinterpret_cast<const volatile NetRecord<kTopk>*>(slot + a.row_stride);
+        int4* dst[kMaxRanksPerNode];
+        int num_dst = 0;
+        for (int t = 0; t < L; ++t) {
+            const int dst_slot = rec->slot_in_rank[t];
+            if (lane == t) a.fwd_slots[((i64)n * N_max + j) * L + t] = dst_slot;
+            if (dst_slot < 0) continue;
+            const i64 at = (i64)source * N_max + dst_slot;
+            dst[num_dst++] = reinterpret_cast<int4*>(peers[t] + a.stage_rows + at * a.row_stride);
+            SlotMeta<kTopk>* meta =
+                reinterpret_cast<SlotMeta<kTopk>*>(peers[t] + a.stage_meta + at * a.meta_stride);
+            const int d = node * L + t;
+            if (lane < kTopk) {
+                const int id = rec->expert[lane];
+                const bool here = id >= 0 && id / num_local == d;
+                meta->local_expert[lane] = here ? id - d * num_local : -1;
+                meta->pos[lane] = here ? rec->pos[lane] : -1;
+                meta->weight[lane] = rec->weight[lane];
+            } else if (lane == kTopk) {
+                meta->token = rec->token;
+            }
+        }
+        warp_copy_row<kMaxRanksPerNode, true>(reinterpret_cast<const int4*>(slot), dst, num_dst,
+                                              num_int4, lane);
+    }
+    if (last_block_done(&a.block_counters[0]) && !has_error(err)) {
+        release_node<&NodeFlags::fwd_done>(peers, a);
+        for (int n = 0; n < M; ++n) {
+            if (n == node) continue;
+            a.chunks_seen[n] += num_chunks(a.fwd_count[n], C);
+            net::signal(sig.disp_ack + node, a.epoch, a.pe_of_rank[n * L + local]);
+        }
+        net::quiet();
+    }
+}
+
+// Zeroes local expert e's padding rows of recv_x (and their scales and weights) with the warp.
+template <bool kCached>
+__device__ __forceinline__ void zero_padding(const InternodeArgs& a, int e, i64 row_bytes,
+                                             int scale_bytes, int lane) {
+    const int first = a.expert_row_start[e] + a.num_recv_tokens_per_expert[e];
+    const int last = min(a.expert_row_start[e + 1], a.max_rows);
+    for (int row = first; row < last; ++row) {
+        warp_zero_row(reinterpret_cast<int4*>(a.recv_x + row * row_bytes), (int)(row_bytes / 16),
+                      lane);
+        for (int b = lane; b < scale_bytes; b += 32) a.recv_scales[(i64)row * scale_bytes + b] = 0;
+        if (!kCached && lane == 0) a.recv_weights[row] = 0.f;
+    }
+}
+
+template <int kTopk, bool kCached, int kFmt, bool kDequant>
+__global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int num_local = a.num_local, hidden = a.hidden;
+    constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
+    const i64 row_bytes = kFp8Out ? (i64)hidden : (i64)hidden * 2;
+    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int e = warp; e < num_local; e += num_warps)
+        zero_padding<kCached>(a, e, row_bytes, scale_bytes, lane);
+    __shared__ int slot_start[kMaxInternodeRanks + 1];
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
+    const bool ok = block_wait_node(flags_of(a.heap, a)->fwd_done, a.epoch, a, err,
+                                    kPhaseInDispatchRecv);
+    for (int i = warp; ok && i < slot_start[R]; i += num_warps) {
+        const int s = find_segment(slot_start, R, i);
+        const int j = i - slot_start[s];
+        const i64 at = (i64)s * N_max + j;
+        const u8* staged = a.heap + a.stage_rows + at * a.row_stride;
+        int* my_rows = a.slot_rows + at * kTopk;
+        int row_lane = -1;  // lane k: the row of entry k
+        if (kCached) {
+            if (lane < kTopk) row_lane = my_rows[lane];
+        } else if (lane < kTopk) {
+            const volatile SlotMeta<kTopk>* meta =
+                reinterpret_cast<const volatile SlotMeta<kTopk>*>(a.heap + a.stage_meta +
+                                                                  at * a.meta_stride);
+            const int e = meta->local_expert[lane];
+            if (e >= 0) {
+                row_lane = a.expert_row_start[e] + a.src_expert_offset[s * num_local + e] +
+                           meta->pos[lane];
+                if (row_lane >= a.max_rows) row_lane = -1;  // overflow: reported by notify
+            }
+            my_rows[lane] = row_lane;
+            if (row_lane >= 0) a.recv_weights[row_lane] = meta->weight[lane];
+        }
+        u8* dst[kTopk];
+        u8* dst_scales[kTopk];
+        int num_dst = 0;
+#pragma unroll
+        for (int k = 0; k < kTopk; ++k) {
+            const int row = __shfl_sync(0xffffffffu, row_lane, k);
+            if (row < 0) continue;
+            dst[num_dst] = a.recv_x + row * row_bytes;
+            dst_scales[num_dst++] = a.recv_scales + (i64)row * scale_bytes;
+        }
+        if (kFmt == fp8::kWireBf16)
+            warp_copy_row<kTopk, true>(reinterpret_cast<const int4*>(staged),
+                                       reinterpret_cast<int4* const*>(dst), num_dst,
+                                       hidden * 2 / 16, lane);
+        else if (kDequant)
+            fp8::dequant_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden,
+                                                    reinterpret_cast<int4* const*>(dst), num_dst,
+                                                    lane);
+        else
+            fp8::copy_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden, dst,
+                                                 dst_scales, num_dst, lane);
+    }
+    __shared__ u8* peers[kMaxRanksPerNode];
+    if (threadIdx.x < L)
+        peers[threadIdx.x] = static_cast<u8*>(
+            net::peer_ptr(a.heap, a.pe_of_rank[(a.rank / L) * L + threadIdx.x]));
+    if (last_block_done(&a.block_counters[1]) && !has_error(err))
+        release_node<&NodeFlags::stage_consumed>(peers, a);
+}
+
+// ------------------------------------------------------------------------------------ combine
+
+// Adds the bf16 row `src` (16-byte words [base, base + 32 * kCopyUnroll) of a lane) to `acc`.
+__device__ __forceinline__ void accumulate_chunk(float (*acc)[8], const int4* src, int base,
+                                                 int num_int4, int lane, float scale,
+                                                 bool scaled) {
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= num_int4) continue;
+        const int4 v = ld_cg_v4(src + i);
+        if (scaled) accumulate_bf16x8<true>(acc[u], v, scale);
+        else accumulate_bf16x8<false>(acc[u], v, 1.f);
+    }
+}
+
+__device__ __forceinline__ void store_chunk_bf16(int4* dst, float (*acc)[8], int base,
+                                                 int num_int4, int lane) {
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < num_int4) st_v4(dst + i, pack_bf16x8(acc[u]));
+    }
+}
+
+__device__ __forceinline__ void zero_acc(float (*acc)[8]) {
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
+}
+
+// Sums the partial slots `src[0 .. num_src)` (each a bf16 row, then K fp32 routing-weight
+// gradients at +row_stride) in the given order in fp32: the rounded row to `dst`, with
+// kWithWeights the K sums to `dst_weights`. The whole warp takes part.
+template <int kTopk, bool kWithWeights>
+__device__ __forceinline__ void warp_sum_partials(const u8* const* src, int num_src,
+                                                  i64 row_stride, int4* dst, float* dst_weights,
+                                                  int num_int4, int lane) {
+    for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
+        float acc[kCopyUnroll][8];
+        zero_acc(acc);
+        for (int s = 0; s < num_src; ++s)
+            accumulate_chunk(acc, reinterpret_cast<const int4*>(src[s]), base, num_int4, lane,
+                             1.f, false);
+        store_chunk_bf16(dst, acc, base, num_int4, lane);
+    }
+    if (kWithWeights && lane < kTopk) {
+        float sum = 0.f;
+        for (int s = 0; s < num_src; ++s) {
+            const volatile float* weights =
+                reinterpret_cast<const volatile float*>(src[s] + row_stride);
+            sum = __fadd_rn(sum, weights[lane]);
+        }
+        dst_weights[lane] = sum;
+    }
+}
+
+template <int kTopk, bool kWeighted, bool kWithWeights>
+__global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int num_int4 = a.hidden * 2 / 16;
+    const i64 comb_stride = a.row_stride + a.weight_stride;
+    const int4* const y = reinterpret_cast<const int4*>(a.y);
+    __shared__ u8* peers[kMaxRanksPerNode];
+    __shared__ int slot_start[kMaxInternodeRanks + 1];
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
+    bool ok = map_node_peers(a, peers, err, kPhaseInCombineSend);
+    ok = ok && block_wait_node(flags_of(a.heap, a)->comb_consumed, a.epoch - 1, a, err,
+                               kPhaseInCombineSend);
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int i = warp; ok && i < slot_start[R]; i += num_warps) {
+        const int s = find_segment(slot_start, R, i);
+        const int j = i - slot_start[s];
+        const int* rows = a.slot_rows + ((i64)s * N_max + j) * kTopk;
+        // Partial of my rows, in k order, to my slot of the source's forwarder (its local index
+        // is the source's): staging [my local][source node][slot].
+        u8* const dst = peers[s % L] + a.comb_stage +
+                        (((i64)local * M + s / L) * N_max + j) * comb_stride;
+        for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
+            float acc[kCopyUnroll][8];
+            zero_acc(acc);
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k) {
+                const int row = rows[k];
+                if (row < 0) continue;
+                const float w = kWeighted ? a.recv_weights[row] : 1.f;
+                accumulate_chunk(acc, y + (i64)row * num_int4, base, num_int4, lane, w, kWeighted);
+            }
+            store_chunk_bf16(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
+        }
+        if (kWithWeights && lane < kTopk) {
+            const int row = rows[lane];
+            reinterpret_cast<float*>(dst + a.row_stride)[lane] =
+                row >= 0 ? a.grad_row_weights[row] : 0.f;
+        }
+    }
+    if (last_block_done(&a.block_counters[2]) && !has_error(err))
+        release_node<&NodeFlags::comb_done>(peers, a);
+}
+
+template <int kTopk, bool kWithWeights>
+__global__ void __launch_bounds__(kInternodeThreads) internode_combine_forward(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int num_int4 = a.hidden * 2 / 16;
+    const i64 comb_stride = a.row_stride + a.weight_stride;
+    const Signals sig(a);
+    __shared__ u8* peers[kMaxRanksPerNode];
+    __shared__ int chunk_start[kMaxNodes + 1];
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.fwd_count, M, C, chunk_start);
+    bool ok = map_node_peers(a, peers, err, kPhaseInCombineForward);
+    ok = ok && block_wait_node(flags_of(a.heap, a)->comb_done, a.epoch, a, err,
+                               kPhaseInCombineForward);
+    ok = ok && block_wait_rail(sig.comb_ack, nullptr, [&](int) { return (u64)(a.epoch - 1); }, a,
+                               err, kPhaseInCombineForward);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    for (int item = blockIdx.x; ok && item < chunk_start[M]; item += gridDim.x) {
+        const int n = find_segment(chunk_start, M, item);
+        const int first = (item - chunk_start[n]) * C;
+        const int last = min(a.fwd_count[n], first + C);
+        const bool own = n == node;
+        u8* const region = a.heap + (own ? a.comb_recv + (i64)node * N_max * comb_stride
+                                         : a.comb_send + (i64)n * N_max * comb_stride);
+        for (int j = first + warp; j < last; j += num_warps) {
+            // This node's partials of the token, in ascending local rank.
+            const int* slots = a.fwd_slots + ((i64)n * N_max + j) * L;
+            const u8* src[kMaxRanksPerNode];
+            int num_src = 0;
+            for (int t = 0; t < L; ++t)
+                if (slots[t] >= 0)
+                    src[num_src++] = a.heap + a.comb_stage +
+                                     (((i64)t * M + n) * N_max + slots[t]) * comb_stride;
+            u8* const dst = region + (i64)j * comb_stride;
+            warp_sum_partials<kTopk, kWithWeights>(src, num_src, a.row_stride,
+                                                   reinterpret_cast<int4*>(dst),
+                                                   reinterpret_cast<float*>(dst + a.row_stride),
+                                                   num_int4, lane);
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (!own)
+            net::put_signal_block(a.heap + a.comb_recv + ((i64)node * N_max + first) * comb_stride,
+                                  region + (i64)first * comb_stride,
+                                  (size_t)(last - first) * comb_stride, sig.comb + node, 1,
+                                  a.pe_of_rank[n * L + local], net::Signal::kAdd);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) net::quiet();
+    if (last_block_done(&a.block_counters[3]) && !has_error(err))
+        release_node<&NodeFlags::comb_consumed>(peers, a);
+}
+
+template <int kTopk, bool kWithWeights>
+__global__ void __launch_bounds__(kInternodeThreads) internode_combine_reduce(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int num_int4 = a.hidden * 2 / 16;
+    const i64 comb_stride = a.row_stride + a.weight_stride;
+    const Signals sig(a);
+    const bool ok = block_wait_rail(
+        sig.comb, a.chunks_seen + M,
+        [&](int n) { return (u64)num_chunks(a.num_tokens_per_node[n], a.chunk_tokens); }, a, err,
+        kPhaseInCombineReduce);
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    int4* const out = reinterpret_cast<int4*>(a.out);
+    for (int i = warp; ok && i < a.num_tokens; i += num_warps) {
+        // The token's rows from its destination nodes, in ascending node order.
+        const int* slots = a.token_slot_in_node + (i64)i * M;
+        const u8* src[kMaxNodes];
+        int num_src = 0;
+        for (int n = 0; n < M; ++n)
+            if (slots[n] >= 0)
+                src[num_src++] = a.heap + a.comb_recv + ((i64)n * N_max + slots[n]) * comb_stride;
+        warp_sum_partials<kTopk, kWithWeights>(src, num_src, a.row_stride,
+                                               out + (i64)i * num_int4,
+                                               a.out_weights + (i64)i * kTopk, num_int4, lane);
+    }
+    if (last_block_done(&a.block_counters[4]) && !has_error(err)) {
+        for (int n = 0; n < M; ++n) {
+            if (n == node) continue;
+            a.chunks_seen[M + n] += num_chunks(a.num_tokens_per_node[n], C);
+            net::signal(sig.comb_ack + node, a.epoch, a.pe_of_rank[n * L + local]);
+        }
+        net::quiet();
+    }
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One GPU call for the operations tooling (issue 21), on a machine with one or more GPUs:
+#   bash scripts/gpu_ops.sh
+# 0. python -m megatron_deepep.precompile: the kernels below, compiled in parallel;
+# 1. tests/gpu/test_sweep_gpu.py (the sweep's measurements on a small shape);
+# 2. python -m megatron_deepep.sweep for the four families of examples/configs/ (their full-size
+#    shapes, measured at EP = 1 on this GPU, modeled for 1-8 nodes): $OUT/sweep_<family>/sweep.json
+#    and the table with the recommendation;
+# 3. each family's scaled-down proxy (bash examples/configs/<family>.sh, TRAIN_ITERS steps,
+#    metrics on): wall time, the first and last iteration lines, $OUT/<family>/metrics/report.html.
+# Every piece has a timeout, and the whole stays under BUDGET_S (default 560) seconds: pieces
+# that no longer fit are skipped and say so. Wheels in .whl/ (megatron-core) are installed into
+# /tmp/site first when present. Knobs: OUT (default .bench_out/ops), TRAIN_ITERS (default 20),
+# FAMILIES (default "deepseek_v3 qwen3_moe mixtral gpt_oss"), SWEEP_ARGS.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
+OUT=${OUT:-.bench_out/ops}
+BUDGET_S=${BUDGET_S:-560}
+FAMILIES=${FAMILIES:-"deepseek_v3 qwen3_moe mixtral gpt_oss"}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+# run LIMIT_S LOG command...: runs with min(LIMIT_S, time left), or says it is skipped.
+run() {
+  local limit=$1 log=$2; shift 2
+  local left=$((BUDGET_S - SECONDS))
+  if (( left < 20 )); then echo "skipped (budget): $*"; return 99; fi
+  (( limit > left )) && limit=$left
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  echo "rc $rc, $((SECONDS - t0)) s: $*"
+  return $rc
+}
+
+# The kernels every piece below needs, compiled in parallel into the cache first.
+run 120 "$OUT/precompile.log" python3 -m megatron_deepep.precompile --topk 2 4 8 \
+  --fp8 blockwise_1x128 mxfp8_1x32 --index-dtype int64 -j "$(nproc)" -q
+tail -n 1 "$OUT/precompile.log"
+run 90 "$OUT/test_sweep_gpu.log" python3 -m pytest -m gpu tests/gpu/test_sweep_gpu.py -x -q -rs
+tail -n 3 "$OUT/test_sweep_gpu.log"
+for family in $FAMILIES; do
+  run 80 "$OUT/sweep_$family.log" python3 -m megatron_deepep.sweep --family "$family" \
+    --num-sms 24,132 --nodes 1,2,4,8 --out "$OUT/sweep_$family" ${SWEEP_ARGS:-}
+  grep -E "^sweep:|^kernel times:|^check|^  top-|^  expert GEMMs|^recommended|Error" \
+    "$OUT/sweep_$family.log" | cut -c1-240 | head -14
+done
+for family in $FAMILIES; do
+  run 110 "$OUT/proxy_$family.log" env INSTALL=0 TRAIN_ITERS="${TRAIN_ITERS:-20}" \
+    OUT="$OUT/$family" bash "examples/configs/$family.sh"
+  grep -E "iteration +1/|iteration +${TRAIN_ITERS:-20}/|Error|error:|report.html" \
+    "$OUT/proxy_$family.log" | cut -c1-300 | tail -6
+done
+echo "total $SECONDS s"

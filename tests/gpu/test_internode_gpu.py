@@ -1,0 +1,217 @@
+"""GPU tier: the internode transport against the reference on virtual nodes sharing one GPU.
+
+(nodes x ranks per node) processes share the GPU (NVSHMEM's limited several-processes-per-GPU
+mode, gloo as the control plane) and declare the nodes with `num_ranks_per_node`. Every process
+drives the internode Buffer on the GPU and the reference Buffer on CPU copies of the same inputs
+and compares: dispatch bit-exact (rows, weights, counts, row order), combine within the
+fp32-accumulation tolerance (the forwarder rounds its node's sum once more than the reference) and
+the routing-weight gradients exactly, the node layout against `node_layout.py`, cached dispatch,
+the no-sync mode, skewed/empty/uneven routing, -1 entries, top-k 1-16, back-to-back calls with
+changing shapes, autograd, FP8 dispatch in every wire format (the network carries e4m3 rows and
+scales), bad input, and a stalled peer that must raise naming rank and node.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_deepep import knobs
+from megatron_deepep.buffer import Buffer
+from megatron_deepep.node_layout import compute_node_layout
+from megatron_deepep.transport.errors import PeerTimeoutError
+from megatron_deepep.transport.topology import Topology
+from tests.cases import expert_scale, make_inputs
+from tests.gpu import test_fp8_dispatch_gpu as fp8_gpu
+from tests.gpu import test_nvlink_gpu as nvlink_gpu
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.gpu
+
+# (nodes, ranks per node); MDEEP_TEST_NODES picks some, e.g. "2x1,2x2".
+NODE_SHAPES = [tuple(int(v) for v in s.split("x")) for s in knobs.get("TEST_NODES").split(",")]
+NUM_CALLS = knobs.get("TEST_CALLS")
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+       "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_SYMMETRIC_SIZE": "2G"}
+
+# kind, tokens per rank, hidden, experts per rank, top-k, alignment
+CASES = [
+    ("random", 64, 7168, 4, 8, 1),
+    ("random", 37, 2880, 3, 4, 16),
+    ("dropped", 50, 4096, 2, 6, 1),
+    ("skewed", 40, 2048, 2, 2, 32),
+    ("empty", 16, 2048, 1, 1, 1),
+    ("uneven", None, 2048, 8, 16, 8),
+    ("random", 0, 2048, 1, 2, 1),
+    ("random", 100, 512, 2, 1, 1),
+]
+
+
+def _check_node_layout(handle, idx, experts, world, per_node, rank):
+    _, _, nodes = handle.transport_state
+    expected = compute_node_layout(idx, experts, Topology(world, per_node, rank))
+    assert torch.equal(nodes.view("num_tokens_per_node").cpu(), expected.num_tokens_per_node)
+    in_node = expected.is_token_in_node
+    slots = torch.cumsum(in_node.int(), 0, dtype=torch.int32) - 1
+    want = torch.where(in_node, slots, torch.full_like(slots, -1))
+    assert torch.equal(nodes.view("token_slot_in_node").cpu(), want)
+
+
+def _case(rank, world, per_node, inter, ref, seed, kind, num_tokens, hidden, per_rank, topk,
+          align):
+    if kind == "uneven":  # rank 0 sends nothing; the others send different amounts
+        num_tokens = [0] + [5 + 7 * r for r in range(1, world)]
+        kind = "random"
+    experts = per_rank * world
+    xs, idxs, ws = make_inputs(seed, world, num_tokens, hidden, experts, topk, kind)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    dev = torch.device("cuda")
+    got = inter.dispatch(x.to(dev), idx.to(dev), w.to(dev), num_experts=experts,
+                         expert_alignment=align)
+    exp = ref.dispatch(x, idx, w, num_experts=experts, expert_alignment=align)
+    recv_x, recv_w, handle = got[0], got[1], got[2]
+    where = f"({kind}, H={hidden}, K={topk}, rank {rank})"
+    assert torch.equal(recv_x.cpu(), exp[0]), f"dispatch rows differ {where}"
+    assert torch.equal(recv_w.cpu(), exp[1]), f"dispatch weights differ {where}"
+    assert handle.tokens_per_expert_list == exp[2].tokens_per_expert_list
+    assert torch.equal(handle.num_recv_tokens_per_expert.cpu(),
+                       exp[2].num_recv_tokens_per_expert)
+    _check_node_layout(handle, idx, experts, world, per_node, rank)
+
+    y = expert_scale(recv_x.cpu(), handle.tokens_per_expert_list)
+    grad_rows = torch.rand(y.shape[0])
+    for weighted in (False, True):
+        out, out_w, _ = inter.combine(y.to(dev), handle, weighted=weighted,
+                                      grad_row_weights=grad_rows.to(dev))
+        ref_out, ref_w, _ = ref.combine(y, exp[2], weighted=weighted, grad_row_weights=grad_rows)
+        scale = max(float(ref_out.float().abs().max()), 1.0) if ref_out.numel() else 1.0
+        torch.testing.assert_close(out.cpu().float(), ref_out.float(), rtol=1e-2,
+                                   atol=1e-2 * scale, msg=lambda m: f"combine {where}: {m}")
+        assert torch.equal(out_w.cpu(), ref_w), f"combine weight gradients {where}"
+
+    cached, _, _, _ = inter.dispatch((x * 3).to(dev), handle=handle)
+    assert torch.equal(cached.cpu(), ref.dispatch(x * 3, handle=exp[2])[0]), f"cached {where}"
+
+    # No host synchronization: a caller-given bound, checked on the used prefix.
+    bound = world * max(max(xs_.shape[0] for xs_ in xs), 1) * topk + per_rank * align
+    free = inter.dispatch(x.to(dev), idx.to(dev), w.to(dev), num_experts=experts,
+                          expert_alignment=align, num_max_recv_rows=bound)
+    used = sum(exp[2].tokens_per_expert_list)
+    assert free[0].shape[0] == bound and free[2].tokens_per_expert_list is None
+    assert torch.equal(free[0][:used].cpu(), exp[0]), f"no-sync rows {where}"
+    assert torch.equal(free[2].tokens_per_expert.cpu(), exp[2].tokens_per_expert)
+
+
+def _bad_input(rank, world, inter):
+    dev = torch.device("cuda")
+    x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=dev)
+    w = torch.ones(4, 2, device=dev)
+    idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+    with pytest.raises(ValueError, match="dtype"):
+        inter.dispatch(x.float(), idx, w, num_experts=world)
+    with pytest.raises(ValueError, match="num_max_tokens_per_rank"):
+        big = torch.zeros(inter.num_max_tokens_per_rank + 1, 2048, dtype=torch.bfloat16,
+                          device=dev)
+        inter.dispatch(big, torch.zeros(big.shape[0], 2, dtype=torch.int64, device=dev),
+                       torch.ones(big.shape[0], 2, device=dev), num_experts=world)
+    with pytest.raises(ValueError, match="outside"):
+        inter.dispatch(x, torch.full_like(idx, 5 * world), w, num_experts=world)
+
+
+def _stalled_peer(rank, world, per_node, stalled):
+    """The last rank never calls dispatch: every other rank must raise naming it and its node."""
+    dev = torch.device("cuda")
+    if rank == world - 1:
+        return
+    x = torch.zeros(8, 2048, dtype=torch.bfloat16, device=dev)
+    idx = torch.arange(8, device=dev).view(8, 1) % world
+    node = (world - 1) // per_node
+    with pytest.raises(PeerTimeoutError, match=f"peer {world - 1} is node {node}"):
+        stalled.dispatch(x, idx, torch.ones(8, 1, device=dev), num_experts=world)
+
+
+def _progress(rank, start, what):
+    if rank == 0:
+        print(f"[internode {dist.get_world_size()} ranks] {time.monotonic() - start:6.1f} s "
+              f"{what}", file=sys.stderr, flush=True)
+
+
+def _worker(rank, world, per_node, num_calls):
+    os.environ.update(ENV)
+    start = time.monotonic()
+    torch.cuda.set_device(0)
+    group = dist.group.WORLD
+    inter = Buffer(group, 256, 7168, 16, transport="internode", num_sms=8, timeout_s=20,
+                   num_ranks_per_node=per_node)
+    assert inter.transport_name == "internode"
+    ref = Buffer(group, 256, 7168, 16, transport="reference")
+    _progress(rank, start, "buffers built")
+    for i, case in enumerate(CASES):
+        _case(rank, world, per_node, inter, ref, 1000 * world + i, *case)
+        _progress(rank, start, f"case {case} passed")
+    # The forwarder rounds its node's sum once more than the reference: combine within bf16
+    # rounding; integer-valued rows (the back-to-back calls) stay exact on every path.
+    nvlink_gpu._autograd(rank, world, inter, ref, 7 + world, exact_combine=False)
+    _progress(rank, start, "autograd passed")
+    nvlink_gpu._back_to_back(rank, world, inter, num_calls)
+    _progress(rank, start, f"{num_calls} back-to-back calls passed")
+    for i, case in enumerate(fp8_gpu.CASES):  # every wire format, fused and pre-quantized
+        fp8_gpu._case(rank, world, inter, ref, 500 * world + i, *case)
+    _progress(rank, start, "FP8 dispatch (every format, both outputs, cached) passed")
+    _bad_input(rank, world, inter)
+    dist.barrier()
+    stalled = Buffer(group, 64, 2048, 4, transport="internode", num_sms=4, timeout_s=3,
+                     num_ranks_per_node=per_node)
+    _stalled_peer(rank, world, per_node, stalled)
+    _progress(rank, start, "bad input and the planted stall passed")
+    dist.barrier()
+    # No NVSHMEM teardown calls: limited mode forbids host collectives at teardown.
+
+
+def _link(family) -> None:
+    from megatron_deepep import jit, nvshmem_link, ops
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    topk, fmt, output = family
+    fp8 = None if fmt is None else Fp8Dispatch(fp8_gpu.FORMATS[fmt], output)
+    nvshmem_link.link_cubin("internode.cu",
+                            list(ops.internode_expressions(topk, "long long", fp8)),
+                            jit.device_arch())
+
+
+def _link_once():
+    """Links every kernel family the test uses here (in parallel), so the ranks find them in the
+    disk cache instead of all linking."""
+    import concurrent.futures
+    import multiprocessing
+    families = [(k, None, None) for k in sorted({c[4] for c in CASES} | {2, 8, 4, 1})]
+    families += [(case[4], fmt, output) for case in fp8_gpu.CASES
+                 for fmt in fp8_gpu.FORMATS for output in ("fp8", "bf16")]
+    families = sorted(set(families), key=str)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(len(families), os.cpu_count() or 1),
+                                                mp_context=context) as pool:
+        list(pool.map(_link, families))
+
+
+@pytest.mark.parametrize("shape", NODE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_internode_matches_reference(shape, monkeypatch):
+    from megatron_deepep import nvshmem_link
+    from megatron_deepep.transport import nvshmem_heap
+    try:
+        nvshmem_heap.check_available()
+        nvshmem_link.nvshmem_paths()
+    except nvshmem_link.NvshmemUnavailable as exc:
+        pytest.skip(str(exc))
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    _link_once()
+    print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    num_nodes, per_node = shape
+    run_distributed(num_nodes * per_node, _worker, per_node, NUM_CALLS, backend="gloo",
+                    timeout_s=1200, hard_exit=True)

@@ -1,0 +1,30 @@
+"""GPU tier: the sweep's one-GPU measurements (`sweep.measure_gpu`) on a small shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_deepep import sweep
+
+pytestmark = pytest.mark.gpu
+
+
+def test_measurements_on_this_gpu():
+    shape = sweep.Shape(hidden=4096, experts=32, topk=4, moe_ffn_hidden=1024, moe_layers=4)
+    measured = sweep.measure_gpu(shape, 4096, [2, 4], [24, 132], [1, 8])
+    assert measured["source"].startswith("measured on")
+    kernels = measured["kernels"]
+    assert len(kernels) >= 2 * 2 * 1  # top-k x wire (x SM budgets, deduplicated at the cap)
+    for key, k in kernels.items():
+        assert 0 < k["dispatch_us"] < 20000 and 0 < k["combine_us"] < 20000, key
+    # More rows (top-4) take longer than fewer (top-2) at the same wire and budget.
+    assert kernels["4,bf16,24"]["dispatch_us"] > kernels["2,bf16,24"]["dispatch_us"]
+    # Twice the rows per expert at 4096 rows each: compute-bound, so clearly longer.
+    assert measured["experts"]["4,8"] > measured["experts"]["2,8"] * 1.2
+    assert all(us > 0 for us in measured["experts"].values())
+    rows = sweep.model(shape, 4096, measured, [1, 8, 16], sweep.Cluster())
+    assert {r["ep"] for r in rows} == {1, 8}  # 16: no expert time measured, skipped
+    for r in rows:
+        if r["ep"] == 1:
+            k = kernels[f"{r['topk']},{r['wire']},{r['num_sms']}"]
+            assert r["dispatch_us"] == pytest.approx(k["dispatch_us"])

@@ -1,0 +1,297 @@
+"""GPU tier with Transformer Engine: the FP8 experts (`megatron.te_experts`) against TE's own.
+
+1. `grouped_fp8_linear` on wire rows against `te.GroupedLinear` quantizing the same bf16 rows,
+   same weights, under `Float8BlockScaling`: forward and dgrad use the same FP8 operands (TE's
+   input quantizer makes the wire bytes), wgrad differs by the columnwise copy made from the
+   dequantized rows; every result is also checked against the exact (fp32) product.
+2. Megatron's `MoELayer` with the `deepep` dispatcher: FP8 dispatch handed to `FP8GroupedMLP`
+   (`with_fp8_experts`) against bf16 dispatch into `TEGroupedMLP`, same weights (needs
+   megatron-core; scripts/gpu_te.sh installs the wheels from .whl/).
+Run by scripts/gpu_te.sh; skipped without TE or a GPU.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+
+import pytest
+import torch
+
+from megatron_deepep.fp8 import formats as F
+from megatron_deepep.fp8 import te_bridge
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.te,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not te_bridge.te_available()[0],
+                       reason=f"needs Transformer Engine: {te_bridge.te_available()[1]}"),
+]
+
+#: Relative Frobenius-norm tolerances. Forward and dgrad see the operands TE sees (only the
+#: accumulation order may differ); the wgrad operand is quantized from dequantized rows.
+TOL_SAME = 2e-2
+TOL_WGRAD = 0.15  # measured against TE's wgrad and against the exact product
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _autocast(recipe=None):
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    recipe = recipe if recipe is not None else Float8BlockScaling()
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=True, recipe=recipe)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+
+@pytest.fixture(autouse=True)
+def _needs_block_scaling():
+    import transformer_engine.pytorch as te
+
+    ok = te.is_fp8_block_scaling_available()
+    if not (ok[0] if isinstance(ok, tuple) else ok):
+        pytest.skip("TE: FP8 block scaling unavailable on this GPU")
+
+
+class _Wire(torch.autograd.Function):
+    """bf16 rows -> the wire tensor (as the dispatch hands it over); straight-through grad."""
+
+    @staticmethod
+    def forward(ctx, x):
+        q, s = F.quantize(x.detach(), F.BLOCKWISE_1x128)
+        return te_bridge.to_te_tensor(q, s, F.BLOCKWISE_1x128)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _grouped(num, h, out):
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(1)
+    return te.GroupedLinear(num, h, out, bias=False, params_dtype=torch.bfloat16, device="cuda")
+
+
+def _weights(module):
+    return [getattr(module, f"weight{i}") for i in range(module.num_gemms)]
+
+
+@pytest.mark.parametrize("splits,h,out", [
+    ([64, 0, 128, 48], 2048, 1024),
+    ([256, 512, 16, 0, 1024, 32, 96, 64], 7168, 2048),
+])
+def test_grouped_fp8_linear_matches_grouped_linear(splits, h, out):
+    from megatron_deepep.megatron import te_experts
+
+    gl = _grouped(len(splits), h, out)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(sum(splits), h, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(sum(splits), out, device="cuda", generator=gen).bfloat16()
+
+    x_te = x.clone().requires_grad_(True)
+    with _autocast():
+        y_te = gl(x_te, splits)
+    y_te.backward(dy)
+    w_te = [w.grad.clone() for w in _weights(gl)]
+    for w in _weights(gl):
+        w.grad = None
+
+    x_ours = x.clone().requires_grad_(True)
+    with _autocast():
+        y_ours = te_experts.grouped_fp8_linear(gl, _Wire.apply(x_ours), splits)
+    assert type(y_ours) is torch.Tensor and y_ours.dtype == torch.bfloat16
+    y_ours.backward(dy)
+    w_ours = [w.grad.clone() for w in _weights(gl)]
+
+    print(f"\nsplits {splits} H {h} out {out}: forward rel {_rel(y_ours, y_te):.2e}, "
+          f"dgrad rel {_rel(x_ours.grad, x_te.grad):.2e}, wgrad rel "
+          f"{max(_rel(a, b) for a, b, m in zip(w_ours, w_te, splits) if m):.2e}")
+    assert _rel(y_ours, y_te) < TOL_SAME
+    assert _rel(x_ours.grad, x_te.grad) < TOL_SAME
+    start = 0
+    for m, weight, wo, wt in zip(splits, _weights(gl), w_ours, w_te):
+        if m == 0:
+            assert int(torch.count_nonzero(wo)) == 0 and int(torch.count_nonzero(wt)) == 0
+            continue
+        exact = dy[start:start + m].float().t() @ x[start:start + m].float()
+        assert _rel(wo, wt) < TOL_WGRAD
+        assert _rel(wo, exact) < TOL_WGRAD
+        start += m
+    exact_y = torch.cat([x[a:b].float() @ w.float().t() for a, b, w in
+                         zip(_offsets(splits), _offsets(splits)[1:], _weights(gl))])
+    assert _rel(y_ours, exact_y) < TOL_WGRAD
+
+
+def _offsets(splits):
+    out = [0]
+    for m in splits:
+        out.append(out[-1] + m)
+    return out
+
+
+def test_grouped_fp8_linear_inference_equals_te():
+    from megatron_deepep.megatron import te_experts
+
+    splits, h, out = [32, 16, 0, 80], 4096, 512
+    gl = _grouped(len(splits), h, out)
+    x = torch.randn(sum(splits), h, device="cuda").bfloat16()
+    with torch.no_grad(), _autocast():
+        y_te = gl(x, splits)
+        y_ours = te_experts.grouped_fp8_linear(gl, _Wire.apply(x), splits)
+    print(f"\ninference forward rel {_rel(y_ours, y_te):.2e}, bit-equal "
+          f"{torch.equal(y_ours, y_te)}")
+    assert _rel(y_ours, y_te) < TOL_SAME
+
+
+# ---- Megatron MoELayer ---------------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def megatron_env():
+    pytest.importorskip("megatron.core")
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.cuda.set_device(0)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                world_size=1)
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(123)
+    import megatron_deepep.megatron as mdm
+
+    mdm.register_deepep_dispatcher()
+    yield
+    ps.destroy_model_parallel()
+
+
+def _moe_layer(hidden, ffn, num_experts, topk, fp8_experts, fp8_dispatch):
+    import functools
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_deepep.megatron import te_experts
+    from megatron_deepep.megatron.options import set_default_options
+
+    set_default_options(transport="auto", fp8_dispatch=fp8_dispatch)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=hidden, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
+        num_attention_heads=8, num_moe_experts=num_experts, moe_router_topk=topk,
+        moe_token_dispatcher_type="deepep", moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2, moe_router_dtype="fp32", add_bias_linear=False,
+        gradient_accumulation_fusion=False, params_dtype=torch.bfloat16, bf16=True,
+        moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="blockwise",
+        moe_router_padding_for_quantization=True)
+    spec = get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True)
+    if fp8_experts:
+        spec = te_experts.with_fp8_experts(spec)
+    if isinstance(spec, functools.partial):  # megatron-core 0.17+: builders
+        layer = spec(config=config, layer_number=1)
+    else:
+        from megatron.core.transformer.spec_utils import build_module
+
+        layer = build_module(spec, config=config, layer_number=1)
+    return layer.cuda()
+
+
+def _run_layer(layer, x, grad):
+    xi = x.clone().requires_grad_(True)
+    with _autocast():
+        out, _ = layer(xi)
+    (out.float() * grad.float()).sum().backward()
+    return out.detach(), xi.grad, {n: p.grad.detach().clone() for n, p in layer.named_parameters()
+                                   if p.grad is not None}
+
+
+@pytest.mark.parametrize("hidden,ffn,num_experts,topk", [(1024, 512, 8, 2), (2048, 1024, 16, 6)])
+def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, hidden, ffn,
+                                                    num_experts, topk):
+    from megatron_deepep.megatron import te_experts
+
+    calls = []
+    original = te_experts.grouped_fp8_linear
+
+    def counting(module, x, splits):
+        calls.append(list(splits))
+        return original(module, x, splits)
+
+    monkeypatch.setattr(te_experts, "grouped_fp8_linear", counting)
+    ours = _moe_layer(hidden, ffn, num_experts, topk, fp8_experts=True, fp8_dispatch="blockwise")
+    ref = _moe_layer(hidden, ffn, num_experts, topk, fp8_experts=False, fp8_dispatch="off")
+    assert type(ours.experts).__name__ == "FP8GroupedMLP" and ours.experts.takes_fp8_rows
+    assert type(ref.experts).__name__ == "TEGroupedMLP"
+    ref.load_state_dict(ours.state_dict())
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(256, 2, hidden, device="cuda", generator=gen).bfloat16()
+    grad = torch.randn(256, 2, hidden, device="cuda", generator=gen).bfloat16()
+    ours.train()
+    ref.train()
+    o1, g1, p1 = _run_layer(ours, x, grad)
+    assert len(calls) == 1, "the FP8 rows did not reach the FP8 experts"
+    assert all(m % te_experts.ROW_ALIGNMENT == 0 for m in calls[0])
+    o2, g2, p2 = _run_layer(ref, x, grad)
+    groups = {}
+    for name in p1:
+        key = "fc1" if "linear_fc1" in name else "fc2" if "linear_fc2" in name else name
+        groups[key] = max(groups.get(key, 0.0), _rel(p1[name], p2[name]))
+    print(f"\nMoELayer H {hidden} E {num_experts} top-{topk}: output rel {_rel(o1, o2):.2e}, "
+          f"input grad rel {_rel(g1, g2):.2e}; max grad rel: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in sorted(groups.items())))
+    assert _rel(o1, o2) < TOL_SAME
+    assert _rel(g1, g2) < 5e-2
+    assert p1.keys() == p2.keys()
+    for name in p1:
+        tol = TOL_WGRAD if "linear_fc1" in name else 5e-2
+        assert _rel(p1[name], p2[name]) < tol, name
+
+
+def _step(layer, x, grad):
+    layer.zero_grad(set_to_none=True)
+    xi = x.detach().requires_grad_(True)
+    with _autocast():
+        out, _ = layer(xi)
+    out.backward(grad)
+
+
+def test_moe_layer_timing(megatron_env):
+    """Forward + backward of one MoE layer (H 4096, 64 experts, top-6, 8192 tokens), printed."""
+    hidden, ffn, num_experts, topk, tokens = 4096, 1024, 64, 6, 8192
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, 1, hidden, device="cuda", generator=gen).bfloat16()
+    grad = torch.randn(tokens, 1, hidden, device="cuda", generator=gen).bfloat16()
+    results = {}
+    for name, fp8_experts, dispatch in [("deepep bf16 -> TEGroupedMLP", False, "off"),
+                                        ("deepep fp8 dequantized -> TEGroupedMLP", False,
+                                         "blockwise"),
+                                        ("deepep fp8 -> FP8GroupedMLP", True, "blockwise")]:
+        layer = _moe_layer(hidden, ffn, num_experts, topk, fp8_experts, dispatch)
+        layer.train()
+        for _ in range(3):
+            _step(layer, x, grad)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            _step(layer, x, grad)
+        torch.cuda.synchronize()
+        results[name] = (time.perf_counter() - start) / 10 * 1e3
+        del layer
+        torch.cuda.empty_cache()
+    print("\nMoE layer fwd+bwd (EP 1, H 4096, E 64, top-6, 8192 tokens, blockwise):")
+    for name, ms in results.items():
+        print(f"  {name:42s} {ms:8.2f} ms")
