@@ -153,6 +153,11 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             `moe_enable_deepep`, FP8 dispatch with hidden % 16 != 0), naming the flag.
     """
 
+    # Sync-free state (set per instance; class defaults for instances built without __init__).
+    rank_capacity_factor: Optional[float] = None
+    _sync_free = False
+    _used_rows = None
+
     def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
                  pg_collection=None) -> None:
         if pg_collection is None:
