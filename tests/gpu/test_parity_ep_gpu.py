@@ -18,7 +18,12 @@ pytestmark = pytest.mark.gpu
 NUM_PROCS = [n for n in knobs.get("TEST_PROCS") if n > 1]
 
 
+def _both_dtypes(rank, world):
+    for dtype in ("bf16", "fp32"):
+        ep_worker(rank, world, dtype, "cuda", "auto")
+
+
 @pytest.mark.parametrize("num_procs", NUM_PROCS)
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_layer_at_ep_r_matches_ep_1(num_procs, dtype):
-    run_distributed(num_procs, ep_worker, dtype, "cuda", "auto", timeout_s=300)
+def test_layer_at_ep_r_matches_ep_1(num_procs):
+    """bf16 and fp32 layers, one job per R."""
+    run_distributed(num_procs, _both_dtypes, timeout_s=300)
