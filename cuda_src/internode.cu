@@ -1,7 +1,9 @@
 // The internode transport (docs/internode.md): EP groups of M nodes x L ranks. A token crosses
 // the network once per destination node, to its rail peer there (the rank with the sender's
 // local index), which forwards it over NVLink to each destination rank of that node, where it is
-// expanded into the expert-major rows. Combine runs the same path backwards.
+// expanded into the expert-major rows. Combine runs the same path backwards, in the rows' type
+// (kDtype: bf16, fp16 or fp32; sums in fp32, partials rounded to the row type, so fp32 rows are
+// never rounded).
 //
 // Kernels, in stream order on every rank (R ranks, N tokens, N_max slots, C tokens per chunk):
 //   internode_node_layout     node-level layout from is_token_in_rank (local)
@@ -26,6 +28,7 @@
 #include "common/args.cuh"
 #include "common/copy.cuh"
 #include "common/fp8_row.cuh"
+#include "common/row_dtype.cuh"
 #include "common/warp.cuh"
 #include "internode/net.cuh"
 
@@ -515,26 +518,26 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
 
 // ------------------------------------------------------------------------------------ combine
 
-// Adds the bf16 row `src` (16-byte words [base, base + 32 * kCopyUnroll) of a lane) to `acc`.
+// Adds the kDtype row `src` (16-byte words [base, base + 32 * kCopyUnroll) of a lane) to `acc`
+// in fp32, times `scale` when kScaled.
+template <int kDtype, bool kScaled>
 __device__ __forceinline__ void accumulate_chunk(float (*acc)[8], const int4* src, int base,
-                                                 int num_int4, int lane, float scale,
-                                                 bool scaled) {
+                                                 int num_int4, int lane, float scale) {
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
         const int i = base + u * 32 + lane;
-        if (i >= num_int4) continue;
-        const int4 v = ld_cg_v4(src + i);
-        if (scaled) accumulate_bf16x8<true>(acc[u], v, scale);
-        else accumulate_bf16x8<false>(acc[u], v, 1.f);
+        if (i < num_int4) accumulate_word<kDtype, kScaled>(acc[u], ld_cg_v4(src + i), scale);
     }
 }
 
-__device__ __forceinline__ void store_chunk_bf16(int4* dst, float (*acc)[8], int base,
+// The lane's words of `acc`, rounded once to kDtype, into the row `dst`.
+template <int kDtype>
+__device__ __forceinline__ void store_chunk_rows(int4* dst, float (*acc)[8], int base,
                                                  int num_int4, int lane) {
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
         const int i = base + u * 32 + lane;
-        if (i < num_int4) st_v4(dst + i, pack_bf16x8(acc[u]));
+        if (i < num_int4) st_v4(dst + i, pack_word<kDtype>(acc[u]));
     }
 }
 
@@ -545,10 +548,10 @@ __device__ __forceinline__ void zero_acc(float (*acc)[8]) {
         for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
 }
 
-// Sums the partial slots `src[0 .. num_src)` (each a bf16 row, then K fp32 routing-weight
+// Sums the partial slots `src[0 .. num_src)` (each a kDtype row, then K fp32 routing-weight
 // gradients at +row_stride) in the given order in fp32: the rounded row to `dst`, with
 // kWithWeights the K sums to `dst_weights`. The whole warp takes part.
-template <int kTopk, bool kWithWeights>
+template <int kTopk, bool kWithWeights, int kDtype>
 __device__ __forceinline__ void warp_sum_partials(const u8* const* src, int num_src,
                                                   i64 row_stride, int4* dst, float* dst_weights,
                                                   int num_int4, int lane) {
@@ -556,9 +559,9 @@ __device__ __forceinline__ void warp_sum_partials(const u8* const* src, int num_
         float acc[kCopyUnroll][8];
         zero_acc(acc);
         for (int s = 0; s < num_src; ++s)
-            accumulate_chunk(acc, reinterpret_cast<const int4*>(src[s]), base, num_int4, lane,
-                             1.f, false);
-        store_chunk_bf16(dst, acc, base, num_int4, lane);
+            accumulate_chunk<kDtype, false>(acc, reinterpret_cast<const int4*>(src[s]), base,
+                                            num_int4, lane, 1.f);
+        store_chunk_rows<kDtype>(dst, acc, base, num_int4, lane);
     }
     if (kWithWeights && lane < kTopk) {
         float sum = 0.f;
@@ -571,7 +574,7 @@ __device__ __forceinline__ void warp_sum_partials(const u8* const* src, int num_
     }
 }
 
-template <int kTopk, bool kWeighted, bool kWithWeights>
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
@@ -604,9 +607,10 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
                 const int row = rows[k];
                 if (row < 0) continue;
                 const float w = kWeighted ? a.recv_weights[row] : 1.f;
-                accumulate_chunk(acc, y + (i64)row * num_int4, base, num_int4, lane, w, kWeighted);
+                accumulate_chunk<kDtype, kWeighted>(acc, y + (i64)row * num_int4, base, num_int4,
+                                                    lane, w);
             }
-            store_chunk_bf16(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
+            store_chunk_rows<kDtype>(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
         }
         if (kWithWeights && lane < kTopk) {
             const int row = rows[lane];
@@ -618,7 +622,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
         release_node<&NodeFlags::comb_done>(peers, a);
 }
 
-template <int kTopk, bool kWithWeights>
+template <int kTopk, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_forward(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
@@ -652,7 +656,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_forward(
                     src[num_src++] = a.heap + a.comb_stage +
                                      (((i64)t * M + n) * N_max + slots[t]) * comb_stride;
             u8* const dst = region + (i64)j * comb_stride;
-            warp_sum_partials<kTopk, kWithWeights>(src, num_src, a.row_stride,
+            warp_sum_partials<kTopk, kWithWeights, kDtype>(src, num_src, a.row_stride,
                                                    reinterpret_cast<int4*>(dst),
                                                    reinterpret_cast<float*>(dst + a.row_stride),
                                                    num_int4, lane);
@@ -671,7 +675,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_forward(
         release_node<&NodeFlags::comb_consumed>(peers, a);
 }
 
-template <int kTopk, bool kWithWeights>
+template <int kTopk, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_reduce(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
@@ -695,7 +699,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_reduce(
         for (int n = 0; n < M; ++n)
             if (slots[n] >= 0)
                 src[num_src++] = a.heap + a.comb_recv + ((i64)n * N_max + slots[n]) * comb_stride;
-        warp_sum_partials<kTopk, kWithWeights>(src, num_src, a.row_stride,
+        warp_sum_partials<kTopk, kWithWeights, kDtype>(src, num_src, a.row_stride,
                                                out + (i64)i * num_int4,
                                                a.out_weights + (i64)i * kTopk, num_int4, lane);
     }

@@ -807,27 +807,40 @@ INTERNODE_FIELDS = tuple(name for name, _ in InternodeArgs._fields_)
 
 
 def internode_expressions(num_topk: int, index_type: str, fp8=None) -> Tuple[str, ...]:
-    """Every kernel instantiation of the internode transport for one top-k, topk_idx index
-    type ("int" or "long long") and wire format (`fp8`: an `Fp8Dispatch` or None)."""
+    """The dispatch kernels of the internode transport for one top-k, topk_idx index type ("int"
+    or "long long") and wire format (`fp8`: an `Fp8Dispatch` or None): one linked module."""
     fmt, dequant, _ = _wire(fp8)
     k, idx, both = num_topk, index_type, ("false", "true")
     dq = jit.render_template_arg(dequant)
     return (("internode_node_layout", "internode_notify", f"internode_forward<{k}>")
             + tuple(f"internode_dispatch_send<{k}, {c}, {idx}, {fmt}>" for c in both)
-            + tuple(f"internode_dispatch_recv<{k}, {c}, {fmt}, {dq}>" for c in both)
-            + tuple(f"internode_combine_send<{k}, {w}, {g}>" for w in both for g in both)
-            + tuple(f"internode_combine_forward<{k}, {g}>" for g in both)
-            + tuple(f"internode_combine_reduce<{k}, {g}>" for g in both))
+            + tuple(f"internode_dispatch_recv<{k}, {c}, {fmt}, {dq}>" for c in both))
 
 
-def _internode(topk_idx: torch.Tensor, name: str, template_args: tuple, num_blocks: int,
-               threads: int, fields: dict, fp8=None) -> None:
+def internode_combine_expressions(num_topk: int, row_dtype: int) -> Tuple[str, ...]:
+    """The combine kernels of the internode transport for one top-k and row dtype code
+    (`ROW_DTYPE_CODES`): one linked module."""
+    k, dt, both = num_topk, row_dtype, ("false", "true")
+    return (tuple(f"internode_combine_send<{k}, {w}, {g}, {dt}>" for w in both for g in both)
+            + tuple(f"internode_combine_forward<{k}, {g}, {dt}>" for g in both)
+            + tuple(f"internode_combine_reduce<{k}, {g}, {dt}>" for g in both))
+
+
+def _internode(family: Tuple[str, ...], name: str, template_args: tuple, num_blocks: int,
+               threads: int, fields: dict) -> None:
     expr = name
     if template_args:
         expr += "<" + ", ".join(jit.render_template_arg(a) for a in template_args) + ">"
-    family = internode_expressions(topk_idx.shape[1], _index_type(topk_idx), fp8)
     kernel = nvshmem_link.get_kernels("internode.cu", family, torch.cuda.current_device())[expr]
     kernel.launch(num_blocks, threads, InternodeArgs.fill(**fields), _stream())
+
+
+def _dispatch_family(topk_idx: torch.Tensor, fp8) -> Tuple[str, ...]:
+    return internode_expressions(topk_idx.shape[1], _index_type(topk_idx), fp8)
+
+
+def _combine_family(topk_idx: torch.Tensor, y: torch.Tensor) -> Tuple[str, ...]:
+    return internode_combine_expressions(topk_idx.shape[1], row_dtype_code(y))
 
 
 def internode_wire(fp8, hidden: int) -> dict:
@@ -838,29 +851,31 @@ def internode_wire(fp8, hidden: int) -> dict:
     return dict(wire_bytes=wire_bytes, amax_epsilon=amax_epsilon)
 
 
-def internode_node_layout(topk_idx: torch.Tensor, num_nodes: int, fields: dict) -> None:
+def internode_node_layout(topk_idx: torch.Tensor, fp8, num_nodes: int, fields: dict) -> None:
     """Node-level layout (token_slot_in_node, node_slot_token, num_tokens_per_node) from
     is_token_in_rank: one block per node."""
-    _internode(topk_idx, "internode_node_layout", (), num_nodes, INTERNODE_THREADS, fields)
+    _internode(_dispatch_family(topk_idx, fp8), "internode_node_layout", (), num_nodes,
+               INTERNODE_THREADS, fields)
 
 
-def internode_notify(topk_idx: torch.Tensor, fields: dict) -> None:
+def internode_notify(topk_idx: torch.Tensor, fp8, fields: dict) -> None:
     """Counts to every PE, then this rank's receive layout and forwarding counts."""
-    _internode(topk_idx, "internode_notify", (), 1, INTERNODE_NOTIFY_THREADS, fields)
+    _internode(_dispatch_family(topk_idx, fp8), "internode_notify", (), 1,
+               INTERNODE_NOTIFY_THREADS, fields)
 
 
 def internode_dispatch_send(topk_idx: torch.Tensor, cached: bool, fp8, num_sms: int,
                             fields: dict) -> None:
     """Packs (quantizes, for `fp8`) and puts every token once per destination node."""
-    _internode(topk_idx, "internode_dispatch_send",
+    _internode(_dispatch_family(topk_idx, fp8), "internode_dispatch_send",
                (topk_idx.shape[1], cached, _index_type(topk_idx), _wire(fp8)[0]), num_sms,
-               INTERNODE_THREADS, fields, fp8)
+               INTERNODE_THREADS, fields)
 
 
 def internode_forward(topk_idx: torch.Tensor, fp8, num_sms: int, fields: dict) -> None:
     """Copies every received wire row into the staging of its destination ranks in this node."""
-    _internode(topk_idx, "internode_forward", (topk_idx.shape[1],), num_sms, INTERNODE_THREADS,
-               fields, fp8)
+    _internode(_dispatch_family(topk_idx, fp8), "internode_forward", (topk_idx.shape[1],),
+               num_sms, INTERNODE_THREADS, fields)
 
 
 def internode_dispatch_recv(topk_idx: torch.Tensor, cached: bool, fp8, num_sms: int,
@@ -868,26 +883,30 @@ def internode_dispatch_recv(topk_idx: torch.Tensor, cached: bool, fp8, num_sms: 
     """Expands the staged rows of every source into the expert-major recv_x (dequantized, or
     FP8 rows and scales, as `fp8` asks)."""
     fmt, dequant, _ = _wire(fp8)
-    _internode(topk_idx, "internode_dispatch_recv", (topk_idx.shape[1], cached, fmt, dequant),
-               num_sms, INTERNODE_THREADS, fields, fp8)
+    _internode(_dispatch_family(topk_idx, fp8), "internode_dispatch_recv",
+               (topk_idx.shape[1], cached, fmt, dequant), num_sms, INTERNODE_THREADS, fields)
 
 
-def internode_combine_send(topk_idx: torch.Tensor, weighted: bool, with_weights: bool,
-                           num_sms: int, fields: dict) -> None:
-    """One partial row per staged token, to the token's forwarder in this node."""
-    _internode(topk_idx, "internode_combine_send", (topk_idx.shape[1], weighted, with_weights),
-               num_sms, INTERNODE_THREADS, fields)
+def internode_combine_send(topk_idx: torch.Tensor, y: torch.Tensor, weighted: bool,
+                           with_weights: bool, num_sms: int, fields: dict) -> None:
+    """One partial row per staged token (rows of `y`'s dtype), to the token's forwarder in this
+    node."""
+    _internode(_combine_family(topk_idx, y), "internode_combine_send",
+               (topk_idx.shape[1], weighted, with_weights, row_dtype_code(y)), num_sms,
+               INTERNODE_THREADS, fields)
 
 
-def internode_combine_forward(topk_idx: torch.Tensor, with_weights: bool, num_sms: int,
-                              fields: dict) -> None:
+def internode_combine_forward(topk_idx: torch.Tensor, y: torch.Tensor, with_weights: bool,
+                              num_sms: int, fields: dict) -> None:
     """Sums this node's partials per forwarded token and puts them back to the sources."""
-    _internode(topk_idx, "internode_combine_forward", (topk_idx.shape[1], with_weights),
-               num_sms, INTERNODE_THREADS, fields)
+    _internode(_combine_family(topk_idx, y), "internode_combine_forward",
+               (topk_idx.shape[1], with_weights, row_dtype_code(y)), num_sms, INTERNODE_THREADS,
+               fields)
 
 
-def internode_combine_reduce(topk_idx: torch.Tensor, with_weights: bool, num_sms: int,
-                             fields: dict) -> None:
+def internode_combine_reduce(topk_idx: torch.Tensor, y: torch.Tensor, with_weights: bool,
+                             num_sms: int, fields: dict) -> None:
     """Sums each token's partials over its destination nodes, in node order."""
-    _internode(topk_idx, "internode_combine_reduce", (topk_idx.shape[1], with_weights),
-               num_sms, INTERNODE_THREADS, fields)
+    _internode(_combine_family(topk_idx, y), "internode_combine_reduce",
+               (topk_idx.shape[1], with_weights, row_dtype_code(y)), num_sms, INTERNODE_THREADS,
+               fields)

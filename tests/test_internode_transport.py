@@ -66,8 +66,10 @@ def test_node_plan_fields():
 def test_kernel_family_names_every_kernel_once(fp8, fmt, dequant):
     spec = as_fp8_dispatch(fp8, "bf16" if dequant == "true" else "fp8")
     family = ops.internode_expressions(4, "long long", spec)
-    assert len(family) == len(set(family)) == 15  # 3 + 2 + 2 + 4 + 2 + 2
-    assert {expr.split("<")[0] for expr in family} == set(ops.INTERNODE_KERNELS)
+    combine = ops.internode_combine_expressions(4, 2)
+    assert len(family) == len(set(family)) == 7 and len(set(combine)) == 8
+    assert {expr.split("<")[0] for expr in family + combine} == set(ops.INTERNODE_KERNELS)
+    assert "internode_combine_reduce<4, true, 2>" in combine
     code = fmt if fmt is not None else spec.wire_code
     assert f"internode_dispatch_send<4, true, long long, {code}>" in family
     assert f"internode_dispatch_recv<4, false, {code}, {dequant}>" in family

@@ -124,7 +124,9 @@ def test_internode_kernels_link(num_topk, index_type, fp8, tmp_path, monkeypatch
     without a GPU."""
     from megatron_deepep import ops
     monkeypatch.setenv("MDEEP_CACHE_DIR", str(tmp_path))
-    expressions = ops.internode_expressions(num_topk, index_type, _fp8_request(fp8))
+    row_dtype = {None: 0, "blockwise": 1}.get(fp8, 2)  # each row dtype in one case
+    expressions = (ops.internode_expressions(num_topk, index_type, _fp8_request(fp8))
+                   + ops.internode_combine_expressions(num_topk, row_dtype))
     cubin, lowered = nvshmem_link.link_cubin("internode.cu", list(expressions), "sm_90")
     assert set(lowered) == set(expressions)
     assert cubin[:4] == b"\x7fELF"

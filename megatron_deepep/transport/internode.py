@@ -84,6 +84,7 @@ class InternodeTransport(Transport):
     """
 
     name = "internode"
+    row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                  num_sms: int, timeout_s: float, num_ranks_per_node: Optional[int] = None):
@@ -202,6 +203,9 @@ class InternodeTransport(Transport):
                  layout: Optional[DispatchLayout] = None, fp8=None,
                  x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
+        row_dtype, row_width = x.dtype, x.shape[1]  # the handle keeps the caller's width
+        if fp8 is None:
+            x = ops.as_wire_rows(x)  # fp16 / fp32 rows travel as the bf16 words of their bytes
         dev, num_ranks = x.device, self.num_ranks
         num_tokens, num_topk = topk_idx.shape
         hidden = x.shape[1]
@@ -219,11 +223,11 @@ class InternodeTransport(Transport):
                               hidden)
         fields.update(x=x.data_ptr(), topk_weights=topk_weights.data_ptr(),
                       x_scales=ops.addr(x_scales), **ops.internode_wire(fp8, hidden))
-        ops.internode_node_layout(topk_idx, self.num_nodes, fields)
+        ops.internode_node_layout(topk_idx, fp8, self.num_nodes, fields)
         notify = dict(fields, epoch=self.notify_epoch & 0xFFFFFFFF, alignment=expert_alignment,
                       max_recv_rows=-1 if is_sync else num_max_recv_rows,
                       host_info=self.status.host_info_ptr if is_sync else 0)
-        ops.internode_notify(topk_idx, notify)
+        ops.internode_notify(topk_idx, fp8, notify)
         ops.internode_dispatch_send(topk_idx, False, fp8, self.num_sms, fields)
         ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
         with self._naming_nodes():
@@ -237,10 +241,12 @@ class InternodeTransport(Transport):
         num_local = num_experts // num_ranks
         handle = DispatchHandle.from_arena(
             arena, layout=layout, recv=RecvLayout.from_arena(arena), recv_weights=recv_weights,
-            num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+            num_experts=num_experts, num_topk=num_topk, hidden=row_width,
             expert_alignment=expert_alignment, num_recv_rows=num_rows,
             tokens_per_expert_list=self.status.tokens_per_expert(num_local) if is_sync else None,
             transport_state=(topk_idx, arena, nodes))
+        if fp8 is None:
+            recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales), recv_weights, handle
 
     def _adopt(self, handle: DispatchHandle) -> None:
@@ -267,6 +273,9 @@ class InternodeTransport(Transport):
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle, fp8=None,
                         x_scales: Optional[torch.Tensor] = None):
         self.check_errors()
+        row_dtype = x.dtype
+        if fp8 is None:
+            x = ops.as_wire_rows(x)
         self._adopt(handle)
         topk_idx, arena, nodes = handle.transport_state
         hidden = x.shape[1]
@@ -280,6 +289,8 @@ class InternodeTransport(Transport):
         ops.internode_dispatch_send(topk_idx, True, fp8, self.num_sms, fields)
         ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
         ops.internode_dispatch_recv(topk_idx, True, fp8, self.num_sms, fields)
+        if fp8 is None:
+            recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales)
 
     # ------------------------------------------------------------------ combine
@@ -290,16 +301,17 @@ class InternodeTransport(Transport):
         self._adopt(handle)
         topk_idx, arena, nodes = handle.transport_state
         self.combine_epoch += 1
+        # Kernels count rows in 2-byte units (an fp32 row of H is 2 H of them).
         fields = self._fields(self.combine_epoch, topk_idx, handle.num_experts, handle.layout,
-                              arena, nodes, y.shape[1])
+                              arena, nodes, y.shape[1] * y.element_size() // 2)
         with_weights = grad_row_weights is not None
         out, out_weights = empty_combine_out(handle, y, with_weights)
         fields.update(y=y.data_ptr(), out=out.data_ptr(), out_weights=ops.addr(out_weights),
                       recv_weights=handle.recv_weights.data_ptr(),
                       grad_row_weights=ops.addr(grad_row_weights))
-        ops.internode_combine_send(topk_idx, weighted, with_weights, self.num_sms, fields)
-        ops.internode_combine_forward(topk_idx, with_weights, self.num_sms, fields)
-        ops.internode_combine_reduce(topk_idx, with_weights, self.num_sms, fields)
+        ops.internode_combine_send(topk_idx, y, weighted, with_weights, self.num_sms, fields)
+        ops.internode_combine_forward(topk_idx, y, with_weights, self.num_sms, fields)
+        ops.internode_combine_reduce(topk_idx, y, with_weights, self.num_sms, fields)
         return out, out_weights
 
     def destroy(self) -> None:

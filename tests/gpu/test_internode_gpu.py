@@ -7,8 +7,9 @@ and compares: dispatch bit-exact (rows, weights, counts, row order), combine wit
 fp32-accumulation tolerance (the forwarder rounds its node's sum once more than the reference) and
 the routing-weight gradients exactly, the node layout against `node_layout.py`, cached dispatch,
 the no-sync mode, skewed/empty/uneven routing, -1 entries, top-k 1-16, back-to-back calls with
-changing shapes, autograd, FP8 dispatch in every wire format (the network carries e4m3 rows and
-scales), bad input, and a stalled peer that must raise naming rank and node.
+changing shapes, autograd, fp16 and fp32 rows, FP8 dispatch in every wire format (the network
+carries e4m3 rows and scales), bad input, and a stalled peer that must raise naming rank and
+node.
 """
 
 from __future__ import annotations
@@ -107,6 +108,27 @@ def _case(rank, world, per_node, inter, ref, seed, kind, num_tokens, hidden, per
     assert torch.equal(free[2].tokens_per_expert.cpu(), exp[2].tokens_per_expert)
 
 
+def _row_dtypes(rank, world, inter, ref, seed):
+    """fp16 and fp32 rows: dispatch bit-exact (a byte copy), combine within the dtype's rounding
+    (fp32 partials are never rounded; only the order of the fp32 sums differs)."""
+    dev = torch.device("cuda")
+    for dtype, tol in ((torch.float16, 1e-2), (torch.float32, 1e-5)):
+        experts = 3 * world
+        xs, idxs, ws = make_inputs(seed, world, 41, 2048, experts, 4, "dropped", dtype=dtype)
+        x, idx, w = xs[rank], idxs[rank], ws[rank]
+        recv_x, recv_w, handle, _ = inter.dispatch(x.to(dev), idx.to(dev), w.to(dev),
+                                                   num_experts=experts)
+        exp_x, exp_w, exp_handle, _ = ref.dispatch(x, idx, w, num_experts=experts)
+        assert recv_x.dtype == dtype and torch.equal(recv_x.cpu(), exp_x), f"dispatch {dtype}"
+        assert torch.equal(recv_w.cpu(), exp_w)
+        y = (expert_scale(exp_x.float(), exp_handle.tokens_per_expert_list) * 1.37).to(dtype)
+        out, _, _ = inter.combine(y.to(dev), handle, weighted=True)
+        ref_out, _, _ = ref.combine(y, exp_handle, weighted=True)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.cpu().float(), ref_out.float(), rtol=tol, atol=tol * 10,
+                                   msg=lambda m: f"combine {dtype}: {m}")
+
+
 def _bad_input(rank, world, inter):
     dev = torch.device("cuda")
     x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=dev)
@@ -160,6 +182,8 @@ def _worker(rank, world, per_node, num_calls):
     _progress(rank, start, "autograd passed")
     nvlink_gpu._back_to_back(rank, world, inter, num_calls)
     _progress(rank, start, f"{num_calls} back-to-back calls passed")
+    _row_dtypes(rank, world, inter, ref, 77 + world)
+    _progress(rank, start, "fp16 and fp32 rows passed")
     for i, case in enumerate(fp8_gpu.CASES):  # every wire format, fused and pre-quantized
         fp8_gpu._case(rank, world, inter, ref, 500 * world + i, *case)
     _progress(rank, start, "FP8 dispatch (every format, both outputs, cached) passed")
@@ -183,6 +207,13 @@ def _link(family) -> None:
                             jit.device_arch())
 
 
+def _link_combine(family) -> None:
+    from megatron_deepep import jit, nvshmem_link, ops
+    topk, row_dtype = family
+    expressions = ops.internode_combine_expressions(topk, row_dtype)
+    nvshmem_link.link_cubin("internode.cu", list(expressions), jit.device_arch())
+
+
 def _link_once():
     """Links every kernel family the test uses here (in parallel), so the ranks find them in the
     disk cache instead of all linking."""
@@ -192,10 +223,12 @@ def _link_once():
     families += [(case[4], fmt, output) for case in fp8_gpu.CASES
                  for fmt in fp8_gpu.FORMATS for output in ("fp8", "bf16")]
     families = sorted(set(families), key=str)
+    combine = [(k, dtype) for k in sorted({c[4] for c in CASES} | {2, 8, 4, 1}
+                                          | {c[4] for c in fp8_gpu.CASES}) for dtype in (0, 1, 2)]
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(len(families), os.cpu_count() or 1),
+    with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 1,
                                                 mp_context=context) as pool:
-        list(pool.map(_link, families))
+        list(pool.map(_link, families)) + list(pool.map(_link_combine, combine))
 
 
 @pytest.mark.parametrize("shape", NODE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
