@@ -28,6 +28,7 @@
 #include "common/args.cuh"
 #include "common/copy.cuh"
 #include "common/fp8_row.cuh"
+#include "common/padding.cuh"
 #include "common/row_dtype.cuh"
 #include "common/warp.cuh"
 #include "internode/net.cuh"
@@ -432,20 +433,6 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
     }
 }
 
-// Zeroes local expert e's padding rows of recv_x (and their scales and weights) with the warp.
-template <bool kCached>
-__device__ __forceinline__ void zero_padding(const InternodeArgs& a, int e, i64 row_bytes,
-                                             int scale_bytes, int lane) {
-    const int first = a.expert_row_start[e] + a.num_recv_tokens_per_expert[e];
-    const int last = min(a.expert_row_start[e + 1], a.max_rows);
-    for (int row = first; row < last; ++row) {
-        warp_zero_row(reinterpret_cast<int4*>(a.recv_x + row * row_bytes), (int)(row_bytes / 16),
-                      lane);
-        for (int b = lane; b < scale_bytes; b += 32) a.recv_scales[(i64)row * scale_bytes + b] = 0;
-        if (!kCached && lane == 0) a.recv_weights[row] = 0.f;
-    }
-}
-
 template <int kTopk, bool kCached, int kFmt, bool kDequant>
 __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
     const __grid_constant__ InternodeArgs a) {
@@ -459,7 +446,9 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
     for (int e = warp; e < num_local; e += num_warps)
-        zero_padding<kCached>(a, e, row_bytes, scale_bytes, lane);
+        zero_padding_rows<kFp8Out, kCached>(e, a.recv_x, a.recv_scales, a.recv_weights, row_bytes,
+                                            scale_bytes, a.max_rows, a.num_recv_tokens_per_expert,
+                                            a.expert_row_start, lane);
     __shared__ int slot_start[kMaxInternodeRanks + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
     const bool ok = block_wait_node(flags_of(a.heap, a)->fwd_done, a.epoch, a, err,

@@ -115,23 +115,23 @@ def test_every_nvshmem_kernel_is_linked_here():
 
 
 @needs_wheel
-@pytest.mark.parametrize("num_topk,index_type,fp8", [(8, "long long", None),
-                                                     (1, "int", "blockwise"),
-                                                     (4, "long long", "mxfp8:fp8")])
-def test_internode_kernels_link(num_topk, index_type, fp8, tmp_path, monkeypatch):
-    """Every instantiation the internode transport launches for a (top-k, index type, wire
-    format) compiles and links against the wheel's device library into one module, for sm_90,
-    without a GPU."""
+def test_internode_kernels_link(tmp_path, monkeypatch):
+    """Every instantiation kind the internode transport launches (dispatch for bf16 rows and two
+    FP8 wire formats, both index types; combine for the three row dtypes) compiles and links
+    against the wheel's device library for sm_90 without a GPU: one compile, one link."""
     from megatron_deepep import ops
     monkeypatch.setenv("MDEEP_CACHE_DIR", str(tmp_path))
-    row_dtype = {None: 0, "blockwise": 1}.get(fp8, 2)  # each row dtype in one case
-    expressions = (ops.internode_expressions(num_topk, index_type, _fp8_request(fp8))
-                   + ops.internode_combine_expressions(num_topk, row_dtype))
-    cubin, lowered = nvshmem_link.link_cubin("internode.cu", list(expressions), "sm_90")
+    expressions = set()
+    for num_topk, index_type, fp8 in ((8, "long long", None), (1, "int", "blockwise"),
+                                      (4, "long long", "mxfp8:fp8")):
+        expressions.update(ops.internode_expressions(num_topk, index_type, _fp8_request(fp8)))
+    for row_dtype in ops.ROW_DTYPE_CODES.values():
+        expressions.update(ops.internode_combine_expressions(8, row_dtype))
+    expressions = sorted(expressions)
+    cubin, lowered = nvshmem_link.link_cubin("internode.cu", expressions, "sm_90")
     assert set(lowered) == set(expressions)
     assert cubin[:4] == b"\x7fELF"
-    names = {expr.split("<")[0] for expr in expressions}
-    assert names == set(ops.INTERNODE_KERNELS)
+    assert {expr.split("<")[0] for expr in expressions} == set(ops.INTERNODE_KERNELS)
 
 
 def _fp8_request(spec):
