@@ -13,7 +13,7 @@
 // into bf16 rows; otherwise recv_x holds e4m3 rows and recv_scales their scales.
 #include "common/args.cuh"
 #include "common/fp8_row.cuh"
-#include "common/padding.cuh"
+#include "common/recv_rows.cuh"
 #include "common/protocol.cuh"
 
 using namespace mdeep;
@@ -365,14 +365,8 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
         }
         u8* dst[kTopk];
         u8* dst_scales[kTopk];
-        int num_dst = 0;
-#pragma unroll
-        for (int k = 0; k < kTopk; ++k) {
-            const int row = __shfl_sync(0xffffffffu, row_lane, k);
-            if (row < 0) continue;
-            dst[num_dst] = recv_x + row * row_bytes;
-            dst_scales[num_dst++] = recv_scales + (i64)row * scale_bytes;
-        }
+        const int num_dst = lane_rows_to_dsts<kTopk>(row_lane, recv_x, row_bytes, recv_scales,
+                                                     scale_bytes, dst, dst_scales);
         if (num_dst > 0)
             write_row<kFmt, kDequant, kTopk, false>(
                 x + n * in_row_bytes, x_scales ? x_scales + (i64)n * in_scale_bytes : nullptr,

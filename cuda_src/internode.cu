@@ -28,7 +28,7 @@
 #include "common/args.cuh"
 #include "common/copy.cuh"
 #include "common/fp8_row.cuh"
-#include "common/padding.cuh"
+#include "common/recv_rows.cuh"
 #include "common/row_dtype.cuh"
 #include "common/warp.cuh"
 #include "internode/net.cuh"
@@ -477,14 +477,8 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
         }
         u8* dst[kTopk];
         u8* dst_scales[kTopk];
-        int num_dst = 0;
-#pragma unroll
-        for (int k = 0; k < kTopk; ++k) {
-            const int row = __shfl_sync(0xffffffffu, row_lane, k);
-            if (row < 0) continue;
-            dst[num_dst] = a.recv_x + row * row_bytes;
-            dst_scales[num_dst++] = a.recv_scales + (i64)row * scale_bytes;
-        }
+        const int num_dst = lane_rows_to_dsts<kTopk>(row_lane, a.recv_x, row_bytes, a.recv_scales,
+                                                     scale_bytes, dst, dst_scales);
         if (kFmt == fp8::kWireBf16)
             warp_copy_row<kTopk, true>(reinterpret_cast<const int4*>(staged),
                                        reinterpret_cast<int4* const*>(dst), num_dst,

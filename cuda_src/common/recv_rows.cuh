@@ -1,4 +1,5 @@
-// The alignment padding rows of an expert-major receive buffer, shared by the expands.
+// Rows of an expert-major receive buffer (recv_x, recv_scales), shared by the expands: the
+// destinations of one token, the alignment padding rows.
 #pragma once
 #include "common/copy.cuh"
 
@@ -22,6 +23,23 @@ __device__ __forceinline__ void zero_padding_rows(int e, u8* recv_x, u8* recv_sc
                 recv_scales[(i64)row * scale_bytes + b] = 0;
         if (!kCached && lane == 0) recv_weights[row] = 0.f;
     }
+}
+
+// Lane k of the warp holds `row_lane`, the row of the token's entry k (-1: none): gathers the
+// token's destination rows (and scale rows) in k order into dst / dst_scales; returns how many.
+template <int kTopk>
+__device__ __forceinline__ int lane_rows_to_dsts(int row_lane, u8* recv_x, i64 row_bytes,
+                                                 u8* recv_scales, int scale_bytes, u8** dst,
+                                                 u8** dst_scales) {
+    int num_dst = 0;
+#pragma unroll
+    for (int k = 0; k < kTopk; ++k) {
+        const int row = __shfl_sync(0xffffffffu, row_lane, k);
+        if (row < 0) continue;
+        dst[num_dst] = recv_x + row * row_bytes;
+        dst_scales[num_dst++] = recv_scales + (i64)row * scale_bytes;
+    }
+    return num_dst;
 }
 
 }  // namespace mdeep
