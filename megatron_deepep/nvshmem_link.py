@@ -160,6 +160,11 @@ def _cache_dir() -> Path:
     return Path(knobs.get("CACHE_DIR") or Path.home() / ".cache" / "megatron_deepep")
 
 
+def link_cache_dir() -> Path:
+    """Where linked modules are kept: `nvshmem/` under the kernel cache."""
+    return _cache_dir() / "nvshmem"
+
+
 def _shim_path() -> Path:
     """The pre-included std-traits shim, written once into the cache directory (by content)."""
     digest = hashlib.sha256(_SHIM.encode()).hexdigest()[:16]
@@ -296,7 +301,7 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
     kernel_opts, thunk_opts = _kernel_options(arch, paths), _base_options(arch)
     key = _cache_key(files, thunk, name_expressions, kernel_opts, thunk_opts, arch, paths,
                      nvrtc, nvjitlink)
-    entry_path = _cache_dir() / "nvshmem" / f"{key}.kernel"  # one file: names and cubin
+    entry_path = link_cache_dir() / f"{key}.kernel"  # one file: names and cubin
     if not knobs.get("JIT_NO_CACHE"):
         entry = read_entry(entry_path, name_expressions)  # None: absent or unusable
         if entry is not None:

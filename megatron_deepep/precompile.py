@@ -7,8 +7,9 @@ that has no cache entry yet. This tool compiles them all at once, in parallel, w
 so a cluster can fill a shared cache on a login node; jobs then point `MDEEP_CACHE_DIR` at that
 directory and load instead of compiling. The entries are keyed by the sources, options, arch and
 NVRTC version: build with the same install (or the same code and cuda-bindings) as the job, for
-the job's GPU (`--arch`, sm_90 for H100/H200). The internode (NVSHMEM) kernels are not built
-here: they link on first use.
+the job's GPU (`--arch`, sm_90 for H100/H200). `--internode` also links the internode
+transport's kernels (NVRTC + nvJitLink against the nvidia-nvshmem wheel's device library), one
+module per (top-k, index type, wire format) for dispatch and per (top-k, row dtype) for combine.
 """
 
 from __future__ import annotations
@@ -99,6 +100,41 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
     return list(out)
 
 
+def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
+                           fp8_outputs: Sequence[str] = ("fp8", "bf16"),
+                           index_dtypes: Sequence[str] = ("int64", "int32"), bf16: bool = True,
+                           row_dtypes: Sequence[str] = ("bf16",)) -> List[Tuple[str, ...]]:
+    """The internode transport's linked modules for the same choices as `kernels_for`: each a
+    tuple of name expressions, exactly as the transport links them at run time."""
+    from megatron_deepep import ops
+    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+
+    wires = [None] if bf16 else []
+    wires += [as_fp8_dispatch(name, output) for name in fp8_formats for output in fp8_outputs]
+    out: Dict[Tuple[str, ...], None] = {}
+    for k in sorted(set(int(k) for k in topks)):
+        for index_dtype in index_dtypes:
+            for wire in wires:
+                out[ops.internode_expressions(k, INDEX_TYPES[index_dtype], wire)] = None
+        for row_dtype in row_dtypes:
+            out[ops.internode_combine_expressions(
+                k, ops.ROW_DTYPE_CODES[ops.ROW_DTYPE_NAMES[row_dtype]])] = None
+    return list(out)
+
+
+def _link_family(family: Tuple[str, ...], arch: str, cache_dir: Optional[Path]
+                 ) -> Tuple[str, str, float, bool]:
+    from megatron_deepep import nvshmem_link
+    if cache_dir is not None:  # nvshmem_link keys its cache on the knob
+        os.environ[knobs.PREFIX + "CACHE_DIR"] = str(cache_dir)
+    folder = nvshmem_link.link_cache_dir()
+    before = set(folder.glob("*.kernel")) if folder.is_dir() else set()
+    start = time.perf_counter()
+    nvshmem_link.link_cubin("internode.cu", list(family), arch)
+    from_cache = set(folder.glob("*.kernel")) == before
+    return "internode.cu", " ".join(family), time.perf_counter() - start, from_cache
+
+
 def _build_one(source: str, expr: str, arch: str, cache_dir: Optional[Path]
                ) -> Tuple[str, str, float, bool]:
     result = jit.build(source, expr, arch, cache_dir)
@@ -120,11 +156,14 @@ def _default_arch() -> str:
 
 
 def precompile(kernels: Sequence[Tuple[str, str]], arch: str, jobs: int,
-               cache_dir: Optional[Path] = None, report=None) -> Tuple[int, int, List[str]]:
-    """Builds `kernels` into the cache with `jobs` processes.
+               cache_dir: Optional[Path] = None, report=None,
+               families: Sequence[Tuple[str, ...]] = ()) -> Tuple[int, int, List[str]]:
+    """Builds `kernels` (and links the internode `families`) into the cache with `jobs`
+    processes.
 
     Args:
         kernels: (source file, name expression) pairs, as `kernels_for` gives them.
+        families: internode modules, as `internode_families_for` gives them (one item each).
         arch: NVRTC target.
         jobs: worker processes (1: in this process).
         cache_dir: the cache (default: knob CACHE_DIR, else `~/.cache/megatron_deepep`).
@@ -147,26 +186,34 @@ def precompile(kernels: Sequence[Tuple[str, str]], arch: str, jobs: int,
 
     # The slowest first (dispatch, then combine), so the workers finish together.
     order = {"dispatch.cu": 0, "combine.cu": 1}
-    todo = sorted(kernels, key=lambda k: order.get(k[0], 2))
+    todo = [(_link_family, family) for family in families]  # a link takes ~8 s: first
+    todo += [(_build_one, kernel) for kernel in sorted(kernels, key=lambda k: order.get(k[0], 2))]
     if jobs <= 1:
-        for source, expr in todo:
+        for build, item in todo:
             try:
-                done(*_build_one(source, expr, arch, cache_dir))
+                done(*(build(item, arch, cache_dir) if build is _link_family
+                       else build(*item, arch, cache_dir)))
             except jit.CompileError as exc:
-                failures.append(f"{source} {expr}: {exc}")
+                failures.append(f"{_describe(item)}: {exc}")
         return compiled, cached, failures
     # fork: the workers run NVRTC only (no CUDA context), and start without re-importing torch.
     context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = {pool.submit(_build_one, source, expr, arch, cache_dir): (source, expr)
-                   for source, expr in todo}
+        futures = {(pool.submit(build, item, arch, cache_dir) if build is _link_family
+                    else pool.submit(build, *item, arch, cache_dir)): item
+                   for build, item in todo}
         for future in concurrent.futures.as_completed(futures):
-            source, expr = futures[future]
             try:
                 done(*future.result())
             except Exception as exc:  # CompileError, or a worker that died
-                failures.append(f"{source} {expr}: {type(exc).__name__}: {exc}")
+                failures.append(f"{_describe(futures[future])}: {type(exc).__name__}: {exc}")
     return compiled, cached, failures
+
+
+def _describe(item) -> str:
+    """A kernel (source, expr) or an internode family, for a failure line."""
+    return " ".join(item) if isinstance(item[0], str) and item[0].endswith(".cu") \
+        else "internode.cu " + " ".join(item)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -196,6 +243,9 @@ def _parser() -> argparse.ArgumentParser:
                              "neither): the combine kernels are built for each; default: bf16")
     parser.add_argument("--no-bf16", action="store_true",
                         help="skip the bf16 dispatch kernels (a job that always dispatches FP8)")
+    parser.add_argument("--internode", action="store_true",
+                        help="also link the internode transport's kernels (EP across nodes; "
+                             "needs the nvidia-nvshmem-cu13 wheel, no GPU)")
     parser.add_argument("--bench", action="store_true",
                         help="also build the benchmark's ceiling kernels (cuda_src/ceiling.cu)")
     parser.add_argument("--arch", default=None,
@@ -223,9 +273,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         print(f"precompile: {exc}", file=sys.stderr)
         return 2
+    families = (internode_families_for(args.topk, args.fp8, args.fp8_output, args.index_dtype,
+                                       bf16=not args.no_bf16, row_dtypes=args.row_dtype)
+                if args.internode else [])
     if args.list:
         for source, expr in kernels:
             print(f"{source} {expr}")
+        for family in families:
+            print("internode.cu " + " ".join(family))
         return 0
     try:
         from cuda.bindings import nvrtc  # noqa: F401
@@ -239,12 +294,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
-    jobs = max(1, min(args.jobs or cpus, len(kernels)))
+    jobs = max(1, min(args.jobs or cpus, len(kernels) + len(families)))
     if knobs.get("JIT_NO_CACHE"):
         print("precompile: MDEEP_JIT_NO_CACHE is set, so nothing would be kept; unset it",
               file=sys.stderr)
         return 2
-    print(f"precompile: {len(kernels)} kernels for {arch} (top-k {sorted(set(args.topk))}"
+    print(f"precompile: {len(kernels)} kernels"
+          f"{f' and {len(families)} internode modules' if families else ''} for {arch} "
+          f"(top-k {sorted(set(args.topk))}"
           f"{', fp8 ' + ' '.join(args.fp8) if args.fp8 else ''}) with {jobs} processes "
           f"into {cache}", flush=True)
 
@@ -254,11 +311,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  {how} {seconds:6.1f} s  {source} {expr}", flush=True)
 
     start = time.perf_counter()
-    compiled, cached, failures = precompile(kernels, arch, jobs, cache_dir, report)
+    compiled, cached, failures = precompile(kernels, arch, jobs, cache_dir, report, families)
     seconds = time.perf_counter() - start
     for failure in failures:
         print(f"precompile: FAILED {failure}", file=sys.stderr)
-    print(f"precompile: {len(kernels)} kernels for {arch} in {seconds:.1f} s: {compiled} "
+    modules = f" and {len(families)} internode modules" if families else ""
+    print(f"precompile: {len(kernels)} kernels{modules} for {arch} in {seconds:.1f} s: {compiled} "
           f"compiled, {cached} already cached, {len(failures)} failed; cache: {cache}"
           + (f" (give jobs MDEEP_CACHE_DIR={cache})" if cache_dir and not failures else ""))
     return 1 if failures else 0

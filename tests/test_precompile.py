@@ -106,3 +106,25 @@ def test_a_failed_kernel_fails_the_command(tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "FAILED notify.cu no_such_kernel<1>" in captured.err
     assert "1 failed" in captured.out
+
+
+def test_internode_modules_are_the_ones_the_transport_links(capsys):
+    """--internode lists one module per (top-k, index type, wire format) for dispatch and per
+    (top-k, row dtype) for combine, with exactly the name expressions (in the order) the
+    transport links them at run time, so the cache keys agree."""
+    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    listed = _listed(capsys, "--topk", "2", "8", "--internode", "--fp8", "blockwise",
+                     "--fp8-output", "bf16", "--index-dtype", "int64", "--row-dtype", "bf16",
+                     "fp32")
+    modules = [tuple(expr.split(" internode")) for source, expr in listed
+               if source == "internode.cu"]
+    modules = [tuple(m[0:1] + tuple("internode" + part for part in m[1:])) for m in modules]
+    expected = []
+    for k in (2, 8):
+        expected += [ops.internode_expressions(k, "long long", None),
+                     ops.internode_expressions(k, "long long",
+                                               as_fp8_dispatch("blockwise", "bf16")),
+                     ops.internode_combine_expressions(k, 0),
+                     ops.internode_combine_expressions(k, 2)]
+    assert sorted(modules) == sorted(expected)
+    assert not [s for s, _ in _listed(capsys, "--topk", "8") if s == "internode.cu"]
