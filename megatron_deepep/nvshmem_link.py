@@ -160,9 +160,10 @@ def _cache_dir() -> Path:
     return Path(knobs.get("CACHE_DIR") or Path.home() / ".cache" / "megatron_deepep")
 
 
-def link_cache_dir() -> Path:
-    """Where linked modules are kept: `nvshmem/` under the kernel cache."""
-    return _cache_dir() / "nvshmem"
+def link_cache_dir(cache_dir: Optional[Path] = None) -> Path:
+    """Where linked modules are kept: `nvshmem/` under the kernel cache (`cache_dir`, default
+    the knob CACHE_DIR's)."""
+    return (Path(cache_dir) if cache_dir is not None else _cache_dir()) / "nvshmem"
 
 
 def _shim_path() -> Path:
@@ -273,8 +274,8 @@ def _cache_key(files: Sequence[Path], thunk: Path, name_expressions: Sequence[st
     return digest.hexdigest()[:32]
 
 
-def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "sm_90"
-               ) -> Tuple[bytes, Dict[str, str]]:
+def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "sm_90",
+               cache_dir: Optional[Path] = None) -> Tuple[bytes, Dict[str, str]]:
     """Compiles `cuda_src/<source_file>` and links it with NVSHMEM's device library (no GPU).
 
     Args:
@@ -282,6 +283,7 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
         name_expressions: kernels to keep, e.g. ["internode_leg_send"] or template
             instantiations like ["net_dispatch<8, 448>"].
         arch: target, e.g. "sm_90".
+        cache_dir: the kernel cache (default: knob CACHE_DIR, else ~/.cache/megatron_deepep).
 
     Returns:
         The linked cubin (load it with cuModuleLoadData, then `nvshmemx_cumodule_init`) and a
@@ -301,7 +303,7 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
     kernel_opts, thunk_opts = _kernel_options(arch, paths), _base_options(arch)
     key = _cache_key(files, thunk, name_expressions, kernel_opts, thunk_opts, arch, paths,
                      nvrtc, nvjitlink)
-    entry_path = link_cache_dir() / f"{key}.kernel"  # one file: names and cubin
+    entry_path = link_cache_dir(cache_dir) / f"{key}.kernel"  # one file: names and cubin
     if not knobs.get("JIT_NO_CACHE"):
         entry = read_entry(entry_path, name_expressions)  # None: absent or unusable
         if entry is not None:

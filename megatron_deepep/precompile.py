@@ -125,12 +125,10 @@ def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = ()
 def _link_family(family: Tuple[str, ...], arch: str, cache_dir: Optional[Path]
                  ) -> Tuple[str, str, float, bool]:
     from megatron_deepep import nvshmem_link
-    if cache_dir is not None:  # nvshmem_link keys its cache on the knob
-        os.environ[knobs.PREFIX + "CACHE_DIR"] = str(cache_dir)
-    folder = nvshmem_link.link_cache_dir()
+    folder = nvshmem_link.link_cache_dir(cache_dir)
     before = set(folder.glob("*.kernel")) if folder.is_dir() else set()
     start = time.perf_counter()
-    nvshmem_link.link_cubin("internode.cu", list(family), arch)
+    nvshmem_link.link_cubin("internode.cu", list(family), arch, cache_dir)
     from_cache = set(folder.glob("*.kernel")) == before
     return "internode.cu", " ".join(family), time.perf_counter() - start, from_cache
 
