@@ -9,14 +9,14 @@ import time
 import traceback
 from multiprocessing import connection
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 logger = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on localhost."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,7 +55,7 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker,
                          args=(r, world_size, port, backend, fn, args, errors, hard_exit))
              for r in range(world_size)]

@@ -34,9 +34,14 @@ class _Recorder:
                 assert isinstance(args, ops.KERNEL_ARGS[(source, name)]), name
                 recorder.events.append(
                     (name, dict(grid=grid, block=block, args=args.as_dict(),
-                                programmatic=programmatic, shared_mem=shared_mem)))
+                                programmatic=programmatic, shared_mem=shared_mem,
+                                template_args=list(template_args))))
 
         return _Kernel()
+
+    def find(self, name):
+        """`(template args, argument struct as a dict)` of every launch of kernel `name`."""
+        return [(e["template_args"], e["args"]) for n, e in self.events if n == name]
 
 
 class _FakeStatus:

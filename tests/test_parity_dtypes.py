@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_deepep import jit, ops
+from megatron_deepep import ops
 from megatron_deepep.buffer import Buffer
 from tests.cases import expert_scale, make_inputs
 from tests.distributed import run_distributed
 from tests.oracle import oracle_combine, oracle_dispatch
-from tests.test_host_path import _FakeStatus, _transport  # noqa: F401 (helpers)
+from tests.test_host_path import _transport, recorder  # noqa: F401 (a fixture)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -59,44 +59,10 @@ def test_reference_dtypes_match_oracle():
     run_distributed(3, _reference_ranks, timeout_s=120)
 
 
-class _TemplateRecorder:
-    """`jit.get_kernel` stand-in that logs (kernel, template args, argument struct)."""
-
-    def __init__(self):
-        self.events = []
-
-    def get_kernel(self, source, name, template_args=()):
-        rec = self
-
-        class _Kernel:
-            def launch(self, grid, block, args, stream, shared_mem=0, programmatic=False):
-                rec.events.append((name, list(template_args), args.as_dict()))
-
-        return _Kernel()
-
-    def find(self, name):
-        return [(t, a) for n, t, a in self.events if n == name]
-
-
-@pytest.fixture
-def template_recorder(monkeypatch):
-    rec = _TemplateRecorder()
-    monkeypatch.setattr(jit, "get_kernel", rec.get_kernel)
-    monkeypatch.setattr(jit, "current_raw_stream", lambda: jit.RawStream(7, 0))
-
-    class _Stream:
-        def synchronize(self):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
-    return rec
-
-
 @pytest.mark.parametrize("num_ranks", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kernel_transports_copy_bytes_and_combine_in_the_row_dtype(template_recorder, num_ranks,
-                                                                   dtype):
-    rec = template_recorder
+def test_kernel_transports_copy_bytes_and_combine_in_the_row_dtype(recorder, num_ranks, dtype):
+    rec = recorder
     hidden, rows = 256, 200
     t = _transport(rec, num_ranks, 64, hidden * 2, 4, lambda: rows)
     assert dtype in t.row_dtypes
@@ -122,8 +88,9 @@ def test_kernel_transports_copy_bytes_and_combine_in_the_row_dtype(template_reco
     assert out.dtype == dtype and out.shape == (64, hidden)
     code = ops.ROW_DTYPE_CODES[dtype]
     kernels = ["combine_local"] if num_ranks == 1 else ["combine_send", "combine_reduce"]
-    assert [n for n, _, _ in rec.events] == kernels
-    for _, template, args in rec.events:
+    assert [n for n, _ in rec.events] == kernels
+    for name in kernels:
+        (template, args), = rec.find(name)
         assert template == [4, False, False, code]
         assert args["num_int4"] == hidden * x.element_size() // 16
 
@@ -152,9 +119,9 @@ def test_kernel_names_per_row_dtype():
 @pytest.fixture(scope="module")
 def ref_buffer():
     import torch.distributed as dist
-    from tests.distributed import _free_port
+    from tests.distributed import free_port
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1)
     return Buffer(None, 16, 64, 4, transport="reference")
 

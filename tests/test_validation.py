@@ -20,9 +20,9 @@ from tests.distributed import run_distributed
 @pytest.fixture(scope="module")
 def buf():
     import torch.distributed as dist
-    from tests.distributed import _free_port
+    from tests.distributed import free_port
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1)
     return Buffer(None, 16, 64, 4, transport="reference")
 

@@ -12,9 +12,7 @@ Run by scripts/gpu_te.sh; skipped without TE or a GPU.
 
 from __future__ import annotations
 
-import socket
 import time
-import warnings
 
 import pytest
 import torch
@@ -152,32 +150,6 @@ def test_grouped_fp8_linear_inference_equals_te():
 
 
 # ---- Megatron MoELayer ---------------------------------------------------------------------------
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def megatron_env():
-    pytest.importorskip("megatron.core")
-    warnings.filterwarnings("ignore")
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    torch.cuda.set_device(0)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1)
-    ps.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(123)
-    import megatron_deepep.megatron as mdm
-
-    mdm.register_deepep_dispatcher()
-    yield
-    ps.destroy_model_parallel()
 
 
 def _moe_layer(hidden, ffn, num_experts, topk, fp8_experts, fp8_dispatch):
