@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_deepep.transport import regions
 from megatron_deepep.transport.regions import COUNT_STRIDE, PAGE, _align
 
 MAX_RANKS_PER_NODE = 8   # kMaxRanksPerNode
@@ -47,7 +48,7 @@ class InternodeRegions:
 
     @property
     def row_stride(self) -> int:
-        return _align(self.hidden * 2, 16)
+        return regions.row_stride(self.hidden)
 
     @property
     def record_stride(self) -> int:
@@ -56,12 +57,11 @@ class InternodeRegions:
 
     @property
     def meta_stride(self) -> int:
-        """SlotMeta (common/buffer.cuh): token, then K local experts, positions, weights."""
-        return _align(4 + 12 * self.num_topk, 16)
+        return regions.meta_stride(self.num_topk)
 
     @property
     def weight_stride(self) -> int:
-        return _align(4 * self.num_topk, 16)
+        return regions.weight_stride(self.num_topk)
 
     def _sizes(self):
         R, M, N = self.num_ranks, self.num_nodes, self.max_tokens

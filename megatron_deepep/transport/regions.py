@@ -28,6 +28,22 @@ def _align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+def row_stride(hidden: int) -> int:
+    """Bytes of one staged row of `hidden` 2-byte elements (16-byte aligned)."""
+    return _align(hidden * 2, 16)
+
+
+def meta_stride(num_topk: int) -> int:
+    """Bytes of one `SlotMeta` (common/buffer.cuh): token, then K local experts, positions and
+    weights."""
+    return _align(4 + 12 * num_topk, 16)
+
+
+def weight_stride(num_topk: int) -> int:
+    """Bytes of K fp32 routing-weight values."""
+    return _align(4 * num_topk, 16)
+
+
 @dataclasses.dataclass(frozen=True)
 class BufferRegions:
     """Offsets and strides for a buffer sized for (R, N_max, H, K)."""
@@ -39,15 +55,15 @@ class BufferRegions:
 
     @property
     def row_stride(self) -> int:
-        return _align(self.hidden * 2, 16)
+        return row_stride(self.hidden)
 
     @property
     def meta_stride(self) -> int:
-        return _align(4 + 12 * self.num_topk, 16)
+        return meta_stride(self.num_topk)
 
     @property
     def weight_stride(self) -> int:
-        return _align(4 * self.num_topk, 16)
+        return weight_stride(self.num_topk)
 
     @property
     def workspace(self) -> int:

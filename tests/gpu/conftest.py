@@ -31,3 +31,16 @@ def megatron_env():
     mdm.register_deepep_dispatcher()
     yield
     ps.destroy_model_parallel()
+
+
+@pytest.fixture
+def require_nvshmem():
+    """Skips the test (with the reason) unless NVSHMEM can start here through torch and its
+    wheel's device library is there to link against."""
+    from megatron_deepep import nvshmem_link
+    from megatron_deepep.transport import nvshmem_heap
+    try:
+        nvshmem_heap.check_available()
+        nvshmem_link.nvshmem_paths()
+    except nvshmem_link.NvshmemUnavailable as exc:
+        pytest.skip(str(exc))

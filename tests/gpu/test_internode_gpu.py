@@ -232,14 +232,7 @@ def _link_once():
 
 
 @pytest.mark.parametrize("shape", NODE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_internode_matches_reference(shape, monkeypatch):
-    from megatron_deepep import nvshmem_link
-    from megatron_deepep.transport import nvshmem_heap
-    try:
-        nvshmem_heap.check_available()
-        nvshmem_link.nvshmem_paths()
-    except nvshmem_link.NvshmemUnavailable as exc:
-        pytest.skip(str(exc))
+def test_internode_matches_reference(shape, monkeypatch, require_nvshmem):
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     start = time.monotonic()

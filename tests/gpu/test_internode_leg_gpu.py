@@ -106,15 +106,8 @@ def _leg_worker(rank, world):
     # No heap teardown call: NVSHMEM host calls at teardown are what limited mode forbids.
 
 
-def test_internode_leg_on_virtual_nodes(monkeypatch):
+def test_internode_leg_on_virtual_nodes(monkeypatch, require_nvshmem):
     from megatron_deepep import nvshmem_link
-    from megatron_deepep.transport import nvshmem_heap
-
-    try:
-        nvshmem_heap.check_available()
-        nvshmem_link.nvshmem_paths()
-    except nvshmem_link.NvshmemUnavailable as exc:
-        pytest.skip(str(exc))
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     # Link once here, so the ranks find the cubins in the disk cache instead of all linking.
