@@ -83,14 +83,16 @@ def test_wire_bytes_are_what_the_network_carries():
 
 
 def test_timeouts_name_the_node_of_rank_and_peer():
+    import numpy as np
+    from megatron_deepep.transport.errors import ERROR_RECORD_WORDS, error_from_record
     transport = InternodeTransport.__new__(InternodeTransport)
     transport.rank, transport.ranks_per_node = 5, 4
-    message = ("megatron_deepep: rank 5 timed out after 3s in internode notify: peer 10 stalled "
-               "(waited for epoch 1, saw 0).")
+    words = np.zeros(ERROR_RECORD_WORDS, dtype=np.int32)
+    words[:5] = (1, 5, 10, 7, 0)  # a timeout of rank 5 in internode notify, peer 10
+    words[6:10] = np.array([1, 0], dtype=np.int64).view(np.int32)
     with pytest.raises(PeerTimeoutError, match=r"rank 5 is node 1 local 1; peer 10 is node 2 "
                                                r"local 2"):
-        with transport._naming_nodes():
-            raise PeerTimeoutError(message)
+        raise error_from_record(words, 3.0, transport.locate)
 
 
 def test_size_hint_matches_the_regions():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import numpy as np
 
 ERROR_RECORD_WORDS = 10  # sizeof(ErrorRecord) = 40 bytes
@@ -24,13 +26,16 @@ class PeerTimeoutError(RuntimeError):
     """A cross-GPU wait expired: the named peer did not reach the same operation in time."""
 
 
-def error_from_record(words: np.ndarray, timeout_s: float):
+def error_from_record(words: np.ndarray, timeout_s: float,
+                      locate: Optional[Callable[[int], str]] = None):
     """Builds the exception for a non-zero record, or returns None.
 
     Args:
         words: the record as 10 int32 words (code, rank, peer, phase, detail, pad, expected lo/hi
             and seen lo/hi as int64 pairs).
         timeout_s: the Buffer's timeout (for the message).
+        locate: where an EP rank sits (e.g. "node 1 local 2"), added to a timeout's message for
+            the rank and its peer; None: nothing added.
     """
     code = int(words[0])
     if code == 0:
@@ -47,7 +52,9 @@ def error_from_record(words: np.ndarray, timeout_s: float):
         return PeerTimeoutError(
             f"megatron_deepep: rank {rank} timed out after {timeout_s:g}s in {where}: peer {peer}"
             f" stalled (waited for epoch {expected}, saw {seen}). Every rank of the EP group must"
-            " call the same operations in the same order.")
+            " call the same operations in the same order."
+            + (f" [rank {rank} is {locate(rank)}; peer {peer} is {locate(peer)}]"
+               if locate is not None and peer >= 0 else ""))
     if code == CODE_BAD_EXPERT_ID:
         return ValueError(f"topk_idx holds expert id {seen} (token {detail}), outside "
                           f"[-1, num_experts={expected})")

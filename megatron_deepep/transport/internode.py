@@ -19,10 +19,8 @@ memory, so NVSHMEM needs no install step beyond its wheel.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import re
 from typing import Optional, Tuple
 
 import torch
@@ -33,7 +31,6 @@ from megatron_deepep.arena import ArenaPlan
 from megatron_deepep.handle import DispatchHandle, RecvLayout
 from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
-from megatron_deepep.transport.errors import PeerTimeoutError
 from megatron_deepep.transport.internode_regions import MAX_NODES, InternodeRegions
 from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit
 from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
@@ -119,7 +116,7 @@ class InternodeTransport(Transport):
         self.num_sms = num_sms
         self.timeout_ns = int(timeout_s * 1e9)
         self.status = KernelStatus(self.workspace.data_ptr() + 4 * _CLAIM_WORD, self.rank,
-                                   timeout_s)
+                                   timeout_s, locate=self.locate)
         self.notify_epoch = self.dispatch_epoch = self.combine_epoch = 0
         self._static = self._static_fields()
         # Every PE's flags and signals are zero before any peer writes them.
@@ -139,23 +136,12 @@ class InternodeTransport(Transport):
                                 num_topk).num_bytes
 
     def check_errors(self) -> None:
-        with self._naming_nodes():
-            self.status.check_errors()
+        self.status.check_errors()
 
-    @contextlib.contextmanager
-    def _naming_nodes(self):
-        """Adds where the ranks of a timeout sit (node, local index) to its message: on a
-        cluster that tells which machine to look at."""
-        try:
-            yield
-        except PeerTimeoutError as exc:
-            L = self.ranks_per_node
-            where = f"rank {self.rank} is node {self.rank // L} local {self.rank % L}"
-            match = re.search(r"peer (\d+)", str(exc))
-            if match:
-                peer = int(match.group(1))
-                where += f"; peer {peer} is node {peer // L} local {peer % L}"
-            raise PeerTimeoutError(f"{exc} [{where}]") from None
+    def locate(self, rank: int) -> str:
+        """Where `rank` sits (node and local index): timeouts name it, so that on a cluster the
+        message says which machine to look at."""
+        return f"node {rank // self.ranks_per_node} local {rank % self.ranks_per_node}"
 
     # ------------------------------------------------------------------ fields
     def _static_fields(self) -> dict:
@@ -230,9 +216,8 @@ class InternodeTransport(Transport):
         ops.internode_notify(topk_idx, fp8, notify)
         ops.internode_dispatch_send(topk_idx, False, fp8, self.num_sms, fields)
         ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
-        with self._naming_nodes():
-            num_rows = (self.status.wait_num_rows(self.notify_epoch) if is_sync
-                        else num_max_recv_rows)
+        num_rows = (self.status.wait_num_rows(self.notify_epoch) if is_sync
+                    else num_max_recv_rows)
         recv_x, recv_scales = empty_recv(num_rows, hidden, fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
         fields.update(recv_x=recv_x.data_ptr(), recv_scales=ops.addr(recv_scales),

@@ -9,7 +9,7 @@ layout, its row count and padded rows per local expert).
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from megatron_deepep import ops
 from megatron_deepep.transport.errors import ERROR_RECORD_WORDS, error_from_record
@@ -33,14 +33,17 @@ class KernelStatus:
             start).
         rank: this rank (for messages).
         timeout_s: the kernels' timeout.
+        locate: where an EP rank sits, for timeout messages (`errors.error_from_record`).
 
     Attributes:
         errors: the `ops.ErrorSink` every kernel launch takes.
         host_info_ptr: device address of the `HostInfo` mailbox.
     """
 
-    def __init__(self, claim_ptr: int, rank: int, timeout_s: float):
+    def __init__(self, claim_ptr: int, rank: int, timeout_s: float,
+                 locate: Optional[Callable[[int], str]] = None):
         self.rank = rank
+        self.locate = locate
         self.timeout_s = timeout_s
         self._host_info = MappedHostArray(HOST_INFO_WORDS)
         self._error_record = MappedHostArray(ERROR_RECORD_WORDS)
@@ -57,7 +60,7 @@ class KernelStatus:
         if self._broken is not None:
             raise BrokenBufferError(
                 f"this Buffer failed earlier ({self._broken}); destroy it and build a new one")
-        exc = error_from_record(self._error_record.words, self.timeout_s)
+        exc = error_from_record(self._error_record.words, self.timeout_s, self.locate)
         if exc is not None:
             self._broken = exc
             raise exc
