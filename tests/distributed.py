@@ -106,7 +106,11 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
             elif tb is None:
                 done.add(rank)
     if failure is not None:
-        time.sleep(2.0)  # let the other ranks report theirs, then stop them
+        # Let the other ranks report theirs (up to 2 s, or until all have exited), then stop them.
+        grace = time.monotonic() + 2.0
+        while any(p.is_alive() for p in procs) and time.monotonic() < grace:
+            connection.wait([p.sentinel for p in procs if p.is_alive()],
+                            timeout=max(0.0, grace - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()
