@@ -14,6 +14,9 @@ Two sweeps:
   with the options the kernels run with (-O3), as `jit.get_kernel` compiles them.
 Together ~60 CPU-seconds (a one-program-per-source sweep at -O3 took ~370). `python -m
 megatron_deepep.precompile --topk $(seq 16) --fp8 ...` compiles the lot at -O3.
+
+`link_jobs` adds the NVSHMEM link of `internode.cu` (NVRTC -rdc + nvJitLink, ~10 CPU-seconds,
+into a fresh cache), which `test_nvshmem_link.py` collects the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import dataclasses
 import functools
 import multiprocessing
 import os
+import tempfile
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 TOPKS = range(1, 17)
@@ -44,6 +49,7 @@ class Job:
     exprs: Tuple[str, ...]
     fast: bool
     cost: float  # CPU seconds measured on a 2-core CI machine, to start the costly first
+    link: bool = False  # NVSHMEM: `nvshmem_link.link_cubin` into a fresh cache, at -O3
 
 
 def _names(k: int, fp8: bool = False, row_dtypes: Sequence[str] = ("bf16",)
@@ -95,6 +101,32 @@ def jobs() -> Dict[str, Job]:
     return out
 
 
+def internode_link_expressions() -> Tuple[str, ...]:
+    """Every instantiation kind the internode transport launches: dispatch for bf16 rows and
+    two FP8 wire formats, both index types; combine for the three row dtypes."""
+    from megatron_deepep import ops
+    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    expressions = set()
+    for num_topk, index_type, fp8 in ((8, "long long", None),
+                                      (1, "int", as_fp8_dispatch("blockwise", "bf16")),
+                                      (4, "long long", as_fp8_dispatch("mxfp8", "fp8"))):
+        expressions.update(ops.internode_expressions(num_topk, index_type, fp8))
+    for row_dtype in ops.ROW_DTYPE_CODES.values():
+        expressions.update(ops.internode_combine_expressions(8, row_dtype))
+    return tuple(sorted(expressions))
+
+
+@functools.lru_cache(maxsize=None)
+def link_jobs() -> Dict[str, Job]:
+    """Job id -> NVSHMEM link job (one compile, one link)."""
+    return {"link-internode.cu": Job("internode.cu", internode_link_expressions(), False, 10.0,
+                                     link=True)}
+
+
+def _table() -> Dict[str, Job]:
+    return {**jobs(), **link_jobs()}
+
+
 @functools.lru_cache(maxsize=None)
 def fast_options() -> Tuple[str, ...]:
     """`jit.FAST_COMPILE_OPTIONS` if this NVRTC takes them (12.8+), else none (slower)."""
@@ -109,9 +141,14 @@ def fast_options() -> Tuple[str, ...]:
 
 def run(job: Job, options: Sequence[str]) -> Tuple[bytes, int, List[str]]:
     """Compiles a job: (the cubin's first 4 bytes, its size, the lowered name expressions)."""
-    from megatron_deepep import jit
-    cubin, lowered = jit.compile_cubin(job.source, list(job.exprs), "sm_90",
-                                       extra_options=options if job.fast else ())
+    from megatron_deepep import jit, nvshmem_link
+    if job.link:
+        with tempfile.TemporaryDirectory(prefix="mdeep-link-") as cache:
+            cubin, lowered = nvshmem_link.link_cubin(job.source, list(job.exprs), "sm_90",
+                                                     cache_dir=Path(cache))
+    else:
+        cubin, lowered = jit.compile_cubin(job.source, list(job.exprs), "sm_90",
+                                           extra_options=options if job.fast else ())
     for expr, name in lowered.items():
         if name.encode() not in cubin:
             raise AssertionError(f"{job.source}: {expr} ({name}) is not in the cubin")
@@ -138,7 +175,7 @@ def start(job_ids: Sequence[str]) -> None:
     context = multiprocessing.get_context("spawn")
     _pool = concurrent.futures.ProcessPoolExecutor(WORKERS, mp_context=context,
                                                    initializer=_lower_priority)
-    table = jobs()
+    table = _table()
     for job_id in sorted(set(job_ids), key=lambda j: -table[j].cost):
         _futures[job_id] = _pool.submit(run, table[job_id], options)
 
@@ -147,7 +184,7 @@ def result(job_id: str) -> Tuple[bytes, int, List[str]]:
     """A job's result: from the background workers, or compiled here if none were started."""
     future = _futures.get(job_id)
     if future is None:
-        return run(jobs()[job_id], fast_options())
+        return run(_table()[job_id], fast_options())
     return future.result()
 
 

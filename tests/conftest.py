@@ -2,9 +2,10 @@
 
 - Tests marked `gpu` are skipped without a CUDA GPU, with the reason and the command that runs
   them on a GPU machine.
-- Tests marked `nvrtc_job` (`test_kernels_compile.py`) run last: once collection ends, their
-  NVRTC compiles start in two low-priority background processes (`compile_jobs.py`), so they
-  overlap the rest of the suite instead of adding to it.
+- Tests marked `nvrtc_job` (`test_kernels_compile.py`, the internode link of
+  `test_nvshmem_link.py`) run last: once collection ends, their NVRTC compiles and nvJitLink
+  links start in two low-priority background processes (`compile_jobs.py`), so they overlap the
+  rest of the suite instead of adding to it.
 """
 
 import os

@@ -1,4 +1,10 @@
-"""Multi-process launcher for tests: one process per rank over gloo (CPU) or NCCL."""
+"""Multi-process launcher for tests: one process per rank over gloo (CPU) or NCCL.
+
+On a machine without a GPU (the CPU tier), ranks are forked from one forkserver that has
+imported torch once per test session (`FORKSERVER_PRELOAD`), so a rank starts in milliseconds
+instead of a second of `import torch`; each rank takes the parent's environment and working
+directory at launch time. With a GPU, ranks are spawned fresh, as the GPU tier was validated.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,17 @@ import time
 import traceback
 from multiprocessing import connection
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 logger = logging.getLogger(__name__)
+
+# Imported once by the forkserver; every gloo rank is a fork of it. Modules that read the
+# environment at import time do not belong here (a rank gets the launch-time environment).
+# Megatron-core (~1.5 s an import, in every rank of a Megatron test) is skipped if missing.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "tests.distributed",
+                      "megatron.core.transformer.moe.moe_layer"]
 
 
 def free_port() -> int:
@@ -22,7 +35,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors, hard_exit=False):
+def _context(backend: str):
+    if backend != "gloo" or torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def _worker(rank, world_size, port, backend, fn, args, errors, hard_exit=False, launch=None):
+    if launch is not None:  # a forkserver's child: take the launching test's environment, cwd
+        environ, cwd = launch
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -53,11 +79,13 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
     A process still alive `exit_grace_s` after every rank reported success is stopped, with a
     warning: its checks passed, only its teardown hung.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     errors = ctx.SimpleQueue()
     port = free_port()
+    launch = (dict(os.environ), os.getcwd()) if ctx.get_start_method() == "forkserver" else None
     procs = [ctx.Process(target=_worker,
-                         args=(r, world_size, port, backend, fn, args, errors, hard_exit))
+                         args=(r, world_size, port, backend, fn, args, errors, hard_exit,
+                               launch))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -78,7 +106,11 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
             elif tb is None:
                 done.add(rank)
     if failure is not None:
-        time.sleep(2.0)  # let the other ranks report theirs, then stop them
+        # Let the other ranks report theirs (up to 2 s, or until all have exited), then stop them.
+        grace = time.monotonic() + 2.0
+        while any(p.is_alive() for p in procs) and time.monotonic() < grace:
+            connection.wait([p.sentinel for p in procs if p.is_alive()],
+                            timeout=max(0.0, grace - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -35,3 +35,16 @@ def test_rank_dying_before_it_finishes_fails_the_test():
 
 def test_finished_ranks_pass():
     run_distributed(2, _fine, timeout_s=120)
+
+
+def _sees_launch_state(rank, world, value, cwd):
+    assert os.environ.get("MDEEP_TEST_HARNESS_PROBE") == value
+    assert os.getcwd() == cwd
+
+
+def test_ranks_see_the_environment_and_directory_at_launch(monkeypatch, tmp_path):
+    # Forked ranks (the CPU tier's forkserver) must not keep the environment of an earlier test.
+    for value in ("first", "second"):
+        monkeypatch.setenv("MDEEP_TEST_HARNESS_PROBE", value)
+        monkeypatch.chdir(tmp_path)
+        run_distributed(2, _sees_launch_state, value, str(tmp_path), timeout_s=120)

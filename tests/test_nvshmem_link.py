@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from megatron_deepep import nvshmem_link
+from tests import compile_jobs
 
 LEG_KERNELS = ["internode_leg_send", "internode_leg_wait"]
 
@@ -115,29 +116,16 @@ def test_every_nvshmem_kernel_is_linked_here():
 
 
 @needs_wheel
-def test_internode_kernels_link(tmp_path, monkeypatch):
+@pytest.mark.nvrtc_job
+@pytest.mark.parametrize("job", sorted(compile_jobs.link_jobs()))
+def test_internode_kernels_link(job):
     """Every instantiation kind the internode transport launches (dispatch for bf16 rows and two
     FP8 wire formats, both index types; combine for the three row dtypes) compiles and links
-    against the wheel's device library for sm_90 without a GPU: one compile, one link."""
+    against the wheel's device library for sm_90 without a GPU, into a fresh cache: one compile,
+    one link (run in the background by `compile_jobs`, collected here)."""
     from megatron_deepep import ops
-    monkeypatch.setenv("MDEEP_CACHE_DIR", str(tmp_path))
-    expressions = set()
-    for num_topk, index_type, fp8 in ((8, "long long", None), (1, "int", "blockwise"),
-                                      (4, "long long", "mxfp8:fp8")):
-        expressions.update(ops.internode_expressions(num_topk, index_type, _fp8_request(fp8)))
-    for row_dtype in ops.ROW_DTYPE_CODES.values():
-        expressions.update(ops.internode_combine_expressions(8, row_dtype))
-    expressions = sorted(expressions)
-    cubin, lowered = nvshmem_link.link_cubin("internode.cu", expressions, "sm_90")
-    assert set(lowered) == set(expressions)
-    assert cubin[:4] == b"\x7fELF"
+    expressions = compile_jobs.link_jobs()[job].exprs
+    magic, size, lowered = compile_jobs.result(job)
+    assert lowered == sorted(expressions)
+    assert magic == b"\x7fELF" and size > 0
     assert {expr.split("<")[0] for expr in expressions} == set(ops.INTERNODE_KERNELS)
-
-
-def _fp8_request(spec):
-    """None, or the `Fp8Dispatch` of "format[:output]" (output "bf16" by default)."""
-    if spec is None:
-        return None
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
-    name, _, output = spec.partition(":")
-    return as_fp8_dispatch(name, output or "bf16")
