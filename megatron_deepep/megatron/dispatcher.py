@@ -12,8 +12,10 @@ Hook mapping (`MoELayer` calls them in this order):
 | `token_dispatch`      | `autograd.dispatch`: rows once per rank, expanded to    | EP   |
 |                       | expert-major rows on the receiver (permute fused);      | (ETP)|
 |                       | expert TP > 1: all-gathered over the expert-TP group    |      |
-| `dispatch_postprocess`| counts for the experts; pad-to-capacity reshuffle       | none |
-| `combine_preprocess`  | undo the pad-to-capacity reshuffle                      | none |
+| `dispatch_postprocess`| counts for the experts; pad-to-capacity reshuffle (in   | none |
+|                       | `token_dispatch`, before the gather, with expert TP > 1)|      |
+| `combine_preprocess`  | undo the pad-to-capacity reshuffle (expert TP > 1: in   | none |
+|                       | `token_combine`, after the reduce-scatter)              |      |
 | `token_combine`       | expert TP > 1: reduce-scatter over the expert-TP group; | (ETP)|
 |                       | `autograd.combine`: per-token partials, reduced at home | EP   |
 | `combine_postprocess` | view back to `[S/TP, B, H]`, add the shared experts     | none |
@@ -137,7 +139,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
     Expert tensor parallelism (`--expert-tensor-parallel-size` > 1, see `expert_tp`): as
     Megatron's `alltoall`, the EP-dispatched rows are all-gathered across the
     expert-TP group and sorted expert-major; the combine reduce-scatters the expert outputs
-    back first. Synchronous dispatch only (the sync-free modes are refused at configuration).
+    back first. The counts are read on the host (one small all-gather), so a rank capacity
+    factor is refused at configuration; pad-to-capacity (equal segments) stays sync-free.
 
     FP8 dispatch (`--moe-mdeep-fp8-dispatch`, see `DeepEPOptions.fp8_dispatch`): tokens travel
     as e4m3 plus block scales (about half the bytes). The experts receive TE's own quantized
@@ -158,7 +161,7 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
 
     Raises:
         ValueError: for settings it does not support (expert tensor parallelism with a
-            sync-free dispatch, `moe_enable_deepep`, FP8 dispatch with hidden % 16 != 0),
+            rank capacity factor, `moe_enable_deepep`, FP8 dispatch with hidden % 16 != 0),
             naming the flag.
     """
 
@@ -369,8 +372,13 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                                      row_bytes(spec, x.shape[1], x.element_size()))
         self._etp_layout = None
         if self.tp_size > 1:
-            self._etp_layout = expert_tp.gather_layout(handle.tokens_per_expert_list,
-                                                       self.tp_group, recv_x.device)
+            if self.drop_and_pad:  # capacity segments first: equal sizes on every TP rank
+                recv_x, recv_weights, _ = self._pad_to_capacity(recv_x, recv_weights, handle)
+                self._etp_layout = expert_tp.padded_layout(
+                    self._capacity_rows(handle.num_tokens), self.num_local_experts, self.tp_group)
+            else:
+                self._etp_layout = expert_tp.gather_layout(handle.tokens_per_expert_list,
+                                                           self.tp_group, recv_x.device)
             recv_x, recv_weights = expert_tp.gather_rows(recv_x, recv_weights,
                                                          self._etp_layout, self.tp_group)
         self._handle = handle
@@ -404,11 +412,11 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         handle = self._handle
         permuted_probs = probs.to(self._probs_dtype) if self._probs_dtype is not None else probs
         self._used_rows = None
-        if self.drop_and_pad:
+        if self._etp_layout is not None:  # gathered (and padded) in `token_dispatch`
+            tokens_per_expert = self._etp_layout.tokens_per_expert
+        elif self.drop_and_pad:
             hidden_states, permuted_probs, tokens_per_expert = self._pad_to_capacity(
                 hidden_states, permuted_probs, handle)
-        elif self._etp_layout is not None:
-            tokens_per_expert = self._etp_layout.tokens_per_expert
         elif not self._sync_free:
             tokens_per_expert = torch.tensor(handle.tokens_per_expert_list, dtype=torch.int64)
         else:
@@ -423,11 +431,14 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         gradient (else the identity)."""
         if self._used_rows is not None:
             hidden_states = _ZeroUnusedRows.apply(hidden_states, self._used_rows)
-        if self.drop_and_pad:
-            dest = self._pad_dest
-            padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])
-            hidden_states = padded.index_select(0, dest)
+        if self.drop_and_pad and self._etp_layout is None:  # else after the TP scatter
+            hidden_states = self._unpad(hidden_states)
         return hidden_states
+
+    def _unpad(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Capacity segments back to the dispatch's rows (`_pad_to_capacity`'s inverse)."""
+        padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])
+        return padded.index_select(0, self._pad_dest)
 
     def token_combine(self, hidden_states: torch.Tensor):
         """EP combine: `[M, H]` expert rows -> `[T, H]` per-token sums (fp32 accumulation);
@@ -437,6 +448,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         if self._etp_layout is not None:
             hidden_states = expert_tp.scatter_rows(hidden_states, self._etp_layout,
                                                    self.tp_group, self._probs_dtype)
+            if self.drop_and_pad:
+                hidden_states = self._unpad(hidden_states)
         collector = self._metrics()
         timer = collector.start() if collector is not None else None
         out = combine(self._buffer, hidden_states.contiguous(), self._handle)

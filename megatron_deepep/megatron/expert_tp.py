@@ -14,8 +14,10 @@ What Megatron's `alltoall` dispatcher does, on top of our EP dispatch and combin
 - Backward: the gather's backward reduce-scatters the gradients of the rows and of the probs
   (each expert-TP rank holds a partial one); the reduce-scatter's backward all-gathers.
 
-The counts cost one small all-gather of `[E_local]` integers and a host read: only the
-synchronous dispatch can do it (`options.check_config` refuses the sync-free modes).
+The counts cost one small all-gather of `[E_local]` integers and a host read (`gather_layout`).
+Under `--moe-pad-expert-input-to-capacity` every expert-TP rank holds the same capacity segments
+(`padded_layout`: host integers, no collective, no host synchronization); a rank capacity factor
+is refused with expert TP > 1 (`options.check_config`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class ExpertTPLayout:
         return self.counts.sum(dim=0)
 
     def sort_by_expert(self) -> torch.Tensor:
-        """Chunk order `[TP, E_local]` -> `[E_local, TP]` (Megatron's `sort_input_by_local_experts`)."""
+        """Chunk order `[TP, E_local]` -> `[E_local, TP]` (`sort_input_by_local_experts`)."""
         tp, e_local = self.counts.shape
         return torch.arange(tp * e_local).reshape(tp, e_local).T.ravel()
 
@@ -72,6 +74,14 @@ def gather_layout(local_counts: List[int], group, device) -> ExpertTPLayout:
     everyone = mine.new_empty(size * mine.numel())
     dist.all_gather_into_tensor(everyone, mine, group=group)
     return ExpertTPLayout(everyone.view(size, -1).cpu())
+
+
+def padded_layout(segment_rows: int, num_local_experts: int, group) -> ExpertTPLayout:
+    """Pad-to-capacity: every expert-TP rank holds `segment_rows` rows per local expert (the
+    ranks of an expert-TP group dispatch the same number of tokens, as `alltoall` assumes
+    there: its capacity gather has equal sizes)."""
+    size = dist.get_world_size(group)
+    return ExpertTPLayout(torch.full((size, num_local_experts), segment_rows, dtype=torch.int64))
 
 
 def gather_rows(rows: torch.Tensor, probs: torch.Tensor, layout: ExpertTPLayout, group):

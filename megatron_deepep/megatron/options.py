@@ -307,7 +307,10 @@ def _check_sync_free(config, options: Optional[DeepEPOptions]) -> None:
 
 def _check_expert_tp(config, options: Optional[DeepEPOptions], etp: int) -> None:
     """Expert TP > 1 all-gathers the rows across the expert-TP group with sizes read on the host
-    (`megatron.expert_tp`), so the sync-free dispatch modes cannot combine with it."""
+    (`megatron.expert_tp`), so a rank capacity factor cannot combine with it; pad-to-capacity
+    can (every rank holds the same capacity segments)."""
+    if getattr(config, "moe_pad_expert_input_to_capacity", False):
+        return
     if options is None:
         options = resolve_options(config)
     refused = None
@@ -316,16 +319,14 @@ def _check_expert_tp(config, options: Optional[DeepEPOptions], etp: int) -> None
     elif options.rank_capacity_factor is not None:
         refused = ("--moe-mdeep-rank-capacity-factor (moe_mdeep_rank_capacity_factor / "
                    "MDEEP_RANK_CAPACITY_FACTOR)")
-    elif getattr(config, "moe_pad_expert_input_to_capacity", False):
-        refused = "--moe-pad-expert-input-to-capacity"
     elif graph_captures_dispatch(config) is not None:
         refused = graph_captures_dispatch(config)
     if refused is not None:
         raise ValueError(
             f"--expert-tensor-parallel-size {etp} (expert_tensor_parallel_size) with "
             f"--moe-token-dispatcher-type deepep needs the synchronous dispatch (the expert-TP "
-            f"all-gather reads the row counts on the host); drop {refused} or use "
-            f"--expert-tensor-parallel-size 1")
+            f"all-gather reads the row counts on the host); drop {refused}, use "
+            f"--moe-pad-expert-input-to-capacity, or --expert-tensor-parallel-size 1")
 
 
 def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
