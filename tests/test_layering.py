@@ -60,6 +60,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.megatron": 7,
     "megatron_deepep.megatron.options": 7,
     "megatron_deepep.megatron.dispatcher": 7,
+    "megatron_deepep.megatron.expert_tp": 7,  # expert TP: gather/scatter around the EP comm
     "megatron_deepep.megatron.metrics": 7,
     "megatron_deepep.megatron.patching": 7,
     "megatron_deepep.megatron.register": 7,

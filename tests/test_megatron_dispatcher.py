@@ -233,11 +233,14 @@ def _refusal_cases(rank, world_size):
 
     ps.initialize_model_parallel(expert_model_parallel_size=1,
                                  expert_tensor_parallel_size=world_size)
-    try:
-        with pytest.raises(ValueError, match="expert-tensor-parallel-size"):
-            _config(1, 8, 2, expert_tensor_parallel_size=world_size)
-        config = _config(1, 8, 2)
-        with pytest.raises(ValueError, match="expert_tensor_parallel_size"):
+    try:  # expert TP > 1 runs synchronous only (tests/test_parity_matrix.py: its parity)
+        config = _config(1, 8, 2, expert_tensor_parallel_size=world_size)
+        dispatcher = DeepEPTokenDispatcher(8, list(range(8)), config=config,
+                                           pg_collection=get_default_pg_collection())
+        assert dispatcher.tp_size == world_size
+        config = _config(1, 8, 2, expert_tensor_parallel_size=world_size)
+        config.moe_mdeep_rank_capacity_factor = 2.0  # set after __post_init__'s check
+        with pytest.raises(ValueError, match="expert-tensor-parallel-size .*rank-capacity"):
             DeepEPTokenDispatcher(8, list(range(8)), config=config,
                                   pg_collection=get_default_pg_collection())
     finally:

@@ -64,6 +64,28 @@ def test_newer_megatron_graph_field_is_read():
         options.check_config(config, options.DeepEPOptions())
 
 
+def test_expert_tensor_parallelism_is_accepted_with_the_synchronous_dispatch():
+    options.check_config(_config(expert_tensor_parallel_size=2), options.DeepEPOptions())
+    options.check_config(_config(), options.DeepEPOptions(), expert_tp_size=4)
+    padded = dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0,
+                  cuda_graph_impl="local", cuda_graph_scope=["moe"])  # sync-free without a bound
+    options.check_config(_config(**padded), options.DeepEPOptions(), expert_tp_size=2)
+
+
+@pytest.mark.parametrize("fields, opts, flag", [
+    ({}, dict(rank_capacity_factor=2.0), "--moe-mdeep-rank-capacity-factor"),
+    (dict(moe_expert_rank_capacity_factor=2.0), {}, "--moe-expert-rank-capacity-factor"),
+    (dict(cuda_graph_impl="local", cuda_graph_scope=["moe"]), dict(rank_capacity_factor=2.0),
+     "--moe-mdeep-rank-capacity-factor"),
+])
+def test_expert_tensor_parallelism_refuses_the_sync_free_dispatch(fields, opts, flag):
+    config = _config(expert_tensor_parallel_size=2, **fields)
+    with pytest.raises(ValueError, match=f"--expert-tensor-parallel-size 2 .*{flag}"):
+        options.check_config(config, options.DeepEPOptions(**opts))
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 2"):
+        options.check_config(_config(**fields), options.DeepEPOptions(**opts), expert_tp_size=2)
+
+
 @pytest.mark.parametrize("value", [0, -1.0, "abc", float("inf"), True])
 def test_bad_rank_capacity_factor_names_the_flag(value, monkeypatch):
     with pytest.raises(ValueError, match="--moe-mdeep-rank-capacity-factor"):

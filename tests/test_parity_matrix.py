@@ -1,15 +1,17 @@
 """CPU tier: the parity matrix. The same Megatron `MoELayer` (same weights, same inputs) with
 `alltoall` and with `deepep` (reference transport) gives equal outputs and equal gradients of the
-input, the router and every expert weight, per Megatron option, on 2 gloo ranks (EP = 2).
+input, the router and every expert weight, per Megatron option, on 2 gloo ranks (EP = 2), plus a
+few other layouts (TP 2, expert TP 2 at EP 1 and at EP 2 on 4 ranks).
 
 Megatron-core runs on a CPU-only torch here with four stand-ins installed in the rank processes
 only (none changes arithmetic): a no-op CUDA stream for the streams `alltoall` and the shared
 experts create, `torch.cuda.current_device()` as "cpu" (the router moves its weight there), no
 CUDA RNG state in the recompute checkpoints, and gloo's `all_to_all_single` taking split tensors
-and 16-bit rows as int32 words (what NCCL takes directly).
+and 16-bit rows as int32 words (what NCCL takes directly), and gloo's `all_gather` taking
+uneven sizes and 16-bit rows (padded to the largest, as int32 words).
 
-All cases run in one 2-process job (`matrix_results`, module scope); each case is then its own
-test, so the pass count is the matrix's. Options 0.16.1 cannot run on CPU (grouped GEMM and
+The cases of one layout run in one job (`matrix_results`, module scope); each case is then its
+own test, so the pass count is the matrix's. Options 0.16.1 cannot run on CPU (grouped GEMM and
 latent projections need Transformer Engine; CUDA graphs need a GPU) are in `GPU_ONLY`.
 """
 
@@ -86,8 +88,35 @@ CASES = {
     # shard (a second 2-process job).
     "tp2_sequence_parallel": (dict(sequence_parallel=True, tensor_model_parallel_size=2,
                                    expert_tensor_parallel_size=1),
-                              dict(parallel=(2, 1))),
+                              dict(parallel=(2, 2, 1, 1))),
+    # Expert TP 2 (each expert's fc1/fc2 split over 2 ranks): the dispatched rows are
+    # all-gathered over the expert-TP group and reduce-scattered back. EP 1 on 2 ranks (a job
+    # with TP 2 and sequence parallelism, the usual expert TP = TP, and one with TP 1: each
+    # rank has its own tokens), then EP 2 on 4 ranks (EP dispatch and expert TP together).
+    "etp2_tp2_sequence_parallel": (dict(sequence_parallel=True, tensor_model_parallel_size=2,
+                                        expert_tensor_parallel_size=2),
+                                   dict(parallel=(2, 2, 1, 2))),
+    "etp2_ep1": (dict(expert_tensor_parallel_size=2), dict(parallel=(2, 1, 1, 2))),
+    "etp2_ep1_topk4_bf16": (dict(expert_tensor_parallel_size=2, moe_router_topk=4),
+                            dict(dtype="bf16", parallel=(2, 1, 1, 2))),
+    "etp2_ep1_capacity_pad": (dict(expert_tensor_parallel_size=2, moe_expert_capacity_factor=1.0,
+                                   moe_token_drop_policy="probs",
+                                   moe_pad_expert_input_to_capacity=True),
+                              dict(parallel=(2, 1, 1, 2), tokens=[[8, 8]])),
+    "etp2_ep2": (dict(expert_tensor_parallel_size=2), dict(parallel=(4, 1, 2, 2),
+                                                           tokens=[[6, 9, 4, 7]])),
+    "etp2_ep2_capacity_pad": (dict(expert_tensor_parallel_size=2, moe_expert_capacity_factor=1.0,
+                                   moe_token_drop_policy="position",
+                                   moe_pad_expert_input_to_capacity=True),
+                              dict(parallel=(4, 1, 2, 2), tokens=[[8, 8, 8, 8]])),
+    "etp2_ep2_shared_overlap_recompute": (
+        dict(expert_tensor_parallel_size=2, moe_shared_expert_intermediate_size=48,
+             moe_shared_expert_overlap=True, recompute_granularity="selective",
+             recompute_modules=["moe"]),
+        dict(parallel=(4, 1, 2, 2), tokens=[[6, 9, 4, 7], [3, 11, 5, 2]])),
 }
+# (world size, TP, EP, expert TP) of the cases without a `parallel` entry.
+DEFAULT_PARALLEL = (2, 1, 2, 1)
 
 EP_CASE = "ep2_matches_ep1"
 
@@ -151,6 +180,26 @@ def _install_cpu_stand_ins():
 
     all_to_all_single._parity_stand_in = True
     dist.all_to_all_single = all_to_all_single
+    orig_all_gather = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = max(t.shape[0] for t in tensor_list)
+        if all(t.shape == tensor.shape for t in tensor_list) and tensor.element_size() != 2:
+            return orig_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+        def words(t):  # padded to `rows` rows, 16-bit rows as int32 words
+            padded = t.new_zeros(rows, *t.shape[1:])
+            padded[:t.shape[0]] = t
+            return padded.view(torch.int32) if t.element_size() == 2 else padded
+
+        padded = [words(t) for t in tensor_list]
+        orig_all_gather(padded, words(tensor), group=group)
+        for t, p in zip(tensor_list, padded):
+            p = p.view(t.dtype) if t.element_size() == 2 else p
+            t.copy_(p[:t.shape[0]])
+        return None
+
+    dist.all_gather = all_gather
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -229,6 +278,8 @@ def _case(rank, ep_size, name):
     overrides, run = CASES[name]
     dtype = _DTYPES[run.get("dtype", "fp32")]
     tokens = run.get("tokens", TOKENS)
+    if rank >= len(tokens[0]):
+        raise ValueError(f"case {name}: no tokens for rank {rank}")
     torch.manual_seed(1234)
     theirs = _layer("alltoall", ep_size, overrides, dtype, run.get("post", {}))
     ours = _layer("deepep", ep_size, overrides, dtype, run.get("post", {}))
@@ -249,6 +300,7 @@ def _case(rank, ep_size, name):
     spy = _BoundSpy(ours.token_dispatcher)
     got = _run(ours, xs, grads)
     result["bounds"] = spy.bounds
+    result["expert_tp"] = ours.token_dispatcher.tp_size
     attrs = ours.token_dispatcher.cudagraph_attrs
     result["cudagraph_attrs"] = list(attrs)
     assert isinstance(ours.token_dispatcher._topk_idx, torch.Tensor) and "_topk_idx" in attrs
@@ -269,59 +321,76 @@ def _case(rank, ep_size, name):
     return result
 
 
-def _worker(rank, world_size, names, tp_size, out_dir):
+def _worker(rank, world_size, layouts, out_dir):
+    """Runs the cases of each `(parallel, names)` layout of this world size in turn (one spawn,
+    Megatron's groups rebuilt per layout)."""
     warnings.filterwarnings("ignore")
     _install_cpu_stand_ins()
     import megatron_deepep.megatron as mdm
     from megatron.core import parallel_state as ps
 
     mdm.register_deepep_dispatcher(transport="reference")
-    ep_size = world_size // tp_size
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size,
-                                 expert_model_parallel_size=ep_size,
-                                 expert_tensor_parallel_size=1)
     results = {}
-    try:
-        for name in names:
-            try:
-                results[name] = _case(rank, ep_size, name)
-            except Exception as exc:  # recorded per case; both ranks fail alike
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    finally:
-        ps.destroy_model_parallel()
-    if tp_size == 1:  # the same layer at EP = 2 and at EP = 1 (tests/test_parity_ep.py)
-        from tests.test_parity_ep import ep_worker
+    for parallel, names in layouts:
+        _, tp_size, ep_size, etp_size = parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                     expert_model_parallel_size=ep_size,
+                                     expert_tensor_parallel_size=etp_size)
+        try:
+            for name in names:
+                try:
+                    results[name] = _case(rank, ep_size, name)
+                except Exception as exc:  # recorded per case; every rank fails alike
+                    results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        finally:
+            ps.destroy_model_parallel()
+    if any(tuple(p) == DEFAULT_PARALLEL for p, _ in layouts):
+        from tests.test_parity_ep import ep_worker  # the layer at EP 2 and at EP 1
 
         try:
             ep_worker(rank, world_size, "fp32", "cpu", "reference")
             results[EP_CASE] = {"checks": 1}
         except Exception as exc:
             results[EP_CASE] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    with open(f"{out_dir}/tp{tp_size}_rank{rank}.json", "w") as f:
+    with open(f"{out_dir}/world{world_size}_rank{rank}.json", "w") as f:
         json.dump(results, f)
+
+
+def _parallel(name):
+    """`(world size, TP, EP, expert TP)` of a case."""
+    return tuple(CASES[name][1].get("parallel", DEFAULT_PARALLEL))
 
 
 @pytest.fixture(scope="module")
 def matrix_results(tmp_path_factory):
-    """Per rank of 2: case name -> result, from one job per (TP, EP) layout."""
+    """Per rank (up to the largest world): case name -> result, from one job per world size
+    (its layouts in turn); a rank outside a case's world has no entry for it."""
     out_dir = tmp_path_factory.mktemp("parity_matrix")
-    merged = [{}, {}]
-    for tp_size in sorted({run.get("parallel", (1, 2))[0] for _, run in CASES.values()}):
-        names = [n for n, (_, run) in CASES.items() if run.get("parallel", (1, 2))[0] == tp_size]
-        run_distributed(2, _worker, names, tp_size, str(out_dir), timeout_s=240)
-        for rank in range(2):
-            merged[rank].update(json.loads((out_dir / f"tp{tp_size}_rank{rank}.json").read_text()))
+    layouts = sorted({_parallel(n) for n in CASES}, key=lambda p: (p != DEFAULT_PARALLEL, p))
+    merged = [{} for _ in range(max(p[0] for p in layouts))]
+    for world in sorted({p[0] for p in layouts}):
+        jobs = [(p, [n for n in CASES if _parallel(n) == p]) for p in layouts if p[0] == world]
+        run_distributed(world, _worker, jobs, str(out_dir), timeout_s=240)
+        for rank in range(world):
+            merged[rank].update(json.loads((out_dir / f"world{world}_rank{rank}.json").read_text()))
     return merged
+
+
+def _ranks_of(matrix_results, name):
+    """The results of the ranks that ran `name`."""
+    return [results[name] for results in matrix_results if name in results]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_deepep_matches_alltoall(matrix_results, name):
-    for rank, results in enumerate(matrix_results):
-        result = results[name]
+    per_rank = _ranks_of(matrix_results, name)
+    assert len(per_rank) == _parallel(name)[0], (name, len(per_rank))
+    for rank, result in enumerate(per_rank):
         assert "error" not in result, f"rank {rank}: {result['error']}"
         if "error" in CASES[name][1]:
             assert "refused" in result
             continue
+        assert result["expert_tp"] == _parallel(name)[3], (name, result["expert_tp"])
         assert result["max_ratio"] < 1.0, (
             f"rank {rank}: {result['worst']} differs by {result['max_diff']:.3g} "
             f"({result['max_ratio']:.3g} x the tolerance)")
@@ -333,8 +402,8 @@ def test_deepep_matches_alltoall(matrix_results, name):
         # rank and then over ranks, so those agree within the dtype's tolerance. Sync-free, the
         # last expert also runs the zero rows of the bound's unused tail: its weight gradient
         # is the same sum plus zeros, blocked differently by the GEMM.
-        for results in matrix_results:
-            assert results[name]["bit_equal"] == results[name]["checks"], results[name]
+        for result in per_rank:
+            assert result["bit_equal"] == result["checks"], (name, result)
 
 
 def test_sync_free_cases_pass_a_row_bound(matrix_results):
@@ -345,8 +414,8 @@ def test_sync_free_cases_pass_a_row_bound(matrix_results):
             continue
         sync_free = ("moe_mdeep_rank_capacity_factor" in run.get("post", {})
                      or overrides.get("moe_pad_expert_input_to_capacity", False))
-        for results in matrix_results:
-            bounds = results[name]["bounds"]
+        for result in _ranks_of(matrix_results, name):
+            bounds = result["bounds"]
             assert bounds and all((b is not None) == sync_free for b in bounds), (name, bounds)
     # factor 2, 12 tokens (6 x batch 2) on rank 0, top-2: ceil(2 * 12 * 2) rows.
     assert matrix_results[0]["rank_capacity_factor"]["bounds"] == [48]
@@ -361,8 +430,9 @@ def test_cudagraph_attrs_name_what_preprocess_leaves(matrix_results):
 
 def test_layer_at_ep_2_matches_ep_1(matrix_results):
     """The deepep layer at EP = 2 equals it at EP = 1 on the same tokens and weights."""
-    for rank, results in enumerate(matrix_results):
-        assert "error" not in results[EP_CASE], f"rank {rank}: {results[EP_CASE]['error']}"
+    assert len(_ranks_of(matrix_results, EP_CASE)) == DEFAULT_PARALLEL[0]
+    for rank, result in enumerate(_ranks_of(matrix_results, EP_CASE)):
+        assert "error" not in result, f"rank {rank}: {result['error']}"
 
 
 def test_matrix_covers_the_options_without_a_gpu():

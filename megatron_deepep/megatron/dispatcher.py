@@ -10,10 +10,14 @@ Hook mapping (`MoELayer` calls them in this order):
 | `dispatch_preprocess` | `routing_map [T,E]`, `probs [T,E]` -> `topk_idx [T,K]`,  | none |
 |                       | `topk_weights [T,K]` (a `gather`: probs stay in graph)  |      |
 | `token_dispatch`      | `autograd.dispatch`: rows once per rank, expanded to    | EP   |
-|                       | expert-major rows on the receiver (permute fused)       |      |
-| `dispatch_postprocess`| counts for the experts; pad-to-capacity reshuffle       | none |
-| `combine_preprocess`  | undo the pad-to-capacity reshuffle                      | none |
-| `token_combine`       | `autograd.combine`: per-token partials, reduced at home | EP   |
+|                       | expert-major rows on the receiver (permute fused);      | (ETP)|
+|                       | expert TP > 1: all-gathered over the expert-TP group    |      |
+| `dispatch_postprocess`| counts for the experts; pad-to-capacity reshuffle (in   | none |
+|                       | `token_dispatch`, before the gather, with expert TP > 1)|      |
+| `combine_preprocess`  | undo the pad-to-capacity reshuffle (expert TP > 1: in   | none |
+|                       | `token_combine`, after the reduce-scatter)              |      |
+| `token_combine`       | expert TP > 1: reduce-scatter over the expert-TP group; | (ETP)|
+|                       | `autograd.combine`: per-token partials, reduced at home | EP   |
 | `combine_postprocess` | view back to `[S/TP, B, H]`, add the shared experts     | none |
 
 The probs handed to `token_dispatch` are the ones it uses (nothing cached in between), so
@@ -32,7 +36,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_deepep.logs import log_once
-from megatron_deepep.megatron import metrics
+from megatron_deepep.megatron import expert_tp, metrics
 from megatron_deepep.megatron.options import (
     check_config,
     fp8_format_for_option,
@@ -129,7 +133,14 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         num_local_experts: E_local.
         local_expert_indices: the global ids of this rank's experts (a contiguous block).
         config: the TransformerConfig.
-        pg_collection: the process groups; `ep` carries the communication.
+        pg_collection: the process groups; `ep` carries the dispatch and combine, `expt_tp`
+            (expert tensor parallelism) the all-gather and reduce-scatter around them.
+
+    Expert tensor parallelism (`--expert-tensor-parallel-size` > 1, see `expert_tp`): as
+    Megatron's `alltoall`, the EP-dispatched rows are all-gathered across the
+    expert-TP group and sorted expert-major; the combine reduce-scatters the expert outputs
+    back first. The counts are read on the host (one small all-gather), so a rank capacity
+    factor is refused at configuration; pad-to-capacity (equal segments) stays sync-free.
 
     FP8 dispatch (`--moe-mdeep-fp8-dispatch`, see `DeepEPOptions.fp8_dispatch`): tokens travel
     as e4m3 plus block scales (about half the bytes). The experts receive TE's own quantized
@@ -149,8 +160,9 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
     the plan's slots per rank (E / EP for a plan without copies).
 
     Raises:
-        ValueError: for settings it does not support (expert tensor parallelism,
-            `moe_enable_deepep`, FP8 dispatch with hidden % 16 != 0), naming the flag.
+        ValueError: for settings it does not support (expert tensor parallelism with a
+            rank capacity factor, `moe_enable_deepep`, FP8 dispatch with hidden % 16 != 0),
+            naming the flag.
     """
 
     # Sync-free state (set per instance; class defaults for instances built without __init__).
@@ -193,6 +205,7 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self._probs_dtype = None
         self._handle = None
         self._pad_dest = None
+        self._etp_layout = None  # expert TP > 1: this dispatch's `expert_tp.ExpertTPLayout`
         self._buffer = None
         self._layer_ref = None
         self._metrics_pending = None
@@ -270,6 +283,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                 experts_make_columnwise=te_experts.experts_take_fp8_rows(experts))
         if handoff and self.rank_capacity_factor is not None:
             handoff, reason = False, "sync-free dispatch zeroes the rows past the used ones"
+        if handoff and self.tp_size > 1:
+            handoff, reason = False, "expert tensor parallelism all-gathers bf16 rows"
         if not handoff:
             log_once(logger, "megatron_deepep: FP8 dispatch %s hands bf16 rows to the experts "
                      "(dequantized on the receiver): %s", fmt.name, reason)
@@ -331,7 +346,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         return hidden, topk_weights
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """EP dispatch: returns `(recv_x [M, H], recv_weights [M])`, expert-major."""
+        """EP dispatch: returns `(recv_x [M, H], recv_weights [M])`, expert-major (expert TP
+        > 1: the rows of the whole expert-TP group)."""
         from megatron_deepep.autograd import dispatch
 
         buffer = self._get_buffer(hidden_states)
@@ -354,6 +370,17 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             from megatron_deepep.fp8.dispatch import row_bytes
             self._metrics_pending = (timer.stop(), handle,
                                      row_bytes(spec, x.shape[1], x.element_size()))
+        self._etp_layout = None
+        if self.tp_size > 1:
+            if self.drop_and_pad:  # capacity segments first: equal sizes on every TP rank
+                recv_x, recv_weights, _ = self._pad_to_capacity(recv_x, recv_weights, handle)
+                self._etp_layout = expert_tp.padded_layout(
+                    self._capacity_rows(handle.num_tokens), self.num_local_experts, self.tp_group)
+            else:
+                self._etp_layout = expert_tp.gather_layout(handle.tokens_per_expert_list,
+                                                           self.tp_group, recv_x.device)
+            recv_x, recv_weights = expert_tp.gather_rows(recv_x, recv_weights,
+                                                         self._etp_layout, self.tp_group)
         self._handle = handle
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
@@ -385,7 +412,9 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         handle = self._handle
         permuted_probs = probs.to(self._probs_dtype) if self._probs_dtype is not None else probs
         self._used_rows = None
-        if self.drop_and_pad:
+        if self._etp_layout is not None:  # gathered (and padded) in `token_dispatch`
+            tokens_per_expert = self._etp_layout.tokens_per_expert
+        elif self.drop_and_pad:
             hidden_states, permuted_probs, tokens_per_expert = self._pad_to_capacity(
                 hidden_states, permuted_probs, handle)
         elif not self._sync_free:
@@ -402,16 +431,25 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         gradient (else the identity)."""
         if self._used_rows is not None:
             hidden_states = _ZeroUnusedRows.apply(hidden_states, self._used_rows)
-        if self.drop_and_pad:
-            dest = self._pad_dest
-            padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])
-            hidden_states = padded.index_select(0, dest)
+        if self.drop_and_pad and self._etp_layout is None:  # else after the TP scatter
+            hidden_states = self._unpad(hidden_states)
         return hidden_states
 
+    def _unpad(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Capacity segments back to the dispatch's rows (`_pad_to_capacity`'s inverse)."""
+        padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])
+        return padded.index_select(0, self._pad_dest)
+
     def token_combine(self, hidden_states: torch.Tensor):
-        """EP combine: `[M, H]` expert rows -> `[T, H]` per-token sums (fp32 accumulation)."""
+        """EP combine: `[M, H]` expert rows -> `[T, H]` per-token sums (fp32 accumulation);
+        expert TP > 1: the rows are reduce-scattered over the expert-TP group first."""
         from megatron_deepep.autograd import combine
 
+        if self._etp_layout is not None:
+            hidden_states = expert_tp.scatter_rows(hidden_states, self._etp_layout,
+                                                   self.tp_group, self._probs_dtype)
+            if self.drop_and_pad:
+                hidden_states = self._unpad(hidden_states)
         collector = self._metrics()
         timer = collector.start() if collector is not None else None
         out = combine(self._buffer, hidden_states.contiguous(), self._handle)

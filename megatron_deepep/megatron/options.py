@@ -232,13 +232,6 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
         raise ValueError(
             "--moe-enable-deepep selects DeepEP inside Megatron's 'flex' dispatcher; it cannot be "
             "combined with --moe-token-dispatcher-type deepep (megatron_deepep). Drop it.")
-    etp = expert_tp_size if expert_tp_size is not None \
-        else getattr(config, "expert_tensor_parallel_size", None)
-    if etp is not None and etp > 1:
-        raise ValueError(
-            f"--moe-token-dispatcher-type deepep does not support expert tensor parallelism "
-            f"(expert_tensor_parallel_size={etp}); use --expert-tensor-parallel-size 1 (experts "
-            f"keep their full width, EP carries them)")
     num_experts = getattr(config, "num_moe_experts", None)
     if num_experts is None:
         raise ValueError("--moe-token-dispatcher-type deepep needs --num-experts")
@@ -253,6 +246,10 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
     if transport is not None:
         check_transport_option(transport)
     _check_sync_free(config, options)
+    etp = expert_tp_size if expert_tp_size is not None \
+        else getattr(config, "expert_tensor_parallel_size", None)
+    if etp is not None and etp > 1:
+        _check_expert_tp(config, options, etp)
     if fp8_dispatch is not None:
         check_fp8_dispatch_option(fp8_dispatch)
         hidden = getattr(config, "hidden_size", None)
@@ -306,6 +303,30 @@ def _check_sync_free(config, options: Optional[DeepEPOptions]) -> None:
             f"host: set --moe-expert-rank-capacity-factor (Megatron 0.19+) or "
             f"--moe-mdeep-rank-capacity-factor / MDEEP_RANK_CAPACITY_FACTOR (a per-rank row "
             f"bound), or use --moe-pad-expert-input-to-capacity with a capacity factor")
+
+
+def _check_expert_tp(config, options: Optional[DeepEPOptions], etp: int) -> None:
+    """Expert TP > 1 all-gathers the rows across the expert-TP group with sizes read on the host
+    (`megatron.expert_tp`), so a rank capacity factor cannot combine with it; pad-to-capacity
+    can (every rank holds the same capacity segments)."""
+    if getattr(config, "moe_pad_expert_input_to_capacity", False):
+        return
+    if options is None:
+        options = resolve_options(config)
+    refused = None
+    if getattr(config, MEGATRON_RANK_CAPACITY_FIELD, None) is not None:
+        refused = "--moe-expert-rank-capacity-factor"
+    elif options.rank_capacity_factor is not None:
+        refused = ("--moe-mdeep-rank-capacity-factor (moe_mdeep_rank_capacity_factor / "
+                   "MDEEP_RANK_CAPACITY_FACTOR)")
+    elif graph_captures_dispatch(config) is not None:
+        refused = graph_captures_dispatch(config)
+    if refused is not None:
+        raise ValueError(
+            f"--expert-tensor-parallel-size {etp} (expert_tensor_parallel_size) with "
+            f"--moe-token-dispatcher-type deepep needs the synchronous dispatch (the expert-TP "
+            f"all-gather reads the row counts on the host); drop {refused}, use "
+            f"--moe-pad-expert-input-to-capacity, or --expert-tensor-parallel-size 1")
 
 
 def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
