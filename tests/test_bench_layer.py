@@ -67,7 +67,7 @@ def test_graph_and_te_rows_are_skipped_with_a_reason(cpu_run):
 def test_grouped_mm_experts_match_a_loop_over_experts():
     from types import SimpleNamespace
 
-    from megatron_deepep.bench_layer import GroupedMMExperts, grouped_mm_reason
+    from megatron_deepep.layer_variants import GroupedMMExperts, grouped_mm_reason
 
     reason = grouped_mm_reason("cpu")
     if reason:
