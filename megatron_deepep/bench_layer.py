@@ -55,6 +55,7 @@ from megatron_deepep.layer_variants import (
     grouped_mm_reason,
     init_megatron,
     te_reason,
+    teardown,
 )
 
 logger = logging.getLogger("megatron_deepep.bench_layer")
@@ -234,8 +235,10 @@ def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], devi
     """Every selected variant of every table on its shapes; one row dict each."""
     rows = []
     te_skip = te_reason() if "B" in tables else ""
-    if experts == "auto":
-        experts = "te" if device == "cuda" and not te_reason() else \
+    if experts == "auto":  # table A is bf16: TE importing is enough
+        from megatron_deepep.fp8 import te_bridge
+
+        experts = "te" if device == "cuda" and te_bridge.te_available()[0] else \
             "grouped_mm" if not grouped_mm_reason(device) else "sequential"
     for table, shapes in tables.items():
         variants = [v for v in VARIANTS if v.table == table and v.name in variant_names]
@@ -390,7 +393,11 @@ def main(argv=None) -> List[dict]:
     stand_ins = cpu_stand_ins() if args.cpu else contextlib.nullcontext()
     with stand_ins:
         init_megatron(device)
-        rows = run(tables, names, device, args.experts, args.iters, args.rank_capacity_factor)
+        try:
+            rows = run(tables, names, device, args.experts, args.iters,
+                       args.rank_capacity_factor)
+        finally:
+            teardown()
     report = {"environment": environment(device), "iters": args.iters, "rows": rows}
     if os.path.dirname(args.out):
         os.makedirs(os.path.dirname(args.out), exist_ok=True)

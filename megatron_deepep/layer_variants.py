@@ -105,14 +105,31 @@ class GroupedMMExperts(torch.nn.Module):
 
 
 def grouped_mm_reason(device) -> str:
-    """Why `GroupedMMExperts` cannot run on `device` ("" if it can): one tiny call."""
+    """Why `GroupedMMExperts` cannot run on `device` ("" if it can): forward and backward of
+    one small call with uneven groups (sizes 5, 0, 35: no alignment), checked against a loop
+    over the groups."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     try:
-        rows = torch.zeros(16, 64, dtype=torch.bfloat16, device=device)
-        weight = torch.zeros(2, 64, 64, dtype=torch.bfloat16, device=device)
-        torch._grouped_mm(rows, weight, offs=torch.tensor([8, 16], dtype=torch.int32,
-                                                          device=device))
+        gen = torch.Generator(device=device).manual_seed(1)
+        rows = torch.randn(40, 64, device=device, generator=gen).bfloat16().requires_grad_(True)
+        weight = torch.randn(3, 64, 32, device=device, generator=gen).bfloat16()
+        weight.requires_grad_(True)
+        offs = torch.tensor([5, 5, 40], dtype=torch.int32, device=device)
+        out = torch._grouped_mm(rows, weight, offs=offs)
+        out.float().square().sum().backward()
+        starts = [0, 5, 5]
+        want = torch.cat([rows[a:b].float() @ weight[e].float()
+                          for e, (a, b) in enumerate(zip(starts, offs.tolist()))])
+        want_grad = torch.cat([2 * want[a:b] @ weight[e].float().t()
+                               for e, (a, b) in enumerate(zip(starts, offs.tolist()))])
+        want_wgrad = torch.stack([rows[a:b].float().t() @ (2 * want[a:b])
+                                  for a, b in zip(starts, offs.tolist())])
+        for name, got, ref in (("forward", out, want), ("input grad", rows.grad, want_grad),
+                               ("weight grad", weight.grad, want_wgrad)):
+            rel = ((got.float() - ref).norm() / ref.norm()).item()
+            if not rel < 2e-2:
+                return f"torch._grouped_mm {name} is off by {rel:.3g} (relative) here"
     except Exception as exc:  # e.g. no kernel for this GPU or for the CPU in this torch
         return f"torch._grouped_mm fails here: {type(exc).__name__}: {exc}"[:300]
     return ""
@@ -145,6 +162,16 @@ def init_megatron(device: str) -> None:
 
         model_parallel_cuda_manual_seed(123)
     mdm.register_deepep_dispatcher()
+
+
+def teardown() -> None:
+    """Undoes `init_megatron`: Megatron's parallel state and the process group (as `bench`
+    does, the deepep Buffer is left to the process's exit)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
