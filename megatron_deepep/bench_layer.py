@@ -226,7 +226,7 @@ class _LogCapture(logging.Handler):
         self.lines: List[str] = []
 
     def emit(self, record):
-        if record.name.startswith("megatron_deepep") and record.levelno >= logging.INFO:
+        if record.name.startswith("megatron_deepep") and record.name != logger.name:
             self.lines.append(record.getMessage()[:300])
 
 
@@ -296,6 +296,8 @@ def markdown_table(rows: List[dict]) -> str:
         experts = r["experts"]
         if r.get("experts_input") not in (None, "Tensor", "Parameter"):
             experts += f" (input {r['experts_input']})"
+        if "graph_vs_eager_rel" in r:
+            experts += f" (replay vs eager output: rel {r['graph_vs_eager_rel']:.1e})"
         syncs = "-" if r.get("syncs") is None else str(r["syncs"])
         ratio = f"{r['ratio_to_alltoall']:.2f}" if "ratio_to_alltoall" in r else "-"
         lines.append(f"| {r['table']} | {r['variant']} | {shape} | {experts} | "
