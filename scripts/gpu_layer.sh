@@ -14,9 +14,10 @@
 #    deepep bf16 dispatch, deepep FP8 dispatch dequantized into TEGroupedMLP, deepep FP8
 #    dispatch into the FP8 experts (skipped, with the reason, when TE does not import).
 # Prints both markdown tables; logs and JSON (layer_a.json, layer_b.json) in $OUT (default
-# .bench_out). Knobs: ITERS (20), TIMEOUT_A (420 s), TIMEOUT_B (540 s), ARGS_A / ARGS_B (more
-# bench_layer arguments). Exit status: the first failing step's (a failed variant is a row, not
-# a failure).
+# .bench_out). Knobs: TABLES ("A B"; "A" or "B" runs one: under a 10-minute limit per command,
+# run them in two calls), ITERS (20), TIMEOUT_PRECOMPILE (180 s), TIMEOUT_A (380 s), TIMEOUT_B (400 s), ARGS_A / ARGS_B
+# (more bench_layer arguments). Exit status: the first failing step's (a failed variant is a
+# row, not a failure).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
@@ -55,12 +56,14 @@ except Exception as exc:  # table B then says why in its rows
     line += f" | TE import FAILED: {type(exc).__name__}: {exc}"
 print("gpu_layer:", line)
 PY
-timeout 300 python3 -m megatron_deepep.precompile --topk 6 8 --row-dtype bf16 \
+timeout "${TIMEOUT_PRECOMPILE:-180}" python3 -m megatron_deepep.precompile --topk 6 8 --row-dtype bf16 \
   --fp8 blockwise_1x128 --index-dtype int64 -q 2>&1 | tail -2
 rc=0
+TABLES=${TABLES:-A B}
+if [[ " $TABLES " == *" A "* ]]; then
 t1=$(date +%s)
 # shellcheck disable=SC2086
-timeout "${TIMEOUT_A:-420}" python3 -m megatron_deepep.bench_layer --iters "$ITERS" \
+timeout "${TIMEOUT_A:-380}" python3 -m megatron_deepep.bench_layer --iters "$ITERS" \
   --out "$OUT/layer_a.json" ${ARGS_A:-} > "$OUT/layer_a.log" 2>&1
 rc_a=$?
 echo "gpu_layer: table A rc $rc_a in $(( $(date +%s) - t1 )) s (log $OUT/layer_a.log)"
@@ -70,9 +73,11 @@ if [ $rc_a -ne 0 ]; then
   grep -E "Error|error|Traceback" "$OUT/layer_a.log" | tail -8
   tail -n 5 "$OUT/layer_a.log"
 fi
+fi
+if [[ " $TABLES " == *" B "* ]]; then
 t2=$(date +%s)
 # shellcheck disable=SC2086
-timeout "${TIMEOUT_B:-540}" python3 -m megatron_deepep.bench_layer --te --iters "$ITERS" \
+timeout "${TIMEOUT_B:-400}" python3 -m megatron_deepep.bench_layer --te --iters "$ITERS" \
   --variants te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,te-deepep-fp8-experts \
   --out "$OUT/layer_b.json" ${ARGS_B:-} > "$OUT/layer_b.log" 2>&1
 rc_b=$?
@@ -82,6 +87,7 @@ if [ $rc_b -ne 0 ]; then
   [ $rc -eq 0 ] && rc=$rc_b
   grep -E "Error|error|Traceback" "$OUT/layer_b.log" | tail -8
   tail -n 5 "$OUT/layer_b.log"
+fi
 fi
 echo "gpu_layer: total $(( $(date +%s) - t0 )) s"
 exit $rc
