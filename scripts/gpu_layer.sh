@@ -15,8 +15,8 @@
 #    dispatch into the FP8 experts (skipped, with the reason, when TE does not import).
 # Prints both markdown tables; logs and JSON (layer_a.json, layer_b.json) in $OUT (default
 # .bench_out). Knobs: TABLES ("A B"; "A" or "B" runs one: under a 10-minute limit per command,
-# run them in two calls), ITERS (20), TIMEOUT_PRECOMPILE (180 s), TIMEOUT_A (380 s), TIMEOUT_B (400 s), ARGS_A / ARGS_B
-# (more bench_layer arguments). Exit status: the first failing step's (a failed variant is a
+# run them in two calls), ITERS (20), TIMEOUT_PRECOMPILE (180 s), TIMEOUT_A (380 s),
+# TIMEOUT_B (400 s), ARGS_A / ARGS_B# (more bench_layer arguments). Exit status: the first failing step's (a failed variant is a
 # row, not a failure).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -56,8 +56,8 @@ except Exception as exc:  # table B then says why in its rows
     line += f" | TE import FAILED: {type(exc).__name__}: {exc}"
 print("gpu_layer:", line)
 PY
-timeout "${TIMEOUT_PRECOMPILE:-180}" python3 -m megatron_deepep.precompile --topk 6 8 --row-dtype bf16 \
-  --fp8 blockwise_1x128 --index-dtype int64 -q 2>&1 | tail -2
+timeout "${TIMEOUT_PRECOMPILE:-180}" python3 -m megatron_deepep.precompile --topk 6 8 \
+  --row-dtype bf16 --fp8 blockwise_1x128 --index-dtype int64 -q 2>&1 | tail -2
 rc=0
 TABLES=${TABLES:-A B}
 if [[ " $TABLES " == *" A "* ]]; then
