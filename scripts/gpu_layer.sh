@@ -16,8 +16,8 @@
 # Prints both markdown tables; logs and JSON (layer_a.json, layer_b.json) in $OUT (default
 # .bench_out). Knobs: TABLES ("A B"; "A" or "B" runs one: under a 10-minute limit per command,
 # run them in two calls), ITERS (20), TIMEOUT_PRECOMPILE (180 s), TIMEOUT_A (380 s),
-# TIMEOUT_B (400 s), ARGS_A / ARGS_B# (more bench_layer arguments). Exit status: the first failing step's (a failed variant is a
-# row, not a failure).
+# TIMEOUT_B (400 s), ARGS_A / ARGS_B (more bench_layer arguments). Exit status: the first
+# failing step's (a failed variant is a row, not a failure).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
