@@ -1,0 +1,100 @@
+"""CPU tier: `python -m megatron_deepep.bench_layer --cpu` runs every variant of both tables on a
+tiny shape (H 64, 8 experts, top-2, 64 tokens) with the reference transport, and reports what it
+could not run (CUDA graphs, Transformer Engine) with the reason; `GroupedMMExperts` computes
+what a per-expert loop computes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One `--cpu --te` run in a subprocess (it initializes torch.distributed and Megatron)."""
+    out = tmp_path_factory.mktemp("bench_layer") / "layer.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MDEEP_RANK_CAPACITY_FACTOR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_deepep.bench_layer", "--cpu", "--te", "--iters", "3",
+         "--shapes", "64,64,8,2,128", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_rows_of_both_dispatchers_have_finite_times(cpu_run):
+    _, report = cpu_run
+    rows = {r["variant"]: r for r in report["rows"] if r["table"] == "A"}
+    for name in ("alltoall", "deepep-sync", "deepep-syncfree"):
+        row = rows[name]
+        assert "error" not in row, row
+        assert row["shape"] == [64, 64, 8, 2, 128]
+        assert math.isfinite(row["fwd_bwd_ms"]) and row["fwd_bwd_ms"] > 0, row
+        assert math.isfinite(row["host_ms"]) and row["host_ms"] > 0, row
+        assert row["experts"]
+    assert rows["alltoall"]["ratio_to_alltoall"] == pytest.approx(1.0)
+    assert rows["deepep-sync"]["dispatcher"] == "deepep"
+    assert rows["deepep-syncfree"]["num_max_recv_rows"] == 64 * 2  # factor 1 at EP = 1
+    assert report["environment"]["device"] == "cpu"
+
+
+def test_graph_and_te_rows_are_skipped_with_a_reason(cpu_run):
+    stdout, report = cpu_run
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert "GPU" in rows["deepep-syncfree-graph"]["skipped"]
+    te_rows = [r for r in report["rows"] if r["table"] == "B"]
+    assert {r["variant"] for r in te_rows} == {"te-alltoall", "te-deepep-bf16",
+                                                "te-deepep-fp8-dequant", "te-deepep-fp8-experts"}
+    assert all(r.get("skipped") for r in te_rows), te_rows
+    table = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| table | variant | shape")
+    for name in ("alltoall", "deepep-sync", "deepep-syncfree", "deepep-syncfree-graph"):
+        assert any(f"| {name} |" in line for line in table), name
+    assert any("skipped: CUDA graphs need a GPU" in line for line in table)
+
+
+def test_grouped_mm_experts_match_a_loop_over_experts():
+    from types import SimpleNamespace
+
+    from megatron_deepep.layer_variants import GroupedMMExperts, grouped_mm_reason
+
+    reason = grouped_mm_reason("cpu")
+    if reason:
+        pytest.skip(reason)
+    config = SimpleNamespace(hidden_size=64, moe_ffn_hidden_size=32, gated_linear_unit=True,
+                             activation_func=torch.nn.functional.silu,
+                             params_dtype=torch.float32, init_method_std=0.1,
+                             use_cpu_initialization=True)
+    torch.manual_seed(0)
+    experts = GroupedMMExperts(3, config).to(torch.bfloat16)
+    counts = torch.tensor([5, 0, 11])
+    rows = torch.randn(16, 64).bfloat16()
+    probs = torch.rand(16)
+    out, bias = experts(rows, counts, probs)
+    assert bias is None and out.shape == (16, 64)
+    start, want = 0, []
+    for e, n in enumerate(counts.tolist()):
+        h = rows[start:start + n].float() @ experts.weight1[e].float()
+        gate, up = h.chunk(2, dim=-1)
+        h = torch.nn.functional.silu(gate) * up * probs[start:start + n, None]
+        want.append(h.bfloat16().float() @ experts.weight2[e].float())
+        start += n
+    torch.testing.assert_close(out.float(), torch.cat(want), rtol=3e-2, atol=3e-2)
+
+
+def test_every_argument_has_help():
+    from megatron_deepep.bench_layer import build_parser
+
+    parser = build_parser()
+    assert not [a.dest for a in parser._actions if not a.help]
