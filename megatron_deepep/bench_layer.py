@@ -124,6 +124,35 @@ class _Inputs:
                       .to(torch.bfloat16) for _ in range(NUM_INPUTS)]
 
 
+def top_kernels(fn: Callable, setup: Callable, count: int, calls: int = 3) -> List[dict]:
+    """The `count` kernels with the most device time over `calls` calls of `fn` (torch's
+    profiler): `[{"name", "us_per_call", "share"}]`, share of all kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    setup(0)
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            setup(i)
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if _device_us(e) > 0]
+    total = sum(_device_us(e) for e in events) or 1.0
+    events.sort(key=_device_us, reverse=True)
+    return [{"name": e.key[:90], "us_per_call": _device_us(e) / calls,
+             "share": _device_us(e) / total} for e in events[:count]]
+
+
+def _device_us(event) -> float:
+    # torch renamed the field (cuda_time_total -> device_time_total); self time avoids counting
+    # a kernel twice through its launching op
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
 def _eager_step(layer, inputs: _Inputs, fp8: bool):
     """`(fn, setup)` of one eager forward + backward on the rotating inputs."""
     state = {"i": 0}
@@ -176,7 +205,7 @@ def _graph_step(layer, inputs: _Inputs):
 
 
 def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
-                capacity_factor: float, inputs: _Inputs) -> dict:
+                capacity_factor: float, inputs: _Inputs, profile_top: int = 0) -> dict:
     """One row: times, host time, syncs, experts, notes; raises Skip or the variant's error."""
     if variant.graph and device == "cpu":
         raise Skip("CUDA graphs need a GPU (--cpu)")
@@ -206,6 +235,8 @@ def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
         row.update(measure(fn, setup, iters, device))
         setup(0)
         row["syncs"] = count_syncs(fn)
+        if profile_top and device == "cuda":
+            row["top_kernels"] = top_kernels(fn, setup, profile_top)
     finally:
         hook.remove()
     row["experts_input"] = seen.get("experts_input")
@@ -231,7 +262,7 @@ class _LogCapture(logging.Handler):
 
 
 def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], device: str,
-        experts: str, iters: int, capacity_factor: float) -> List[dict]:
+        experts: str, iters: int, capacity_factor: float, profile_top: int = 0) -> List[dict]:
     """Every selected variant of every table on its shapes; one row dict each."""
     rows = []
     te_skip = te_reason() if "B" in tables else ""
@@ -253,7 +284,7 @@ def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], devi
                     if table == "B" and te_skip:
                         raise Skip(te_skip)
                     row.update(run_variant(variant, shape, device, experts, iters,
-                                           capacity_factor, inputs))
+                                           capacity_factor, inputs, profile_top))
                 except Skip as exc:
                     row["skipped"] = str(exc)
                 except Exception as exc:  # the row says what failed; the next one runs
@@ -302,6 +333,18 @@ def markdown_table(rows: List[dict]) -> str:
         ratio = f"{r['ratio_to_alltoall']:.2f}" if "ratio_to_alltoall" in r else "-"
         lines.append(f"| {r['table']} | {r['variant']} | {shape} | {experts} | "
                      f"{r['fwd_bwd_ms']:.3f} | {r['host_ms']:.3f} | {syncs} | {ratio} |")
+    return "\n".join(lines)
+
+
+def kernel_tables(rows: List[dict]) -> str:
+    """Each profiled row's top kernels (`--profile`), one block per row."""
+    lines = []
+    for r in rows:
+        if r.get("top_kernels"):
+            lines.append(f"{r['table']} {r['variant']} "
+                         f"{','.join(str(v) for v in r['shape'])}: top kernels (us/call, share)")
+            lines += [f"  {k['us_per_call']:9.1f} {k['share']:6.1%}  {k['name']}"
+                      for k in r["top_kernels"]]
     return "\n".join(lines)
 
 
@@ -362,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank-capacity-factor", type=float, default=1.0,
                         help="the sync-free rows' bound: factor x tokens x top-k rows (EP = 1 "
                              "receives exactly tokens x top-k)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also list each variant's N kernels with the most GPU time "
+                             "(torch profiler, 3 calls)")
     parser.add_argument("--out", default=".bench_out/bench_layer.json", help="JSON output file")
     return parser
 
@@ -397,7 +443,7 @@ def main(argv=None) -> List[dict]:
         init_megatron(device)
         try:
             rows = run(tables, names, device, args.experts, args.iters,
-                       args.rank_capacity_factor)
+                       args.rank_capacity_factor, args.profile)
         finally:
             teardown()
     report = {"environment": environment(device), "iters": args.iters, "rows": rows}
@@ -405,6 +451,9 @@ def main(argv=None) -> List[dict]:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
+    kernels = kernel_tables(rows)
+    if kernels:
+        sys.stdout.write(kernels + "\n")
     sys.stdout.write(markdown_table(rows) + "\n")
     sys.stdout.write(f"(EP 1, {report['environment'].get('gpu', device)}; JSON: {args.out})\n")
     return rows

@@ -98,3 +98,14 @@ def test_every_argument_has_help():
 
     parser = build_parser()
     assert not [a.dest for a in parser._actions if not a.help]
+
+
+def test_kernel_tables_list_each_profiled_row():
+    from megatron_deepep import bench_layer
+
+    rows = [{"table": "B", "variant": "te-alltoall", "shape": [8, 16, 4, 2, 8],
+             "top_kernels": [{"name": "gemm_kernel", "us_per_call": 12.5, "share": 0.5}]},
+            {"table": "B", "variant": "te-deepep-bf16", "shape": [8, 16, 4, 2, 8]}]
+    text = bench_layer.kernel_tables(rows)
+    assert text.splitlines() == ["B te-alltoall 8,16,4,2,8: top kernels (us/call, share)",
+                                 "       12.5  50.0%  gemm_kernel"]

@@ -219,7 +219,7 @@ def test_dispatcher_asks_the_experts(monkeypatch):
         linear_fc1 = _TEGroupedFc1()
 
     d = D.DeepEPTokenDispatcher.__new__(D.DeepEPTokenDispatcher)
-    d._layer_ref, d.drop_and_pad = None, False
+    d._layer_ref, d.drop_and_pad, d.tp_size = None, False, 1
     d.options = options.DeepEPOptions(fp8_dispatch="blockwise")
     assert d._experts() is None
     seen = []
