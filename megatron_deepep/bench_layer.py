@@ -51,6 +51,7 @@ from megatron_deepep.layer_variants import (
     Variant,
     autocast,
     build_layer,
+    capture_forward_backward,
     cpu_stand_ins,
     grouped_mm_reason,
     init_megatron,
@@ -177,19 +178,7 @@ def _graph_step(layer, inputs: _Inputs):
     run of the same layer on the same input (relative Frobenius norm)."""
     static_x = inputs.xs[0].detach().clone().requires_grad_(True)
     static_g = inputs.grads[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on the capture stream (kernels, workspaces)
-        for _ in range(3):
-            out, _ = layer(static_x)
-            out.backward(static_g)
-            layer.zero_grad(set_to_none=True)
-            static_x.grad = None
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        static_out, _ = layer(static_x)
-        static_out.backward(static_g)
+    graph, static_out = capture_forward_backward(layer, static_x, static_g)
 
     def setup(i):
         static_x.data.copy_(inputs.xs[i % NUM_INPUTS].detach())

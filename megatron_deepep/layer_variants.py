@@ -267,7 +267,7 @@ def build_layer(variant: Variant, shape, device: str, experts: str, capacity_fac
     if variant.sync_free:
         config.moe_mdeep_rank_capacity_factor = capacity_factor
     if te_layer:
-        layer, name = _te_layer(config, num_experts, variant.fp8_experts)
+        layer, name = te_moe_layer(config, num_experts, variant.fp8_experts)
     else:
         if variant.grouped_mm or experts == "grouped_mm":
             module, name = GroupedMMExperts, "GroupedMMExperts (torch._grouped_mm, device counts)"
@@ -279,7 +279,9 @@ def build_layer(variant: Variant, shape, device: str, experts: str, capacity_fac
     return layer, name
 
 
-def _te_layer(config, num_experts: int, fp8_experts: bool):
+def te_moe_layer(config, num_experts: int, fp8_experts: bool):
+    """Megatron's MoELayer from its TE spec (TEGroupedMLP experts), or with the FP8 experts of
+    `te_experts.with_fp8_experts`; `(layer, experts class name)`, on the CPU."""
     import functools
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -324,3 +326,23 @@ def _check_dispatcher(layer, variant: Variant) -> None:
     elif variant.dispatcher not in type(dispatcher).__name__.lower():
         raise RuntimeError(f"expected the {variant.dispatcher} dispatcher, got "
                            f"{type(dispatcher).__name__}")
+
+
+def capture_forward_backward(layer, static_x: torch.Tensor, static_g: torch.Tensor):
+    """`(graph, static_out)`: `layer`'s forward on `static_x` `[N, B, H]` and the backward of
+    `static_g` captured in one CUDA graph, after three warm-up runs on the capture stream
+    (kernels compile, workspaces grow there); replays read `static_x`/`static_g` in place."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            out, _ = layer(static_x)
+            out.backward(static_g)
+            layer.zero_grad(set_to_none=True)
+            static_x.grad = None
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        static_out, _ = layer(static_x)
+        static_out.backward(static_g)
+    return graph, static_out

@@ -88,21 +88,11 @@ def _eager(layer, x, grad):
 
 def _graphed(layer, inputs, grads_in):
     """Captures forward + backward once, replays on each input; returns the results."""
+    from megatron_deepep.layer_variants import capture_forward_backward
+
     static_x = inputs[0].clone().requires_grad_(True)
     static_g = grads_in[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on the capture stream (kernels, workspaces)
-        for _ in range(3):
-            out, _ = layer(static_x)
-            out.backward(static_g)
-            layer.zero_grad(set_to_none=True)
-            static_x.grad = None
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        static_out, _ = layer(static_x)
-        static_out.backward(static_g)
+    graph, static_out = capture_forward_backward(layer, static_x, static_g)
     results = []
     for x, g in zip(inputs, grads_in):
         static_x.data.copy_(x)

@@ -153,12 +153,9 @@ def test_grouped_fp8_linear_inference_equals_te():
 
 
 def _moe_layer(hidden, ffn, num_experts, topk, fp8_experts, fp8_dispatch):
-    import functools
-
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_deepep.megatron import te_experts
+    from megatron_deepep.layer_variants import te_moe_layer
     from megatron_deepep.megatron.options import set_default_options
 
     set_default_options(transport="auto", fp8_dispatch=fp8_dispatch)
@@ -170,15 +167,7 @@ def _moe_layer(hidden, ffn, num_experts, topk, fp8_experts, fp8_dispatch):
         gradient_accumulation_fusion=False, params_dtype=torch.bfloat16, bf16=True,
         moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="blockwise",
         moe_router_padding_for_quantization=True)
-    spec = get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True)
-    if fp8_experts:
-        spec = te_experts.with_fp8_experts(spec)
-    if isinstance(spec, functools.partial):  # megatron-core 0.17+: builders
-        layer = spec(config=config, layer_number=1)
-    else:
-        from megatron.core.transformer.spec_utils import build_module
-
-        layer = build_module(spec, config=config, layer_number=1)
+    layer, _ = te_moe_layer(config, num_experts, fp8_experts)
     return layer.cuda()
 
 
