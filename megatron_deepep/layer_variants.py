@@ -144,7 +144,7 @@ def _free_port() -> int:
 
 def init_megatron(device: str) -> None:
     """One rank (world size 1), Megatron's model parallel state at TP = EP = 1, and `deepep`
-    registered (as the GPU tier's `megatron_env` fixture does, tests/gpu/conftest.py)."""
+    registered (the GPU tier's `megatron_env` fixture runs this too)."""
     from megatron.core import parallel_state as ps
 
     import megatron_deepep.megatron as mdm

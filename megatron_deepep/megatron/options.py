@@ -307,8 +307,9 @@ def _check_sync_free(config, options: Optional[DeepEPOptions]) -> None:
 
 def _check_expert_tp(config, options: Optional[DeepEPOptions], etp: int) -> None:
     """Expert TP > 1 all-gathers the rows across the expert-TP group with sizes read on the host
-    (`megatron.expert_tp`), so a rank capacity factor cannot combine with it; pad-to-capacity
-    can (every rank holds the same capacity segments)."""
+    (`megatron.expert_tp`), so a rank capacity factor (and with it a CUDA graph around the
+    dispatch) cannot combine with it; pad-to-capacity can (the same capacity segments on every
+    rank)."""
     if getattr(config, "moe_pad_expert_input_to_capacity", False):
         return
     if options is None:
@@ -319,8 +320,8 @@ def _check_expert_tp(config, options: Optional[DeepEPOptions], etp: int) -> None
     elif options.rank_capacity_factor is not None:
         refused = ("--moe-mdeep-rank-capacity-factor (moe_mdeep_rank_capacity_factor / "
                    "MDEEP_RANK_CAPACITY_FACTOR)")
-    elif graph_captures_dispatch(config) is not None:
-        refused = graph_captures_dispatch(config)
+    # A CUDA graph around the dispatch needs one of those bounds (`_check_sync_free`, which
+    # runs first), so it needs no case of its own here.
     if refused is not None:
         raise ValueError(
             f"--expert-tensor-parallel-size {etp} (expert_tensor_parallel_size) with "

@@ -5,9 +5,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
-
-from tests.distributed import free_port
 
 
 @pytest.fixture(scope="module")
@@ -16,19 +13,11 @@ def megatron_env():
     registered; torn down after the module."""
     pytest.importorskip("megatron.core")
     warnings.filterwarnings("ignore")
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    torch.cuda.set_device(0)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1)
-    ps.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(123)
-    import megatron_deepep.megatron as mdm
+    from megatron_deepep.layer_variants import init_megatron
 
-    mdm.register_deepep_dispatcher()
+    init_megatron("cuda")  # NCCL, TP = EP = 1, Megatron's CUDA seeds, deepep registered
     yield
     ps.destroy_model_parallel()
 
