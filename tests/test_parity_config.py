@@ -23,24 +23,82 @@ def _config(**kwargs):
 @pytest.mark.parametrize("impl, scope, captured", [
     ("local", "full", "whole-layer --cuda-graph-scope"),
     ("transformer_engine", [], "whole-layer --cuda-graph-scope"),
-    ("local", ["moe"], "--cuda-graph-scope moe"),
-    ("transformer_engine", "moe", "--cuda-graph-scope moe"),
+    ("local", None, "whole-layer --cuda-graph-scope"),
+    ("local", ["attn"], "--cuda-graph-scope attn"),
+    ("local", "full_iteration", "--cuda-graph-impl full_iteration"),
 ])
 def test_graph_around_a_synchronizing_dispatch_is_refused(impl, scope, captured):
     config = _config(cuda_graph_impl=impl, cuda_graph_scope=scope)
-    with pytest.raises(ValueError, match=f"{captured} captures the deepep dispatch.*"
+    with pytest.raises(ValueError, match=f"{captured}.* captures the deepep dispatch.*"
                                          "--moe-expert-rank-capacity-factor"):
         options.check_config(config, options.DeepEPOptions())
 
 
-@pytest.mark.parametrize("scope", [["moe_router"], ["moe_router", "moe_preprocess"], ["attn"]])
-def test_graphs_that_end_before_the_dispatch_are_fine(scope):
-    options.check_config(_config(cuda_graph_impl="local", cuda_graph_scope=scope),
+@pytest.mark.parametrize("impl, scope", [
+    ("local", ["moe_router"]), ("local", ["moe_preprocess"]),
+    ("local", "moe_router,moe_preprocess"), ("transformer_engine", ["moe_router"]),
+    ("transformer_engine", ["moe_router", "moe_preprocess"]), ("transformer_engine", ["attn"]),
+    ("transformer_engine", "attn,moe_router"), ("none", "full"), ("none", "full_iteration"),
+])
+def test_graphs_that_end_before_the_dispatch_are_fine(impl, scope):
+    options.check_config(_config(cuda_graph_impl=impl, cuda_graph_scope=scope),
                          options.DeepEPOptions())
+    assert options.graph_captures_dispatch(_config(cuda_graph_impl=impl,
+                                                   cuda_graph_scope=scope)) is None
+
+
+@pytest.mark.parametrize("scope", [["moe"], "attn,moe", "moe"])
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_moe_scope_needs_drop_and_pad_even_with_a_row_bound(impl, scope):
+    """Megatron graphs the MoE layer (`moe`) only for drop-and-pad layers, whatever bounds the
+    dispatch; a rank capacity factor goes with whole-layer graphs."""
+    config = _config(cuda_graph_impl=impl, cuda_graph_scope=scope)
+    with pytest.raises(ValueError, match="--cuda-graph-scope moe captures the MoE layer.*"
+                                         "--moe-pad-expert-input-to-capacity with "
+                                         "--moe-expert-capacity-factor"):
+        options.check_config(config, options.DeepEPOptions(rank_capacity_factor=2.0))
+    padded = _config(cuda_graph_impl=impl, cuda_graph_scope=scope,
+                     moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0)
+    options.check_config(padded, options.DeepEPOptions())
+    assert "moe" in options.graph_captures_dispatch(padded)
+
+
+@pytest.mark.parametrize("impl, scope, match", [
+    ("local", ["moe", "moe_router"], "moe .* and moe_router .* exclude each other"),
+    ("local", ["moe", "moe_preprocess"], "exclude each other"),  # local adds moe_router
+    ("transformer_engine", ["moe_preprocess"], "moe_preprocess needs moe_router"),
+])
+def test_megatrons_scope_pairing_rules(impl, scope, match):
+    with pytest.raises(ValueError, match=match):
+        options.check_config(_config(cuda_graph_impl=impl, cuda_graph_scope=scope,
+                                     moe_pad_expert_input_to_capacity=True,
+                                     moe_expert_capacity_factor=1.0), options.DeepEPOptions())
+
+
+@pytest.mark.parametrize("impl, scope, cause", [
+    ("local", ["moe_router"], dict(moe_expert_capacity_factor=1.0)),
+    ("transformer_engine", ["moe_router", "moe_preprocess"], dict(moe_expert_capacity_factor=0.5)),
+    ("transformer_engine", ["moe_router", "moe_preprocess"], dict(moe_router_padding_for_fp8=True)),
+])
+def test_plugin_refuses_alltoalls_preprocess_rule_by_name(impl, scope, cause):
+    """The plugin validates deepep with alltoall's rules, one of which refuses a graphed
+    preprocess with token dropping; check_config says so first (only under the plugin)."""
+    config = _config(cuda_graph_impl=impl, cuda_graph_scope=scope, **cause)
+    with pytest.raises(ValueError, match="moe_preprocess.* without "
+                                         "--moe-pad-expert-input-to-capacity.*alltoall"):
+        options.check_config(config, options.DeepEPOptions(), validated_as="alltoall")
+    options.check_config(config, options.DeepEPOptions())  # a patched Megatron knows deepep
+    options.check_config(_config(cuda_graph_impl=impl, cuda_graph_scope=scope,
+                                 moe_pad_expert_input_to_capacity=True,
+                                 moe_expert_capacity_factor=1.0),
+                         options.DeepEPOptions(), validated_as="alltoall")
+    if impl == "transformer_engine":  # the router alone ends before the preprocess
+        options.check_config(_config(cuda_graph_impl=impl, cuda_graph_scope=["moe_router"],
+                                     **cause), options.DeepEPOptions(), validated_as="alltoall")
 
 
 def test_a_row_bound_makes_the_graph_fine(monkeypatch):
-    graph = dict(cuda_graph_impl="local", cuda_graph_scope=["moe"])
+    graph = dict(cuda_graph_impl="local", cuda_graph_scope=[])
     options.check_config(_config(**graph), options.DeepEPOptions(rank_capacity_factor=1.5))
     options.check_config(_config(moe_expert_rank_capacity_factor=2.0, **graph),
                          options.DeepEPOptions())
@@ -54,6 +112,20 @@ def test_a_row_bound_makes_the_graph_fine(monkeypatch):
         options.check_config(_config(**graph))
 
 
+def test_graph_around_the_dispatch_needs_ep_1():
+    """The NVLink / internode kernels take their flag epochs from the host: a replay would
+    reuse them. Refused at EP > 1 (the config's EP before the groups exist, then the group's)."""
+    graph = dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=[])
+    opts = options.DeepEPOptions(rank_capacity_factor=2.0)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 4: .*epoch"):
+        options.check_config(_config(expert_model_parallel_size=4, **graph), opts)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2"):
+        options.check_config(_config(**graph), opts, ep_size=2)
+    options.check_config(_config(**graph), opts, ep_size=1)
+    router = dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_router"])
+    options.check_config(_config(**router), options.DeepEPOptions(), ep_size=8)
+
+
 def test_newer_megatron_graph_field_is_read():
     config = _config(cuda_graph_impl="local", cuda_graph_modules=["moe"])
     del config.cuda_graph_scope
@@ -62,6 +134,22 @@ def test_newer_megatron_graph_field_is_read():
     config.cuda_graph_impl = "full_iteration"
     with pytest.raises(ValueError, match="--cuda-graph-impl full_iteration"):
         options.check_config(config, options.DeepEPOptions())
+    # 0.19: the deprecated cuda_graph_scope (None by default) wins when set.
+    config = _config(cuda_graph_impl="local", cuda_graph_modules="full",
+                     cuda_graph_scope=["moe_router"])
+    assert options.graph_scope(config).modules == {"moe_router", "moe_preprocess"}
+    assert options.graph_scope(config).flag == "--cuda-graph-scope"
+    config.cuda_graph_scope = None
+    assert options.graph_scope(config) == options.GraphScope("local", frozenset(),
+                                                             "--cuda-graph-modules")
+    # 0.19 turns "full_iteration" into the impl, even from "none" (0.16 keeps "none").
+    config = _config(cuda_graph_impl="none", cuda_graph_modules="full_iteration",
+                     cuda_graph_scope=None)
+    assert options.graph_scope(config).impl == "full_iteration"
+    assert options.graph_scope(_config(cuda_graph_scope="full_iteration")).impl == "none"
+    # The deprecated switches.
+    assert options.graph_scope(_config(enable_cuda_graph=True)).impl == "local"
+    assert options.graph_scope(_config(external_cuda_graph=True)).impl == "transformer_engine"
 
 
 def test_expert_tensor_parallelism_is_accepted_with_the_synchronous_dispatch():
@@ -75,7 +163,7 @@ def test_expert_tensor_parallelism_is_accepted_with_the_synchronous_dispatch():
 @pytest.mark.parametrize("fields, opts, flag", [
     ({}, dict(rank_capacity_factor=2.0), "--moe-mdeep-rank-capacity-factor"),
     (dict(moe_expert_rank_capacity_factor=2.0), {}, "--moe-expert-rank-capacity-factor"),
-    (dict(cuda_graph_impl="local", cuda_graph_scope=["moe"]), dict(rank_capacity_factor=2.0),
+    (dict(cuda_graph_impl="local", cuda_graph_scope=[]), dict(rank_capacity_factor=2.0),
      "--moe-mdeep-rank-capacity-factor"),
 ])
 def test_expert_tensor_parallelism_refuses_the_sync_free_dispatch(fields, opts, flag):
@@ -177,3 +265,63 @@ def test_transformer_config_refuses_a_graph_around_the_dispatch():
                               moe_token_dispatcher_type="deepep", cuda_graph_impl="local")
     finally:
         mdm.unregister_deepep_dispatcher()
+
+
+def _scope_field():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = TransformerConfig.__dataclass_fields__
+    return "cuda_graph_modules" if "cuda_graph_modules" in fields else "cuda_graph_scope"
+
+
+# (cuda_graph_impl, scope, extra TransformerConfig fields) for the verdict parity below.
+_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+GRAPH_CASES = [
+    ("local", ["moe"], {}),
+    ("local", ["moe"], _PAD),
+    ("transformer_engine", "moe", _PAD),
+    ("local", ["moe_router"], {}),
+    ("local", ["moe_router"], dict(moe_expert_capacity_factor=1.0)),
+    ("local", ["moe_preprocess"], _PAD),
+    ("local", ["moe", "moe_preprocess"], _PAD),
+    ("transformer_engine", ["moe_router"], dict(moe_expert_capacity_factor=1.0)),
+    ("transformer_engine", ["moe_preprocess"], {}),
+    ("transformer_engine", ["moe_router", "moe_preprocess"], {}),
+    ("transformer_engine", ["moe_router", "moe_preprocess"], dict(moe_expert_capacity_factor=1.0)),
+    ("transformer_engine", ["moe_router", "moe_preprocess"], _PAD),
+    ("transformer_engine", "attn,moe_router", {}),
+    ("transformer_engine", ["moe", "moe_router"], _PAD),
+]
+
+
+@pytest.mark.parametrize("impl, scope, extra", GRAPH_CASES)
+def test_deepep_refuses_exactly_what_megatron_refuses(impl, scope, extra):
+    """Against the installed megatron-core's own TransformerConfig: a deepep config (plugin)
+    is refused by check_config with a ValueError naming the flag exactly when Megatron refuses
+    the same config for alltoall (whose rules the plugin applies); the scope deepep reads is the
+    one Megatron normalized. Configurations whose graph ends before the dispatch, or that hold
+    a bound, so no rule of ours adds to Megatron's."""
+    import warnings
+
+    import megatron_deepep.megatron as mdm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=8,
+                  moe_router_topk=2, cuda_graph_impl=impl, **{_scope_field(): scope}, **extra)
+    warnings.filterwarnings("ignore")
+    try:
+        megatron = TransformerConfig(moe_token_dispatcher_type="alltoall", **fields)
+    except AssertionError:
+        megatron = None
+    mdm.register_deepep_dispatcher()
+    try:
+        if megatron is None:
+            with pytest.raises(ValueError, match="--cuda-graph-(modules|scope):? moe"):
+                TransformerConfig(moe_token_dispatcher_type="deepep", **fields)
+            return
+        deepep = TransformerConfig(moe_token_dispatcher_type="deepep", **fields)
+    finally:
+        mdm.unregister_deepep_dispatcher()
+    want = {getattr(m, "name", m) for m in getattr(megatron, _scope_field())}
+    assert options.graph_scope(deepep).modules == want
+    assert options.graph_scope(deepep).impl == megatron.cuda_graph_impl

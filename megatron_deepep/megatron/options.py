@@ -212,7 +212,8 @@ def resolve_options(config) -> DeepEPOptions:
 
 
 def check_config(config, options: Optional[DeepEPOptions] = None, *,
-                 expert_tp_size: Optional[int] = None, ep_size: Optional[int] = None) -> None:
+                 expert_tp_size: Optional[int] = None, ep_size: Optional[int] = None,
+                 validated_as: Optional[str] = None) -> None:
     """The one validation of a deepep config; every error names the flag.
 
     Runs in `TransformerConfig.__post_init__` (plugin: config fields only) and again when the
@@ -223,7 +224,10 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
         options: the resolved options; None checks the `moe_mdeep_*` config fields only.
         expert_tp_size: the expert tensor-parallel group size (default: the config's
             `expert_tensor_parallel_size`).
-        ep_size: the expert-parallel group size, when known (experts must divide evenly).
+        ep_size: the expert-parallel group size, when known (experts must divide evenly;
+            default for the CUDA-graph rule: the config's `expert_model_parallel_size`).
+        validated_as: the dispatcher type whose rules Megatron's own `__post_init__` applies
+            to this config ("alltoall" under the plugin; None when Megatron knows deepep).
 
     Raises:
         ValueError: for settings the dispatcher does not support.
@@ -245,7 +249,8 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
         fp8_dispatch = getattr(config, CONFIG_PREFIX + "fp8_dispatch", None)
     if transport is not None:
         check_transport_option(transport)
-    _check_sync_free(config, options)
+    _check_graph_scope(config, validated_as)
+    _check_sync_free(config, options, ep_size)
     etp = expert_tp_size if expert_tp_size is not None \
         else getattr(config, "expert_tensor_parallel_size", None)
     if etp is not None and etp > 1:
@@ -259,45 +264,165 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
                 f"(hidden_size % 16 == 0: e4m3 rows are 16-byte multiples), got {hidden}")
 
 
+#: Megatron's per-layer CUDA-graph regions that touch the MoE layer (0.16 `CudaGraphScope`,
+#: 0.19 `CudaGraphModule` names).
+GRAPH_MOE, GRAPH_MOE_ROUTER, GRAPH_MOE_PREPROCESS = "moe", "moe_router", "moe_preprocess"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphScope:
+    """What Megatron captures in CUDA graphs under a config, by its own rules (0.16 to 0.19).
+
+    Attributes:
+        impl: "none", "local", "transformer_engine" or "full_iteration" (on 0.16 the local
+            impl with `--cuda-graph-scope full_iteration`).
+        modules: the per-layer regions by name ("attn", "mlp", "moe", "moe_router",
+            "moe_preprocess", "mamba"); empty under a per-layer impl: whole layers.
+        flag: the flag that set them: `--cuda-graph-modules` (0.19) or `--cuda-graph-scope`.
+    """
+
+    impl: str
+    modules: frozenset
+    flag: str
+
+    @property
+    def per_layer(self) -> bool:
+        return self.impl in ("local", "transformer_engine")
+
+
+def _scope_names(raw) -> list:
+    """Megatron's scope value (None, a name, "a,b", an enum or a list of them) as names."""
+    if raw is None:
+        items = []
+    elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+    elif isinstance(raw, str):
+        items = raw.split(",") if raw else []
+    else:
+        items = [raw]
+    return [str(getattr(item, "name", item)) for item in items]
+
+
+def graph_scope(config) -> GraphScope:
+    """Megatron's CUDA-graph settings of `config` as its `__post_init__` resolves them.
+
+    Works before and after that normalization (the plugin checks a config before Megatron's
+    own rules run): the deprecated `enable_cuda_graph` / `external_cuda_graph` switches, 0.19's
+    deprecated `cuda_graph_scope` (it wins over `cuda_graph_modules` when set), "a,b" strings,
+    "full" (whole layers), "full_iteration" (0.19 turns it into `cuda_graph_impl
+    full_iteration`; 0.16's local impl captures the iteration) and the local impl's pairing of
+    moe_router with moe_preprocess (it captures both or neither).
+    """
+    impl = getattr(config, "cuda_graph_impl", None) or "none"
+    if impl == "none" and getattr(config, "enable_cuda_graph", False):
+        impl = "local"
+    elif impl == "none" and getattr(config, "external_cuda_graph", False):
+        impl = "transformer_engine"
+    newer = hasattr(config, "cuda_graph_modules")  # 0.19+
+    raw, flag = getattr(config, "cuda_graph_scope", None), "--cuda-graph-scope"
+    if newer and raw is None:
+        raw, flag = config.cuda_graph_modules, "--cuda-graph-modules"
+    names = _scope_names(raw)
+    if "full" in names:
+        names = []
+    if "full_iteration" in names and (impl == "local" or (newer and impl == "none")):
+        impl = "full_iteration"
+    names = [n for n in names if n not in ("full_iteration", "full_iteration_inference")]
+    if impl == "local" and {GRAPH_MOE_ROUTER, GRAPH_MOE_PREPROCESS} & set(names):
+        names += [GRAPH_MOE_ROUTER, GRAPH_MOE_PREPROCESS]
+    return GraphScope(impl, frozenset(names), flag)
+
+
 def graph_captures_dispatch(config) -> Optional[str]:
     """The CUDA-graph flags that capture the MoE dispatch itself (None: none do).
 
-    `--cuda-graph-scope moe` (`cuda_graph_modules` on newer Megatron), a whole-layer graph (an
-    empty or "full" scope) or a full-iteration graph capture `token_dispatch`; "moe_router" and
-    "moe_preprocess" end before it.
+    A full-iteration graph; a per-layer impl with whole layers (empty modules, or "full");
+    "moe" (the whole MoE layer); and, under the local impl, "attn": Megatron's local graphs
+    capture a whole `TransformerLayer` (the GPT layer: attention and its MoE) when they capture
+    its attention (`MoETransformerLayer`, the hybrid models' layer, does not). "moe_router"
+    and "moe_preprocess" end before the dispatch: the dispatch, the experts and the combine run
+    eagerly between two graphs (local) or after the graph (transformer_engine).
     """
-    impl = getattr(config, "cuda_graph_impl", "none") or "none"
-    if impl == "none":
+    scope = graph_scope(config)
+    if scope.impl == "none":
         return None
-    if impl == "full_iteration":
+    if scope.impl == "full_iteration":
         return "--cuda-graph-impl full_iteration"
-    for field in ("cuda_graph_modules", "cuda_graph_scope"):
-        if not hasattr(config, field):
-            continue
-        scope = getattr(config, field)
-        scope = [] if scope is None else scope if isinstance(scope, (list, tuple)) else [scope]
-        names = {getattr(s, "name", s) for s in scope}
-        flag = "--" + field.replace("_", "-")
-        if not names or "full" in names:
-            return f"--cuda-graph-impl {impl} with a whole-layer {flag}"
-        if "moe" in names:
-            return f"--cuda-graph-impl {impl} {flag} moe"
+    if not scope.per_layer:
+        return None
+    if not scope.modules:
+        return f"--cuda-graph-impl {scope.impl} with a whole-layer {scope.flag}"
+    if GRAPH_MOE in scope.modules:
+        return f"--cuda-graph-impl {scope.impl} {scope.flag} moe"
+    if scope.impl == "local" and "attn" in scope.modules:
+        return (f"--cuda-graph-impl local {scope.flag} attn (the local impl captures the whole "
+                f"TransformerLayer, its MoE included)")
     return None
 
 
-def _check_sync_free(config, options: Optional[DeepEPOptions]) -> None:
-    """A CUDA graph around the dispatch needs it sync-free: a row bound must be known."""
+def _drop_and_pad(config) -> bool:
+    return bool(getattr(config, "moe_pad_expert_input_to_capacity", False)) and getattr(
+        config, "moe_expert_capacity_factor", None) is not None
+
+
+def _check_graph_scope(config, validated_as: Optional[str]) -> None:
+    """Megatron's own rules for graphed MoE layers, with messages that name the flags.
+
+    Megatron refuses the same configurations in `TransformerConfig.__post_init__` with bare
+    assertions; these come first. `validated_as`: the dispatcher type whose rules Megatron
+    applies to this config (the plugin validates deepep as "alltoall", which adds one rule).
+    """
+    scope = graph_scope(config)
+    if not scope.per_layer:
+        return
+    flag, mods = scope.flag, scope.modules
+    if GRAPH_MOE in mods and GRAPH_MOE_ROUTER in mods:
+        raise ValueError(f"{flag}: moe (the whole MoE layer) and moe_router (its router only) "
+                         f"exclude each other")
+    if GRAPH_MOE_PREPROCESS in mods and GRAPH_MOE_ROUTER not in mods:
+        raise ValueError(f"{flag} moe_preprocess needs moe_router too (the preprocess graph "
+                         f"continues the router's)")
+    if GRAPH_MOE in mods and not _drop_and_pad(config):
+        raise ValueError(
+            f"{flag} moe captures the MoE layer, which Megatron allows only for drop-and-pad "
+            f"layers: set --moe-pad-expert-input-to-capacity with --moe-expert-capacity-factor. "
+            f"With a deepep row bound (--moe-expert-rank-capacity-factor or "
+            f"--moe-mdeep-rank-capacity-factor) capture whole layers instead (empty {flag}), "
+            f"or only moe_router / moe_preprocess (the dispatch then runs eagerly)")
+    padding_fp8 = bool(getattr(config, "moe_router_padding_for_fp8", False))
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if validated_as == "alltoall" and GRAPH_MOE_PREPROCESS in mods and not _drop_and_pad(
+            config) and (capacity is not None or padding_fp8):
+        added = " (the local impl adds it to moe_router)" if scope.impl == "local" else ""
+        cause = ("--moe-expert-capacity-factor" if capacity is not None
+                 else "--moe-router-padding-for-fp8")
+        raise ValueError(
+            f"{flag} moe_preprocess{added} with {cause} and without "
+            f"--moe-pad-expert-input-to-capacity: Megatron refuses it for alltoall "
+            f"(its preprocess copies counts to the host), and the deepep plugin validates with "
+            f"alltoall's rules. Add --moe-pad-expert-input-to-capacity, drop the capacity factor, "
+            f"or capture moe_router only with --cuda-graph-impl transformer_engine")
+
+
+def _check_sync_free(config, options: Optional[DeepEPOptions], ep_size: Optional[int]) -> None:
+    """A CUDA graph around the dispatch needs it sync-free (a row bound) and, for now, EP = 1."""
     megatron_factor = getattr(config, MEGATRON_RANK_CAPACITY_FIELD, None)
     if megatron_factor is not None:
         check_rank_capacity_factor(megatron_factor, "--moe-expert-rank-capacity-factor")
     captured = graph_captures_dispatch(config)
     if captured is None:
         return
+    ep = ep_size if ep_size is not None else getattr(config, "expert_model_parallel_size", 1)
+    if (ep or 1) > 1:
+        raise ValueError(
+            f"{captured} captures the deepep dispatch at --expert-model-parallel-size {ep}: the "
+            f"NVLink and internode transports pass each call's flag epoch to their kernels from "
+            f"the host, so a replayed graph would reuse stale epochs. Graphs around the dispatch "
+            f"work at EP = 1 for now; at EP > 1 capture moe_router / moe_preprocess only (the "
+            f"dispatch runs eagerly)")
     if options is None:
         options = resolve_options(config)
-    padded = bool(getattr(config, "moe_pad_expert_input_to_capacity", False)) and getattr(
-        config, "moe_expert_capacity_factor", None) is not None
-    if rank_capacity_factor(config, options) is None and not padded:
+    if rank_capacity_factor(config, options) is None and not _drop_and_pad(config):
         raise ValueError(
             f"{captured} captures the deepep dispatch, which then must not synchronize with the "
             f"host: set --moe-expert-rank-capacity-factor (Megatron 0.19+) or "

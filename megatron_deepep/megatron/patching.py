@@ -188,7 +188,7 @@ def _patch_config() -> None:
     def __post_init__(self, *args, **kwargs):
         if not is_deepep(self):
             return original(self, *args, **kwargs)
-        check_config(self)
+        check_config(self, validated_as=_VALIDATE_AS)
         if getattr(self, "overlap_moe_expert_parallel_comm", False) \
                 and not _STATE["should_free_input"]:
             raise ValueError(
