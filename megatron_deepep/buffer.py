@@ -82,6 +82,9 @@ class Buffer:
         # Stamped on every handle this Buffer makes; a successor keeps its predecessor's, so
         # handles of a replaced Buffer stay valid and handles of other Buffers are refused.
         self._lineage = next(_LINEAGES)
+        # Set by the first call captured in a CUDA graph: the graph replays into this Buffer's
+        # memory, so `get_buffer` must never replace it.
+        self.captured = False
         logger.info("megatron_deepep Buffer: rank %d/%d, transport %s, %d bytes", self.rank,
                     self.num_ranks, self._transport.name, self.num_bytes)
 
@@ -141,6 +144,8 @@ class Buffer:
 
     def _run(self, fn, inputs, previous_event: Optional[EventHandle], async_finish: bool):
         """Runs `fn` on the comm stream (NVLink) or inline (reference); returns (result, event)."""
+        if is_capturing():
+            self._enter_capture()
         if self._comm_stream is None:
             return fn(), EventHandle(None)
         if previous_event is None and not async_finish:
@@ -361,6 +366,16 @@ class Buffer:
     def _row_dtypes(self):
         return self._transport.row_dtypes
 
+    def _enter_capture(self) -> None:
+        """A call is being captured in a CUDA graph: refused for transports that cannot be
+        replayed (`Transport.graph_capture_refusal`), else remembered (`captured`)."""
+        refusal = self._transport.graph_capture_refusal
+        if refusal is not None:
+            raise RuntimeError(
+                f"megatron_deepep: the {self._transport.name} transport cannot run inside a "
+                f"CUDA-graph capture: {refusal}")
+        self.captured = True
+
     def check_errors(self) -> None:
         """Raises the first error a kernel recorded (a stalled peer, a bad expert id)."""
         self._current()._transport.check_errors()
@@ -431,6 +446,24 @@ def _flatten(obj):
 _BUFFERS = {}
 
 
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_buffers() -> None:
+    """Raises the first error a kernel of any live `get_buffer` Buffer recorded.
+
+    Calls check on their own (every call starts with it); a step whose calls all replay in CUDA
+    graphs runs none, so an error (a row bound too small: `num_max_recv_rows`) surfaces here,
+    at Megatron's step-end MoE report (`metrics` calls this), instead of never. Reads host
+    memory only.
+    """
+    for buf in list(_BUFFERS.values()):
+        if buf._transport is not None:
+            buf.check_errors()
+
+
 def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                transport: str = "auto", **kwargs) -> Buffer:
     """A process-wide Buffer for `group` that grows (never shrinks) when a call needs more.
@@ -453,6 +486,19 @@ def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, 
     if buf is not None and (buf.num_max_tokens_per_rank >= num_max_tokens_per_rank
                             and buf.hidden >= hidden and buf.num_topk >= num_topk):
         return buf
+    if buf is not None and buf.captured:
+        raise ValueError(
+            f"megatron_deepep: a CUDA graph replays into the Buffer of this EP group "
+            f"(num_max_tokens_per_rank={buf.num_max_tokens_per_rank}, hidden={buf.hidden}, "
+            f"num_topk={buf.num_topk}), and a call now needs num_max_tokens_per_rank="
+            f"{num_max_tokens_per_rank}, hidden={hidden}, num_topk={num_topk}; growing would free "
+            f"memory the graph uses. Size it for the largest call before the capture "
+            f"(--moe-mdeep-num-max-tokens-per-rank / MDEEP_NUM_MAX_TOKENS_PER_RANK)")
+    if is_capturing():
+        raise RuntimeError(
+            "megatron_deepep: a Buffer cannot be created inside a CUDA-graph capture (it "
+            "allocates and exchanges memory handles); run one eager step (Megatron's graph "
+            "warm-up steps do) before capturing")
     if buf is not None:
         num_max_tokens_per_rank = max(num_max_tokens_per_rank, buf.num_max_tokens_per_rank)
         hidden, num_topk = max(hidden, buf.hidden), max(num_topk, buf.num_topk)

@@ -214,10 +214,15 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self._tokens_dropped = None
         self._expert_map = None  # (table, copies, num_physical) once resolved; False: none
         self._physical_to_logical = None
-        # What `dispatch_preprocess` leaves for the later hooks: the graph outputs of Megatron's
-        # `moe_preprocess` CUDA-graph scope (the dispatch itself is captured by the `moe` scope,
-        # sync-free only).
+        # The tensors `dispatch_preprocess` leaves for the later hooks. Megatron returns them as
+        # outputs of a graph that ends after the preprocess (`moe_preprocess` under the
+        # transformer_engine impl; `moe_router` / `moe_preprocess` under the local impl, whose
+        # router graph covers the preprocess) and sets them back before the eager dispatch:
+        # replays run none of this Python. Everything else the preprocess sets is fixed by the
+        # graph's static shapes (`hidden_shape`, `_probs_dtype`).
         self.cudagraph_attrs = ["_topk_idx"]
+        if self.options.metrics:
+            self.cudagraph_attrs.append("_tokens_dropped")
 
     # ------------------------------------------------------------------------------------------
     def bind_layer(self, layer) -> None:
@@ -320,6 +325,12 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
 
     def _metrics(self):
         if not self.options.metrics:
+            return None
+        from megatron_deepep.buffer import is_capturing
+
+        if is_capturing():  # timing events cannot be captured, and replays run no Python
+            log_once(logger, "megatron_deepep: metrics skip the layers whose dispatch a CUDA "
+                     "graph captures (they replay without Python)")
             return None
         return metrics.get_collector(self.options.metrics_dir)
 

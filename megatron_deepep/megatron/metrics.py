@@ -433,7 +433,14 @@ def _report_call():
 
 
 def _flush_collector(params, args, kwargs) -> bool:
-    """Flushes the active collector into Megatron's tracker before a report; False if none."""
+    """Flushes the active collector into Megatron's tracker before a report; False if none.
+
+    First raises any error the dispatch kernels recorded (`buffer.check_buffers`): a step whose
+    dispatches all replay in CUDA graphs makes no eager call that would.
+    """
+    from megatron_deepep.buffer import check_buffers
+
+    check_buffers()
     if _COLLECTOR is None:
         return False
     bound = dict(zip(params, args), **kwargs)

@@ -29,12 +29,16 @@ class Transport(abc.ABC):
         device: the GPU its kernels run on; None when it follows its inputs' device (then
             `Buffer` runs it inline instead of on a communication stream).
         num_bytes: device memory it holds for its peers (0 where none).
+        graph_capture_refusal: why its calls cannot be captured in a CUDA graph (None: they
+            can, given a row bound: no host synchronization, and nothing per call kept on the
+            host that a replay would need to change).
     """
 
     name: str = ""
     row_dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16,)
     device: Optional[torch.device] = None
     num_bytes: int = 0
+    graph_capture_refusal: Optional[str] = "it was not written for CUDA graphs"
 
     @staticmethod
     @abc.abstractmethod

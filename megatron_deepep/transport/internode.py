@@ -81,6 +81,11 @@ class InternodeTransport(Transport):
     """
 
     name = "internode"
+    # NOTES: the flag epochs are kernel arguments counted on the host: a replayed graph would
+    # pass the captured ones again, and the peers' flags already hold them.
+    graph_capture_refusal = ("its kernels take each call's flag epoch from the host, so a "
+                             "replayed graph would reuse stale epochs (graphs around the "
+                             "dispatch need EP = 1 for now)")
     row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,

@@ -43,6 +43,8 @@ class LocalTransport(Transport):
     """
 
     name = "local"
+    # Its layout kernel keeps its epoch on the device; the other epochs only tag host waits.
+    graph_capture_refusal = None
     row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,

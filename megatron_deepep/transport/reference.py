@@ -92,6 +92,7 @@ class ReferenceTransport(Transport):
     """
 
     name = "reference"
+    graph_capture_refusal = "it exchanges split sizes on the host (torch.distributed)"
     row_dtypes = (torch.bfloat16, torch.float16, torch.float32)
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int = 0, num_topk: int = 0,

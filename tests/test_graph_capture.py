@@ -1,0 +1,270 @@
+"""CPU tier: what Megatron's CUDA-graph machinery needs from the deepep dispatcher.
+
+Megatron's partial MoE graphs end after the router (`moe_router`) or after the dispatch
+preprocess (`moe_preprocess`); a replay then restores the dispatcher's `cudagraph_attrs` from
+the graph's outputs and runs the rest eagerly, without running any Python of the captured part.
+The contract is checked here on megatron-core's own code paths (0.19's `MoETransformerLayer`
+router / expert-compute / postprocess split of the local impl; the capture signal and tensor
+store of the transformer_engine impl), on one CPU rank with the reference transport: a "capture"
+on input A, then one on input B (so every Python attribute of the dispatcher now describes B),
+then a "replay" of A from A's graph outputs must equal an eager pass over A, output and
+gradients. An attribute missing from `cudagraph_attrs` would make the replay use B's routing.
+
+Also: the Buffer refuses a capture its transport cannot be replayed from, remembers one it can
+(it may then never be replaced by a larger Buffer), and reports kernel errors at the step-end
+report even when no eager call ran. The real graphs run in tests/gpu/test_megatron_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+pytest.importorskip("megatron.core")
+
+H = 32
+SHAPE = (6, 2, H)  # [S, B, H]
+
+
+def _megatron_has_partial_graphs() -> bool:
+    from megatron.core.transformer import transformer_layer
+
+    layer = getattr(transformer_layer, "MoETransformerLayer", None)
+    return layer is not None and hasattr(layer, "_get_token_dispatcher_attrs")
+
+
+needs_019 = pytest.mark.skipif(
+    not _megatron_has_partial_graphs(),
+    reason="megatron-core < 0.19 has another partial-graph API (MoETransformerLayer keeps a "
+           "copy of the attributes); the GPU tier runs 0.19.2")
+
+
+def _config(**kwargs):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=1, hidden_size=H, ffn_hidden_size=2 * H, moe_ffn_hidden_size=2 * H,
+                  num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+                  moe_token_dispatcher_type="deepep", moe_router_load_balancing_type="none",
+                  moe_router_dtype="fp32", add_bias_linear=False,
+                  gradient_accumulation_fusion=False, hidden_dropout=0.0,
+                  attention_dropout=0.0, use_cpu_initialization=True)
+    fields.update(kwargs)
+    config = TransformerConfig(**fields)
+    config.moe_mdeep_transport = "reference"
+    return config
+
+
+def _layer(config, metrics=False):
+    """A MoETransformerLayer (no attention) with Megatron's SequentialMLP experts."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    if metrics:
+        config.moe_mdeep_metrics = True
+    experts = functools.partial(SequentialMLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    submodules = TransformerLayerSubmodules(
+        pre_mlp_layernorm=LocalSpecProvider().layer_norm(has_residual=True),
+        mlp=functools.partial(MoELayer, submodules=MoESubmodules(experts=experts)),
+        mlp_bda=get_bias_dropout_add)
+    return MoETransformerLayer(config, submodules, layer_number=1)
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _eager(layer, x, g):
+    xi = x.clone().requires_grad_(True)
+    out, _ = layer(xi)
+    out.backward(g)
+    grads = _grads(layer)
+    layer.zero_grad(set_to_none=True)
+    return out.detach(), xi.grad, grads
+
+
+def _compare(got, want, what):
+    torch.testing.assert_close(got[0], want[0], msg=f"{what}: output")
+    torch.testing.assert_close(got[1], want[1], msg=f"{what}: input grad")
+    assert got[2].keys() == want[2].keys(), what
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], msg=f"{what}: grad {name}")
+
+
+@contextlib.contextmanager
+def _megatron_on_cpu():
+    import warnings
+
+    import megatron_deepep.megatron as mdm
+    from megatron.core import parallel_state as ps
+    from megatron_deepep.layer_variants import cpu_stand_ins
+
+    warnings.filterwarnings("ignore")
+    ps.initialize_model_parallel()
+    mdm.register_deepep_dispatcher()
+    try:
+        with cpu_stand_ins():
+            yield
+    finally:
+        mdm.unregister_deepep_dispatcher()
+        ps.destroy_model_parallel()
+
+
+def _inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*SHAPE, generator=gen) for _ in range(4)]
+
+
+def _local_partial_worker(rank, world_size, metrics):
+    """0.19's local impl with moe_router / moe_preprocess, its Python path without graphs."""
+    with _megatron_on_cpu():
+        torch.manual_seed(7)
+        graphed = _layer(_config(), metrics)
+        eager = _layer(_config(), metrics)
+        eager.load_state_dict(graphed.state_dict())
+        dispatcher = graphed.mlp.token_dispatcher
+        assert dispatcher.cudagraph_attrs == ["_topk_idx"] + (["_tokens_dropped"] if metrics
+                                                               else [])
+        x_a, g_a, x_b, _ = _inputs(3)
+        graphed.use_partial_cudagraphs = True  # what transition_cudagraph_scope("partial") sets
+        xi = x_a.clone().requires_grad_(True)
+        captured_a = graphed._forward_mlp_router(xi)
+        names = graphed._local_cudagraph_attr_names
+        assert names == tuple(dispatcher.cudagraph_attrs), names
+        graphed._forward_mlp_router(x_b.clone().requires_grad_(True))  # state now B's
+        residual, hidden, probs, shared, *attrs = captured_a
+        expert_out, bias = graphed._forward_mlp_expert_compute(hidden, probs, attrs)
+        out = graphed._forward_mlp_postprocess(residual, expert_out, shared, bias)
+        out.backward(g_a)
+        got = (out.detach(), xi.grad, _grads(graphed))
+        _compare(got, _eager(eager, x_a, g_a), "replay of A after B")
+
+
+@needs_019
+@pytest.mark.parametrize("metrics", [False, True], ids=["plain", "metrics"])
+def test_local_partial_graph_replays_from_cudagraph_attrs(metrics):
+    run_distributed(1, _local_partial_worker, metrics)
+
+
+def _te_partial_worker(rank, world_size, modules):
+    """0.19's transformer_engine impl: the MoE layer's early return at the end of the captured
+    region, then the replay path (attributes set back, the tensor store skips what the graph
+    computed)."""
+    from megatron.core.transformer import cuda_graphs
+
+    with _megatron_on_cpu():
+        torch.manual_seed(7)
+        config = _config(cuda_graph_impl="transformer_engine", cuda_graph_modules=modules)
+        graphed = _layer(config).mlp
+        eager = _layer(_config()).mlp
+        eager.load_state_dict(graphed.state_dict())
+        x_a, g_a, x_b, _ = _inputs(5)
+        with_preprocess = "moe_preprocess" in modules
+
+        cuda_graphs._set_capture_start()
+        try:
+            xi = x_a.clone().requires_grad_(True)
+            captured_a = graphed(xi)
+            graphed(x_b.clone())  # state now B's
+        finally:
+            cuda_graphs._set_capture_end()
+        dispatcher = graphed.token_dispatcher
+        if with_preprocess:  # [hidden, probs, *attrs], as _te_cuda_graph_replay splits them
+            (hidden, probs), attrs = captured_a[:2], captured_a[2:]
+            assert dispatcher.valid_cudagraph_attrs == ["_topk_idx"]
+            for name, value in zip(dispatcher.valid_cudagraph_attrs, attrs):
+                setattr(dispatcher, name, value)
+            graphed.cudagraph_tensor_store.set(hidden_states=hidden, probs=probs)
+        else:  # [hidden, probs, routing_map]
+            hidden, probs, routing_map = captured_a
+            graphed.cudagraph_tensor_store.set(hidden_states=hidden, probs=probs,
+                                               routing_map=routing_map)
+        out, _ = graphed(hidden)
+        graphed.cudagraph_tensor_store.clear()
+        out.backward(g_a)
+        got = (out.detach(), xi.grad, _grads(graphed))
+
+        xe = x_a.clone().requires_grad_(True)
+        want_out, _ = eager(xe)
+        want_out.backward(g_a)
+        _compare(got, (want_out.detach(), xe.grad, _grads(eager)), f"{modules}: replay of A")
+
+
+@needs_019
+@pytest.mark.parametrize("modules", [["moe_router"], ["moe_router", "moe_preprocess"]],
+                         ids=["moe_router", "moe_preprocess"])
+def test_te_partial_graph_replays_from_cudagraph_attrs(modules):
+    run_distributed(1, _te_partial_worker, modules)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Buffer under capture (reference transport on one gloo rank; capture stood in).
+
+def _buffer_worker(rank, world_size):
+    from megatron_deepep import buffer as buffer_module
+    from megatron_deepep.buffer import check_buffers, get_buffer
+
+    group = torch.distributed.group.WORLD
+    buf = get_buffer(group, 16, 64, 2, transport="reference")
+    x = torch.randn(4, 64).bfloat16()
+    topk_idx = torch.tensor([[0, 1], [1, 2], [3, -1], [2, 0]])
+    weights = torch.rand(4, 2)
+    saved = buffer_module.is_capturing
+    buffer_module.is_capturing = lambda: True
+    try:
+        try:
+            buf.dispatch(x, topk_idx, weights, num_experts=4)
+            raise AssertionError("the reference transport was captured")
+        except RuntimeError as exc:
+            assert "reference transport cannot run inside a CUDA-graph capture" in str(exc)
+        assert not buf.captured
+        try:
+            get_buffer(torch.distributed.new_group([0]), 16, 64, 2, transport="reference")
+            raise AssertionError("a Buffer was created inside a capture")
+        except RuntimeError as exc:
+            assert "cannot be created inside a CUDA-graph capture" in str(exc)
+        # A transport that can be replayed: the Buffer remembers the capture.
+        buf._transport.graph_capture_refusal = None
+        buf.dispatch(x, topk_idx, weights, num_experts=4)
+        assert buf.captured
+    finally:
+        buffer_module.is_capturing = saved
+    assert get_buffer(group, 8, 64, 2, transport="reference") is buf  # fits: no growth
+    try:
+        get_buffer(group, 32, 64, 2, transport="reference")
+        raise AssertionError("a captured Buffer grew")
+    except ValueError as exc:
+        assert "num_max_tokens_per_rank=32" in str(exc)
+        assert "--moe-mdeep-num-max-tokens-per-rank" in str(exc)
+    check_buffers()  # no kernel error recorded
+
+
+def test_buffer_capture_guards():
+    run_distributed(1, _buffer_worker)
+
+
+def test_step_end_report_checks_buffer_errors(monkeypatch):
+    """Megatron's step-end MoE report (our hook) raises a kernel error recorded during graph
+    replays, which make no eager call that would."""
+    from megatron_deepep import buffer as buffer_module
+    from megatron_deepep.megatron import metrics
+
+    def broken():
+        raise ValueError("num_max_recv_rows=4 is too small")
+
+    monkeypatch.setattr(buffer_module, "check_buffers", broken)
+    with pytest.raises(ValueError, match="num_max_recv_rows=4 is too small"):
+        metrics._flush_collector([], (), {})
