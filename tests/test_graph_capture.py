@@ -159,48 +159,88 @@ def test_local_partial_graph_replays_from_cudagraph_attrs(metrics):
     run_distributed(1, _local_partial_worker, metrics)
 
 
+class _Chunk(torch.nn.Module):
+    """The smallest model chunk `TECudaGraphHelper` takes: `decoder.layers`, and the DDP
+    wrapper's `zero_grad_buffer` (here: the plain grads)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList([layer])
+
+    def zero_grad_buffer(self):
+        self.zero_grad(set_to_none=True)
+
+
 def _te_partial_worker(rank, world_size, modules):
-    """0.19's transformer_engine impl: the MoE layer's early return at the end of the captured
-    region, then the replay path (attributes set back, the tensor store skips what the graph
-    computed)."""
+    """0.19's transformer_engine impl through `TECudaGraphHelper` and `TransformerLayer`'s own
+    capture / replay methods, with TE's `make_graphed_callables` stood in: its "graph" runs the
+    captured region (`_te_cuda_graph_capture`, Megatron's capture flag set) on the replay's
+    input, then once more on a decoy input, and returns the first outputs, as a replay returns
+    outputs while the dispatcher's Python attributes still describe something else."""
+    from megatron.core import num_microbatches_calculator as nmc
     from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.module import GraphableMegatronModule
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     with _megatron_on_cpu():
         torch.manual_seed(7)
         config = _config(cuda_graph_impl="transformer_engine", cuda_graph_modules=modules)
-        graphed = _layer(config).mlp
-        eager = _layer(_config()).mlp
+        graphed = TransformerLayer(config, _layer(config).submodules_config, layer_number=1)
+        eager = _layer(_config())
         eager.load_state_dict(graphed.state_dict())
-        x_a, g_a, x_b, _ = _inputs(5)
-        with_preprocess = "moe_preprocess" in modules
+        x_a, g_a, x_b, decoy = _inputs(5)
+        captures = []
 
-        cuda_graphs._set_capture_start()
+        def make_graphed_callables(callables, sample_args, **kwargs):
+            (layer,), ((static_x,),) = callables, sample_args
+            assert static_x.shape == SHAPE and kwargs["_order"] == [1, -1]
+
+            def graph(x, **replay_kwargs):
+                assert set(replay_kwargs) == {"is_first_microbatch"}
+                cuda_graphs._set_capture_start()
+                try:
+                    outputs = layer._te_cuda_graph_capture(x)
+                    layer._te_cuda_graph_capture(decoy.clone())
+                finally:
+                    cuda_graphs._set_capture_end()
+                captures.append(len(outputs))
+                return outputs
+            return [graph]
+
+        nmc.init_num_microbatches_calculator(0, None, SHAPE[1], SHAPE[1], 1)
+        patched = dict(HAVE_TE_GRAPHS=True, make_graphed_callables=make_graphed_callables)
+        saved = {k: getattr(cuda_graphs, k, None) for k in patched}
+        saved_cuda = {k: getattr(torch.cuda, k) for k in ("synchronize", "empty_cache")}
+        # TransformerLayer's replay-argument override only adds a zero attention mask (which
+        # needs TE to import); this layer has no attention: the base class's is what runs.
+        saved_args = TransformerLayer._get_te_cuda_graph_replay_args
+        TransformerLayer._get_te_cuda_graph_replay_args = \
+            GraphableMegatronModule._get_te_cuda_graph_replay_args
         try:
-            xi = x_a.clone().requires_grad_(True)
-            captured_a = graphed(xi)
-            graphed(x_b.clone())  # state now B's
+            for k, v in patched.items():
+                setattr(cuda_graphs, k, v)
+            torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None
+            chunk = _Chunk(graphed)
+            helper = cuda_graphs.TECudaGraphHelper(model=[chunk], config=config,
+                                                   seq_length=SHAPE[0],
+                                                   micro_batch_size=SHAPE[1])
+            assert helper.flattened_callables == [graphed]
+            helper.create_cudagraphs()
+            assert len(graphed.cuda_graphs) == 1
+            for step, (x, g) in enumerate([(x_a, g_a), (x_b, g_a)]):
+                chunk.zero_grad_buffer()
+                got = _eager(graphed, x, g)
+                _compare(got, _eager(eager, x, g), f"{modules}: replay {step}")
         finally:
-            cuda_graphs._set_capture_end()
-        dispatcher = graphed.token_dispatcher
-        if with_preprocess:  # [hidden, probs, *attrs], as _te_cuda_graph_replay splits them
-            (hidden, probs), attrs = captured_a[:2], captured_a[2:]
-            assert dispatcher.valid_cudagraph_attrs == ["_topk_idx"]
-            for name, value in zip(dispatcher.valid_cudagraph_attrs, attrs):
-                setattr(dispatcher, name, value)
-            graphed.cudagraph_tensor_store.set(hidden_states=hidden, probs=probs)
-        else:  # [hidden, probs, routing_map]
-            hidden, probs, routing_map = captured_a
-            graphed.cudagraph_tensor_store.set(hidden_states=hidden, probs=probs,
-                                               routing_map=routing_map)
-        out, _ = graphed(hidden)
-        graphed.cudagraph_tensor_store.clear()
-        out.backward(g_a)
-        got = (out.detach(), xi.grad, _grads(graphed))
-
-        xe = x_a.clone().requires_grad_(True)
-        want_out, _ = eager(xe)
-        want_out.backward(g_a)
-        _compare(got, (want_out.detach(), xe.grad, _grads(eager)), f"{modules}: replay of A")
+            TransformerLayer._get_te_cuda_graph_replay_args = saved_args
+            for k, v in saved.items():
+                setattr(cuda_graphs, k, v)
+            for k, v in saved_cuda.items():
+                setattr(torch.cuda, k, v)
+            nmc.destroy_num_microbatches_calculator()
+        # [hidden, probs, routing_map] / [hidden, probs, _topk_idx], then the residual
+        assert captures == [4, 4], captures
 
 
 @needs_019
