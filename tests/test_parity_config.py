@@ -325,3 +325,31 @@ def test_deepep_refuses_exactly_what_megatron_refuses(impl, scope, extra):
     want = {getattr(m, "name", m) for m in getattr(megatron, _scope_field())}
     assert options.graph_scope(deepep).modules == want
     assert options.graph_scope(deepep).impl == megatron.cuda_graph_impl
+
+
+@pytest.mark.parametrize("impl, scope, extra, bound, match", [
+    ("local", ["moe"], {}, True, "--cuda-graph-(modules|scope) moe captures the MoE layer"),
+    ("local", [], {}, False, "captures the deepep dispatch, which then must not synchronize"),
+    ("local", ["attn"], {}, False, "--cuda-graph-(modules|scope) attn .* captures the deepep"),
+    ("local", ["moe_router"], dict(moe_expert_capacity_factor=1.0), False,
+     "moe_preprocess .* without --moe-pad-expert-input-to-capacity"),
+    ("transformer_engine", ["moe_preprocess"], {}, False, "moe_preprocess needs moe_router"),
+    ("transformer_engine", [], dict(expert_model_parallel_size=2), True,
+     "--expert-model-parallel-size 2"),
+])
+def test_transformer_config_names_the_graph_flag(monkeypatch, impl, scope, extra, bound, match):
+    """Under the plugin, TransformerConfig itself refuses (before Megatron's bare assertions or
+    a failed capture) with a message naming the flag."""
+    import megatron_deepep.megatron as mdm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    monkeypatch.setenv("MDEEP_RANK_CAPACITY_FACTOR", "2" if bound else "")
+    mdm.register_deepep_dispatcher()
+    try:
+        with pytest.raises(ValueError, match=match):
+            TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                              num_moe_experts=8, moe_router_topk=2,
+                              moe_token_dispatcher_type="deepep", cuda_graph_impl=impl,
+                              **{_scope_field(): scope}, **extra)
+    finally:
+        mdm.unregister_deepep_dispatcher()
