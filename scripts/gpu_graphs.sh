@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The deepep MoE layer under Megatron's own CUDA-graph managers (issue 18, item 4), one GPU:
+#   bash scripts/gpu_graphs.sh
+# Needs in the repo's ignored .whl/: the megatron-core 0.19.2 wheel and, for the
+# --cuda-graph-impl transformer_engine cases, the TE wheel set of
+# ../shared/wheels/te-2.20.2-cp312-sm90/ (transformer_engine, transformer_engine_cu13,
+# transformer_engine_torch, pydantic and its three dependencies). All wheels are installed
+# together, in ONE pip command (one at a time with --target silently drops TE's extension .so),
+# into /tmp/site. Without the TE wheels the transformer_engine cases skip, saying why.
+# Then: precompiles the kernels the cases use (top-k 2, bf16) into MDEEP_CACHE_DIR (default
+# /tmp/mdeep_cache) and runs tests/gpu/test_megatron_graphs_gpu.py: `--cuda-graph-impl local`
+# (CudaGraphManager; whole layer, moe, moe_router / moe_preprocess, attn) and
+# `transformer_engine` (TECudaGraphHelper; whole layer, moe, moe_router, moe_preprocess), each
+# against an eager twin over 5 steps. Prints one line per test and a count; full log and JUnit
+# XML in $OUT (default .graphs_out). Knobs: PYTEST_ARGS (e.g. -k local), TEST_TIMEOUT (default
+# 540 s). Exit status: pytest's. About 2 to 4 minutes on one H200 (kernel compiles first).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
+OUT=${OUT:-.graphs_out}
+mkdir -p "$OUT"
+t0=$(date +%s)
+if ! ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+  echo "gpu_graphs: FAIL no .whl/megatron_core-*.whl (the tests need megatron-core 0.19.2)"
+  exit 2
+fi
+if ! ls .whl/transformer_engine_torch-*.whl >/dev/null 2>&1; then
+  echo "gpu_graphs: note: no TE wheels in .whl/ (copy ../shared/wheels/te-2.20.2-cp312-sm90/" \
+    "*.whl there): the transformer_engine cases will skip"
+fi
+if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl; then
+  echo "gpu_graphs: FAIL pip could not install .whl/*.whl into /tmp/site"
+  exit 2
+fi
+export PYTHONPATH=/tmp/site:$PWD
+echo "gpu_graphs: wheels installed in $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 - <<'EOF'
+import warnings
+warnings.filterwarnings("ignore")
+import torch
+line = f"torch {torch.__version__} cuda {torch.version.cuda}"
+try:
+    import megatron.core
+    line += f" | megatron-core {megatron.core.__version__}"
+except Exception as exc:
+    line += f" | megatron-core import FAILED ({type(exc).__name__}: {exc})"
+try:
+    import transformer_engine, transformer_engine.pytorch  # noqa: F401
+    line += f" | TE {transformer_engine.__version__}"
+except Exception as exc:  # the TE cases then skip: say why here
+    line += f" | TE unavailable ({type(exc).__name__}: {str(exc)[:120]})"
+print("gpu_graphs:", line)
+EOF
+timeout 240 python3 -m megatron_deepep.precompile --topk 2 --row-dtype bf16 -q 2>&1 | tail -2
+t1=$(date +%s)
+# shellcheck disable=SC2086
+timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -m gpu tests/gpu/test_megatron_graphs_gpu.py \
+  -q -rA -p no:cacheprovider --junitxml="$OUT/graphs.xml" ${PYTEST_ARGS:-} \
+  > "$OUT/graphs.log" 2>&1
+rc=$?
+echo "gpu_graphs: pytest rc $rc in $(( $(date +%s) - t1 )) s (log $OUT/graphs.log)"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED) " "$OUT/graphs.log" \
+  | sed -E 's#tests/gpu/test_megatron_graphs_gpu\.py::test_##' \
+  | awk '{status=$1; $1=""; printf "%-8s %s\n", status, substr($0, 2)}'
+tail -1 "$OUT/graphs.log"
+if [ $rc -ne 0 ]; then
+  echo "gpu_graphs: errors in the log:"
+  grep -E "^E |Error|assert" "$OUT/graphs.log" | head -30
+fi
+echo "gpu_graphs: total $(( $(date +%s) - t0 )) s"
+exit $rc
