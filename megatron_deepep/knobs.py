@@ -90,7 +90,8 @@ _TABLE = (
          "ranks (virtual nodes); unset: the ranks' host names", "dispatcher"),
     Knob("NUM_SMS", "int", None, "24", "SM budget of the communication kernels", "dispatcher"),
     Knob("NUM_MAX_TOKENS_PER_RANK", "int", None, "next power of two >= the first call, "
-         ">= 4096", "most tokens one rank dispatches per call; the same on every rank",
+         ">= 4096", "most tokens one rank dispatches per call; the same on every rank (a "
+         "Buffer a CUDA graph captured cannot grow: set it when token counts vary)",
          "dispatcher"),
     Knob("METRICS", "bool", None, "0", "per-layer communication and load metrics in Megatron's "
          "MoE tracker (TensorBoard / W&B)", "dispatcher"),
@@ -100,7 +101,8 @@ _TABLE = (
          "`auto` (TE's active recipe) or a format name", "dispatcher"),
     Knob("RANK_CAPACITY_FACTOR", "str", None, "unset", "sync-free dispatch: receive at most "
          "factor x tokens x top-k rows per rank (Megatron's `--moe-expert-rank-capacity-factor` "
-         "wins where it exists); more is an error", "dispatcher"),
+         "wins where it exists); more is an error. The bound CUDA graphs around the dispatch "
+         "need (`docs/cuda_graphs.md`)", "dispatcher"),
     Knob("EXPERT_MAP", "str", None, "unset", "a placement from `python -m "
          "megatron_deepep.balance --json` (per layer, or one plan for every layer): the "
          "dispatcher routes logical experts to its physical slots", "dispatcher"),

@@ -130,7 +130,7 @@ GPU_ONLY = {
     "grouped_gemm": "TEGroupedMLP / GroupedMLP need Transformer Engine or grouped_gemm",
     "moe_latent_size": "MoELayer's latent projections are TELinear (Transformer Engine)",
     "recompute_moe_act": "Megatron allows --recompute-modules moe_act with grouped GEMM only",
-    "cuda_graphs": "tests/gpu/test_parity_graphs_gpu.py",
+    "cuda_graphs": "tests/gpu/test_parity_graphs_gpu.py, tests/gpu/test_megatron_graphs_gpu.py",
 }
 # Options Megatron's own MoELayer refuses with alltoall too, so there is nothing to match; the
 # dispatcher-level tests (test_megatron_dispatcher.py) cover them on the six hooks.
