@@ -253,11 +253,14 @@ def _grads(module):
 
 
 def _step(layer, x, grad_out):
+    """One forward + backward; the output is read before the backward, as a training step
+    reads its loss (a graph's output buffer may be another graph's memory afterwards)."""
     xi = x.clone().requires_grad_(True)
     out, _ = layer(xi)
+    out_value = out.detach().float().clone()
     out.backward(grad_out)
     torch.cuda.synchronize()
-    return out.detach().float().clone(), xi.grad.float().clone(), _grads(layer)
+    return out_value, xi.grad.float().clone(), _grads(layer)
 
 
 def _close(got, want, what):
@@ -328,6 +331,8 @@ def _run(impl, modules, mode, layer_kind):
             if step == first_replay:
                 dispatch_calls = _CallCounter(dispatcher, "token_dispatch")
                 preprocess_calls = _CallCounter(dispatcher, "dispatch_preprocess")
+            if impl == TE_IMPL:  # the schedule's forward_step: which graph replays
+                cuda_graphs.set_current_microbatch(chunk, 0)
             _zero_grads(graphed)
             got = _step(graphed, x, grad_out)
             if impl == "local":
