@@ -200,6 +200,20 @@ struct DequantizeArgs {
     int num_tokens, hidden;
 };
 
+// fp8_columnwise.cu: columnwise_from_rowwise. The row scales of (row r, 128-column block b) are
+// at scales[r * token_stride + b * block_stride] (the wire's [rows, nb] or TE's GEMM-ready
+// [nb, round_up(rows, 4)]); outputs are packed per expert (layout in fp8_columnwise.cu).
+struct ColumnwiseArgs {
+    const u8* q;                 // [num_rows, hidden] e4m3, rows grouped by expert
+    const float* scales;
+    i64 token_stride, block_stride;
+    const int* row_offsets;      // [num_experts + 1], device
+    u8* col_data;                // [hidden * num_rows] e4m3
+    float* col_scales;           // [num_blocks, scale_cols] fp32 scale_inv
+    int num_experts, num_rows, hidden, scale_cols, num_blocks;
+    float amax_epsilon;
+};
+
 // ceiling.cu: fill_kernel.
 struct FillArgs {
     int4* dst;
