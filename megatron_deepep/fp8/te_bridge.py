@@ -47,6 +47,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_deepep.fp8 import columnwise
 from megatron_deepep.fp8.formats import (
     BLOCKWISE_1x128,
     BLOCKWISE_1x128_FP32_SCALES,
@@ -423,7 +424,7 @@ def pack_split_scales(scales: torch.Tensor, splits: Sequence[int]) -> List[torch
     if rows[-1]:
         index = split_scale_index(splits, num_blocks, device=scales.device)
         flat.index_copy_(0, index.reshape(-1), scales.reshape(-1))
-    return [flat[num_blocks * c0: num_blocks * c1].view(num_blocks, c1 - c0)
+    return [flat.as_strided((num_blocks, c1 - c0), (c1 - c0, 1), num_blocks * c0)
             for c0, c1 in zip(cols[:-1], cols[1:])]
 
 
@@ -441,24 +442,116 @@ def split_rowwise(x_fp8: torch.Tensor, scales: torch.Tensor, splits: Sequence[in
 
     Returns:
         One rowwise-only `Float8BlockwiseQTensorStorage` per split (data: a view of `x_fp8`;
-        scales: GEMM-ready, `pack_split_scales`).
+        scales: GEMM-ready, `pack_split_scales`). They carry no quantizer: TE's GEMM reads their
+        data, scales and dtype only (and a quantizer per split would be copied per split).
     """
     _require_te()
     if fmt.scale_kind is not ScaleKind.FP32_SCALE_INV:
         raise TEUnavailableError(f"split_rowwise takes blockwise 1x128 rows, not {fmt.name}")
+    import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
         Float8BlockwiseQTensorStorage,
     )
 
-    quantizer = _rowwise_quantizer(fmt, None)
     data = x_fp8.contiguous().view(torch.uint8)
-    rows, _ = split_offsets(splits)
-    if rows[-1] != data.shape[0]:
-        raise ValueError(f"splits sum to {rows[-1]}, rows are {data.shape[0]}")
+    splits = [int(m) for m in splits]
+    if sum(splits) != data.shape[0]:
+        raise ValueError(f"splits sum to {sum(splits)}, rows are {data.shape[0]}")
     packed = pack_split_scales(scales, splits)
+    e4m3 = tex.DType.kFloat8E4M3
+    return [Float8BlockwiseQTensorStorage(rows, scale, None, None, e4m3, None, False,
+                                          fake_dtype=dtype)
+            for rows, scale in zip(data.split(splits), packed)]
+
+
+def columnwise_reason(x_fp8: torch.Tensor) -> str:
+    """Why `split_columnwise` cannot make the columnwise copy of these rows ("" if it can)."""
+    if not te_available()[0]:
+        return te_available()[1]
+    if not x_fp8.is_cuda:
+        return f"the rows are on {x_fp8.device} (the kernel runs on CUDA devices)"
+    hidden = x_fp8.shape[1]
+    if hidden % GEMM_HIDDEN_MULTIPLE:
+        return f"hidden {hidden} is not a multiple of {GEMM_HIDDEN_MULTIPLE}"
+    return _columnwise_layout_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def _columnwise_layout_reason() -> str:
+    """Whether TE's columnwise 1D blockwise layout is the one the kernel writes (asked once)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    quantizer = Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=False, columnwise=True,
+                                     block_scaling_dim=1)
+    rows, hidden = 2 * columnwise.TOKEN_BLOCK + 16, 2 * 128 + 16
+    want = ((hidden, rows), (3, columnwise.scale_columns(hidden)))
+    got = (tuple(quantizer.get_columnwise_shape((rows, hidden))),
+           tuple(quantizer.get_scale_shape((rows, hidden), columnwise=True)))
+    if got != want:
+        return (f"TE {'.'.join(map(str, te_version()))} lays columnwise 1D blocks out as data "
+                f"{got[0]}, scales {got[1]} for {(rows, hidden)}; the kernel writes {want}")
+    return ""
+
+
+def split_columnwise(x_fp8: torch.Tensor, scales: torch.Tensor, splits: Sequence[int], *,
+                     power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                     dtype: torch.dtype = torch.bfloat16,
+                     row_offsets: Optional[torch.Tensor] = None) -> List[Any]:
+    """Per-split TE tensors of the columnwise (128x1) copy of wire rows, made from the FP8 rows.
+
+    The FP8 experts' wgrad operand: what `tex.split_quantize` returns for the dequantized rows
+    with a columnwise-only `Float8BlockQuantizer` of these settings (bit for bit:
+    `fp8.columnwise`), made by one kernel (`ops.columnwise_from_rowwise`) without the bf16 copy.
+
+    Args:
+        x_fp8: `[N, H]` torch.float8_e4m3fn (or uint8), contiguous, CUDA, rows grouped by split.
+        scales: `[N, ceil(H / 128)]` torch.float32 rowwise scale_inv (any strides).
+        splits: rows per split (sum N).
+        power_2_scale, amax_epsilon: the columnwise quantizer's settings (the recipe's input
+            quantizer: `force_pow_2_scales`, `amax_epsilon`).
+        dtype: the nominal high-precision dtype.
+        row_offsets: `[len(splits) + 1]` int32 on x's device, the splits' row offsets, if the
+            caller has them there (else copied from the host, asynchronously).
+
+    Returns:
+        One columnwise-only `Float8BlockwiseQTensorStorage` per split: data `[H, m_i]` and
+        GEMM-ready scale_inv `[ceil(m_i / 128), round_up(H, 4)]`, views of two packed buffers.
+    """
+    _require_te()
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage,
+    )
+
+    from megatron_deepep import ops
+
+    rows, blocks = columnwise.layout(splits)
+    num_rows, hidden = x_fp8.shape
+    if rows[-1] != num_rows:
+        raise ValueError(f"splits sum to {rows[-1]}, rows are {num_rows}")
+    if row_offsets is None:
+        row_offsets = device_offsets(rows, x_fp8.device)
+    data, scale = ops.columnwise_from_rowwise(
+        x_fp8, scales, row_offsets, blocks[-1], power_2_scale=power_2_scale,
+        amax_epsilon=amax_epsilon)
+    cols = scale.shape[1]
+    e4m3 = tex.DType.kFloat8E4M3
+    # One view per buffer and split (as_strided: one call each); no quantizer (TE's GEMM reads
+    # data, scales and dtype only), so no quantizer copy per split either.
     return [Float8BlockwiseQTensorStorage(
-        data[r0:r1], scale, None, None, quantizer.dtype, quantizer, False, fake_dtype=dtype)
-        for r0, r1, scale in zip(rows[:-1], rows[1:], packed)]
+        None, None, data.as_strided((hidden, r1 - r0), (r1 - r0, 1), hidden * r0),
+        scale.as_strided((b1 - b0, cols), (cols, 1), cols * b0), e4m3, None, False,
+        fake_dtype=dtype)
+        for r0, r1, b0, b1 in zip(rows[:-1], rows[1:], blocks[:-1], blocks[1:])]
+
+
+def device_offsets(offsets: Sequence[int], device: Any) -> torch.Tensor:
+    """`offsets` as an int32 tensor on `device`: one asynchronous copy from pinned memory."""
+    host = torch.tensor(offsets, dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def maybe_to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format,
