@@ -6,8 +6,9 @@
 // nb_e = ceil(m_e / 128) token blocks; B_e = nb_0 + ... + nb_{e-1}; C = scale_cols =
 // round_up(H, 4)):
 //   q           [num_rows, H]  e4m3, rows grouped by expert
-//   scales      fp32 scale_inv of (row r, 128-column block b) at r * token_stride + b *
-//               block_stride (the wire's [num_rows, nb], or TE's GEMM-ready [nb, round_up(rows, 4)])
+//   scales      fp32 scale_inv of (row r, 128-column block b) at r * token_stride +
+//               b * block_stride (the wire's [num_rows, nb], or TE's GEMM-ready
+//               [nb, round_up(num_rows, 4)])
 //   col_data    expert e at H * r_e:  [H, m_e] e4m3, the transpose of its rows
 //   col_scales  expert e at C * B_e:  [nb_e, C] fp32 scale_inv, [token block, column]
 // which is what TE 2.20's Float8BlockQuantizer (block_scaling_dim 1, columnwise usage, GEMM-ready

@@ -66,6 +66,14 @@ def layout(splits: Sequence[int]) -> Tuple[List[int], List[int]]:
     return rows, blocks
 
 
+def device_offsets(offsets: Sequence[int], device) -> torch.Tensor:
+    """`offsets` as an int32 tensor on `device` (one asynchronous copy from pinned memory)."""
+    host = torch.tensor(list(offsets), dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def quantize_columnwise(x: torch.Tensor, power_2_scale: bool = True,
                         amax_epsilon: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """TE's columnwise 128x1 quantization of one expert's rows.

@@ -465,7 +465,7 @@ def split_rowwise(x_fp8: torch.Tensor, scales: torch.Tensor, splits: Sequence[in
 
 
 def columnwise_reason(x_fp8: torch.Tensor) -> str:
-    """Why `split_columnwise` cannot make the columnwise copy of these rows ("" if it can)."""
+    """Why `ops.columnwise_from_rowwise` cannot make these rows' columnwise copy ("" if it can)."""
     if not te_available()[0]:
         return te_available()[1]
     if not x_fp8.is_cuda:
@@ -494,29 +494,24 @@ def _columnwise_layout_reason() -> str:
     return ""
 
 
-def split_columnwise(x_fp8: torch.Tensor, scales: torch.Tensor, splits: Sequence[int], *,
-                     power_2_scale: bool = True, amax_epsilon: float = 0.0,
-                     dtype: torch.dtype = torch.bfloat16,
-                     row_offsets: Optional[torch.Tensor] = None) -> List[Any]:
-    """Per-split TE tensors of the columnwise (128x1) copy of wire rows, made from the FP8 rows.
-
-    The FP8 experts' wgrad operand: what `tex.split_quantize` returns for the dequantized rows
-    with a columnwise-only `Float8BlockQuantizer` of these settings (bit for bit:
-    `fp8.columnwise`), made by one kernel (`ops.columnwise_from_rowwise`) without the bf16 copy.
+def columnwise_tensors(data: torch.Tensor, scale_inv: torch.Tensor, splits: Sequence[int],
+                       hidden: int, *, dtype: torch.dtype = torch.bfloat16) -> List[Any]:
+    """Per-split TE tensors over the packed columnwise copy of wire rows (the wgrad operand).
 
     Args:
-        x_fp8: `[N, H]` torch.float8_e4m3fn (or uint8), contiguous, CUDA, rows grouped by split.
-        scales: `[N, ceil(H / 128)]` torch.float32 rowwise scale_inv (any strides).
+        data: `[H * N]` torch.uint8, the packed columnwise data (`fp8.columnwise` layout, as
+            `ops.columnwise_from_rowwise` writes it): split i's `[H, m_i]` at `H * row_i`.
+        scale_inv: `[num_blocks, round_up(H, 4)]` torch.float32: split i's
+            `[ceil(m_i / 128), round_up(H, 4)]` GEMM-ready scales from its first block's row.
         splits: rows per split (sum N).
-        power_2_scale, amax_epsilon: the columnwise quantizer's settings (the recipe's input
-            quantizer: `force_pow_2_scales`, `amax_epsilon`).
+        hidden: H.
         dtype: the nominal high-precision dtype.
-        row_offsets: `[len(splits) + 1]` int32 on x's device, the splits' row offsets, if the
-            caller has them there (else copied from the host, asynchronously).
 
     Returns:
-        One columnwise-only `Float8BlockwiseQTensorStorage` per split: data `[H, m_i]` and
-        GEMM-ready scale_inv `[ceil(m_i / 128), round_up(H, 4)]`, views of two packed buffers.
+        One columnwise-only `Float8BlockwiseQTensorStorage` per split (views of the two
+        buffers): what `tex.split_quantize` returns for the dequantized rows with a
+        columnwise-only `Float8BlockQuantizer`. They carry no quantizer: TE's GEMM reads data,
+        scales and dtype only (and would copy a quantizer per split).
     """
     _require_te()
     import transformer_engine_torch as tex
@@ -524,34 +519,19 @@ def split_columnwise(x_fp8: torch.Tensor, scales: torch.Tensor, splits: Sequence
         Float8BlockwiseQTensorStorage,
     )
 
-    from megatron_deepep import ops
-
     rows, blocks = columnwise.layout(splits)
-    num_rows, hidden = x_fp8.shape
-    if rows[-1] != num_rows:
-        raise ValueError(f"splits sum to {rows[-1]}, rows are {num_rows}")
-    if row_offsets is None:
-        row_offsets = device_offsets(rows, x_fp8.device)
-    data, scale = ops.columnwise_from_rowwise(
-        x_fp8, scales, row_offsets, blocks[-1], power_2_scale=power_2_scale,
-        amax_epsilon=amax_epsilon)
-    cols = scale.shape[1]
+    cols = scale_inv.shape[1]
+    if hidden * rows[-1] > data.numel() or scale_inv.shape[0] < blocks[-1] \
+            or cols != columnwise.scale_columns(hidden):
+        raise ValueError(f"columnwise buffers {tuple(data.shape)}, {tuple(scale_inv.shape)} do "
+                         f"not hold splits {list(splits)}")
     e4m3 = tex.DType.kFloat8E4M3
-    # One view per buffer and split (as_strided: one call each); no quantizer (TE's GEMM reads
-    # data, scales and dtype only), so no quantizer copy per split either.
+    # One as_strided view per buffer and split (one call each).
     return [Float8BlockwiseQTensorStorage(
         None, None, data.as_strided((hidden, r1 - r0), (r1 - r0, 1), hidden * r0),
-        scale.as_strided((b1 - b0, cols), (cols, 1), cols * b0), e4m3, None, False,
+        scale_inv.as_strided((b1 - b0, cols), (cols, 1), cols * b0), e4m3, None, False,
         fake_dtype=dtype)
         for r0, r1, b0, b1 in zip(rows[:-1], rows[1:], blocks[:-1], blocks[1:])]
-
-
-def device_offsets(offsets: Sequence[int], device: Any) -> torch.Tensor:
-    """`offsets` as an int32 tensor on `device`: one asynchronous copy from pinned memory."""
-    host = torch.tensor(offsets, dtype=torch.int32)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def maybe_to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format,

@@ -24,7 +24,7 @@ The wgrad needs x's columnwise copy (128x1 blocks along tokens), which the wire 
 blocks span tokens from many senders. It is made where it costs least, in this backward, just
 before the wgrad GEMM, by one kernel that reads the saved 1-byte rows and their scales and writes
 every expert's transposed FP8 data and GEMM-ready scales (`cuda_src/fp8_columnwise.cu` through
-`te_bridge.split_columnwise`; FP8 in, FP8 out, no bf16 copy). Nothing beyond the 1-byte rows and
+`te_bridge.columnwise_tensors`; FP8 in, FP8 out, no bf16 copy). Nothing beyond the 1-byte rows and
 their scales is kept from forward to backward. Its values are those of quantizing the
 dequantized rows (TE's own `HybridQuantizer` calls this source "rowwise_dequantized"), bit for
 bit (`fp8.columnwise`), so the wgrad operand carries the rowwise rounding too: a small
@@ -55,7 +55,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_deepep import knobs
-from megatron_deepep.fp8 import te_bridge
+from megatron_deepep.fp8 import columnwise, te_bridge
 from megatron_deepep.fp8.formats import BLOCKWISE_1x128, Fp8Format, ScaleKind
 from megatron_deepep.logs import log_once
 
@@ -256,9 +256,7 @@ def columnwise_operands(x_fp8: torch.Tensor, scales: torch.Tensor, call: _Call) 
         reason = te_bridge.columnwise_reason(x_fp8)
         if not reason:
             try:
-                return te_bridge.split_columnwise(
-                    x_fp8, scales, call.splits, power_2_scale=settings["force_pow_2_scales"],
-                    amax_epsilon=settings["amax_epsilon"], dtype=call.out_dtype)
+                return _columnwise_by_kernel(x_fp8, scales, call)
             except ImportError as exc:  # no cuda-bindings: NVRTC cannot build the kernel
                 reason = f"{type(exc).__name__}: {exc}"
         log_once(logger, "megatron_deepep: FP8 experts make the columnwise copy by "
@@ -268,6 +266,19 @@ def columnwise_operands(x_fp8: torch.Tensor, scales: torch.Tensor, call: _Call) 
     x_bf16 = _dequantize(x_fp8, scales, call.fmt)
     xq = _quantizer(settings, rowwise=False, columnwise=True)
     return tex.split_quantize(x_bf16, call.splits, [xq] * len(call.splits))
+
+
+def _columnwise_by_kernel(x_fp8: torch.Tensor, scales: torch.Tensor, call: _Call) -> List[Any]:
+    """`columnwise_operands` by `cuda_src/fp8_columnwise.cu`: one launch, then views."""
+    from megatron_deepep import ops
+
+    rows, blocks = columnwise.layout(call.splits)
+    settings = call.settings["input"]
+    data, scale_inv = ops.columnwise_from_rowwise(
+        x_fp8, scales, columnwise.device_offsets(rows, x_fp8.device), blocks[-1],
+        power_2_scale=settings["force_pow_2_scales"], amax_epsilon=settings["amax_epsilon"])
+    return te_bridge.columnwise_tensors(data, scale_inv, call.splits, x_fp8.shape[1],
+                                        dtype=call.out_dtype)
 
 
 def _wgrad_outputs(ctx, num: int, device) -> Tuple[List[torch.Tensor], bool]:
