@@ -9,9 +9,9 @@ directory and load instead of compiling. The entries are keyed by the sources, o
 NVRTC version: build with the same install (or the same code and cuda-bindings) as the job, for
 the job's GPU (`--arch`, sm_90 for H100/H200). With a blockwise `--fp8` format and FP8 output
 it also builds the FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise.cu`).
-`--internode` also links the internode
-transport's kernels (NVRTC + nvJitLink against the nvidia-nvshmem wheel's device library), one
-module per (top-k, index type, wire format) for dispatch and per (top-k, row dtype) for combine.
+`--internode` also links the internode transport's kernels (NVRTC + nvJitLink against the
+nvidia-nvshmem wheel's device library), one module per (top-k, index type, wire format) for
+dispatch and per (top-k, row dtype) for combine.
 """
 
 from __future__ import annotations
