@@ -57,7 +57,8 @@ EOF
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
 TESTS="tests/gpu/test_te_gpu.py tests/gpu/test_te_experts_gpu.py
-  tests/gpu/test_fp8_columnwise_gpu.py tests/test_te_bridge.py tests/test_te_experts.py tests/test_fp8_columnwise.py
+  tests/gpu/test_fp8_columnwise_gpu.py tests/test_te_bridge.py tests/test_te_experts.py
+  tests/test_fp8_columnwise.py
   tests/test_fp8_formats.py::test_format_for_recipe
   tests/test_fp8_formats.py::test_te_tensor_dequantizes_like_reference
   tests/test_fp8_dispatch.py::test_fp8_output_falls_back_without_te
