@@ -30,6 +30,8 @@ class Variant:
         grouped_mm: `GroupedMMExperts` instead of the table's experts.
         fp8_dispatch: the deepep `fp8_dispatch` option.
         fp8_experts: `te_experts.with_fp8_experts` on the TE layer spec.
+        fp8_columnwise: with `fp8_experts`, how they make the wgrad's columnwise copy
+            (`te_experts.COLUMNWISE_METHODS`; "": `MDEEP_FP8_COLUMNWISE`, the kernel by default).
     """
 
     name: str
@@ -40,6 +42,7 @@ class Variant:
     grouped_mm: bool = False
     fp8_dispatch: str = "off"
     fp8_experts: bool = False
+    fp8_columnwise: str = ""
 
 
 VARIANTS = [
@@ -52,6 +55,8 @@ VARIANTS = [
     Variant("te-deepep-bf16", "B", "deepep"),
     Variant("te-deepep-fp8-dequant", "B", "deepep", fp8_dispatch="blockwise"),
     Variant("te-deepep-fp8-experts", "B", "deepep", fp8_dispatch="blockwise", fp8_experts=True),
+    Variant("te-deepep-fp8-experts-dequant-colwise", "B", "deepep", fp8_dispatch="blockwise",
+            fp8_experts=True, fp8_columnwise="dequantize"),
 ]
 BASELINE = {"A": "alltoall", "B": "te-alltoall"}
 
@@ -268,6 +273,9 @@ def build_layer(variant: Variant, shape, device: str, experts: str, capacity_fac
         config.moe_mdeep_rank_capacity_factor = capacity_factor
     if te_layer:
         layer, name = te_moe_layer(config, num_experts, variant.fp8_experts)
+        if variant.fp8_columnwise:  # read by FP8ColumnParallelGroupedLinear at each call
+            layer.experts.linear_fc1.fp8_columnwise = variant.fp8_columnwise
+            name += f" (columnwise copy: {variant.fp8_columnwise})"
     else:
         if variant.grouped_mm or experts == "grouped_mm":
             module, name = GroupedMMExperts, "GroupedMMExperts (torch._grouped_mm, device counts)"

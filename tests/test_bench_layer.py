@@ -55,7 +55,8 @@ def test_graph_and_te_rows_are_skipped_with_a_reason(cpu_run):
     assert "GPU" in rows["deepep-syncfree-graph"]["skipped"]
     te_rows = [r for r in report["rows"] if r["table"] == "B"]
     assert {r["variant"] for r in te_rows} == {"te-alltoall", "te-deepep-bf16",
-                                                "te-deepep-fp8-dequant", "te-deepep-fp8-experts"}
+                                                "te-deepep-fp8-dequant", "te-deepep-fp8-experts",
+                                                "te-deepep-fp8-experts-dequant-colwise"}
     assert all(r.get("skipped") for r in te_rows), te_rows
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| table | variant | shape")
@@ -109,3 +110,11 @@ def test_kernel_tables_list_each_profiled_row():
     text = bench_layer.kernel_tables(rows)
     assert text.splitlines() == ["B te-alltoall 8,16,4,2,8: top kernels (us/call, share)",
                                  "       12.5  50.0%  gemm_kernel"]
+    # A watched kernel below the top ones says its rank; the total closes the block.
+    rows[0]["top_kernels"].append({"name": "void columnwise_from_rowwise<true>(...)",
+                                   "us_per_call": 0.5, "share": 0.02, "rank": 17,
+                                   "watched": True})
+    rows[0]["kernel_us_per_call"] = 25.0
+    assert bench_layer.kernel_tables(rows).splitlines()[2:] == [
+        "        0.5   2.0%  void columnwise_from_rowwise<true>(...) (rank 17)",
+        "       25.0          total kernel time per call"]
