@@ -473,6 +473,8 @@ def columnwise_reason(x_fp8: torch.Tensor) -> str:
     hidden = x_fp8.shape[1]
     if hidden % GEMM_HIDDEN_MULTIPLE:
         return f"hidden {hidden} is not a multiple of {GEMM_HIDDEN_MULTIPLE}"
+    if not x_fp8.is_contiguous() or x_fp8.data_ptr() % 16:
+        return "the rows are not contiguous and 16-byte aligned"
     return _columnwise_layout_reason()
 
 
