@@ -223,7 +223,8 @@ def test_columnwise_kernel_equals_te_split_quantize(kernel_calls, hidden, splits
 ])
 def test_grouped_fp8_linear_kernel_path_equals_dequantize_path(kernel_calls, splits, h, out):
     """`grouped_fp8_linear` forward + backward with the columnwise copy by the kernel and by
-    dequantize + `split_quantize`: the GEMMs get the same operands, so every output is equal."""
+    dequantize + `split_quantize`: the GEMMs get the same operands, so the outputs agree (bit
+    for bit unless a GEMM changes its reduction order; printed)."""
     from megatron_deepep.megatron import te_experts
 
     gl = _grouped(len(splits), h, out)
@@ -246,8 +247,9 @@ def test_grouped_fp8_linear_kernel_path_equals_dequantize_path(kernel_calls, spl
     print(f"\nsplits {splits} H {h}: kernel vs dequantize path: forward equal "
           f"{torch.equal(y1, y2)}, dgrad equal {torch.equal(dx1, dx2)}, wgrad bit-equal "
           f"{wgrad_equal}, max wgrad rel {max(_rel(a, b) for a, b in zip(w1, w2)):.1e}")
-    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
-    for a, b in zip(w1, w2):  # same operands; cuBLAS may still pick another reduction order
+    # Same operands (bit-equal: test_columnwise_kernel_equals_te_split_quantize); the GEMMs
+    # are not promised to be bitwise deterministic, so equal up to their reduction order.
+    for a, b in [(y1, y2), (dx1, dx2)] + list(zip(w1, w2)):
         assert _rel(a, b) < 1e-6
 
 
