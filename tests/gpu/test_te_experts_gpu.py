@@ -323,8 +323,10 @@ def _run_layer(layer, x, grad):
 
 
 @pytest.mark.parametrize("hidden,ffn,num_experts,topk", [(1024, 512, 8, 2), (2048, 1024, 16, 6)])
-def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, hidden, ffn,
-                                                    num_experts, topk):
+def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, kernel_calls,
+                                                    hidden, ffn, num_experts, topk):
+    """`FP8GroupedMLP` (columnwise copy by the kernel) against `TEGroupedMLP` within the
+    tolerances above, and against itself with the two-step columnwise path (within 1e-5)."""
     from megatron_deepep.megatron import te_experts
 
     calls = []
@@ -362,6 +364,15 @@ def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, h
     for name in p1:
         tol = TOL_WGRAD if "linear_fc1" in name else 5e-2
         assert _rel(p1[name], p2[name]) < tol, name
+    assert len(kernel_calls) == 1, "the columnwise copy did not come from the kernel"
+    ours.zero_grad(set_to_none=True)
+    ours.experts.linear_fc1.fp8_columnwise = "dequantize"
+    o3, g3, p3 = _run_layer(ours, x, grad)
+    assert len(kernel_calls) == 1 and len(calls) == 2
+    worst = max(_rel(p1[name], p3[name]) for name in p1)
+    print(f"  kernel vs dequantize columnwise path: output rel {_rel(o1, o3):.1e}, input grad "
+          f"rel {_rel(g1, g3):.1e}, max grad rel {worst:.1e}")
+    assert _rel(o1, o3) < 1e-5 and _rel(g1, g3) < 1e-5 and worst < 1e-5
 
 
 def _step(layer, x, grad):
