@@ -287,17 +287,20 @@ class _LayoutWorkspace:
         self.max_chunks = self.max_counts = 0
         self.addresses = (0, 0, 0)
 
-    def get(self, num_chunks: int, num_counts: int, device):
-        """(state, chunk_status, chunk_counts) addresses for a launch of `num_chunks` blocks."""
+    def get(self, num_chunks: int, num_counts: int, device, stream):
+        """(state, chunk_status, chunk_counts) addresses for a launch of `num_chunks` blocks on
+        `stream` (a `jit.RawStream`)."""
         count_stride = -(-num_counts // 4) * 4  # the kernel's half row of counts
         if num_chunks > self.max_chunks or count_stride > self.max_counts:
             self.max_chunks = max(num_chunks, 2 * self.max_chunks, 64)
             self.max_counts = max(count_stride, self.max_counts)
             counts_offset = -(-(2 + self.max_chunks) // 4) * 4  # 16-byte aligned
-            self.tensor = torch.zeros(counts_offset + self.max_chunks * 2 * self.max_counts,
-                                      dtype=torch.int32, device=device)
-            # The zeros come from the current stream; the kernel may run on another.
-            torch.cuda.current_stream(device).synchronize()
+            # Zeroed on the kernel's own stream: ordered before it with no host wait, so a
+            # workspace can also be made while a CUDA graph captures that stream.
+            launch_stream = torch.cuda.ExternalStream(stream.cuda_stream, device=device)
+            with torch.cuda.stream(launch_stream):
+                self.tensor = torch.zeros(counts_offset + self.max_chunks * 2 * self.max_counts,
+                                          dtype=torch.int32, device=device)
             base = self.tensor.data_ptr()
             self.addresses = (base, base + 4 * 2, base + 4 * counts_offset)
         return self.addresses
@@ -389,7 +392,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
     workspace = _layout_workspaces.get((dev.index, stream.cuda_stream))
     if workspace is None:
         workspace = _layout_workspaces[(dev.index, stream.cuda_stream)] = _LayoutWorkspace()
-    state, status, counts = workspace.get(num_chunks, num_experts + num_ranks, dev)
+    state, status, counts = workspace.get(num_chunks, num_experts + num_ranks, dev, stream)
     a = arena.address
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
     args = LayoutArgs.fill(

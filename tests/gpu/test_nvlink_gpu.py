@@ -301,7 +301,6 @@ def _worker(rank, world, num_calls):
     _autograd(rank, world, nvl, ref, 7 + world)
     _given_layout(rank, world, nvl, ref, 31 + world)
     _back_to_back(rank, world, nvl, num_calls)
-    _graph_replay(rank, world, nvl, ref)
     nvl.destroy()
     dist.barrier()
     bad = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=4, timeout_s=30)
@@ -318,3 +317,19 @@ def _worker(rank, world, num_calls):
 @pytest.mark.parametrize("num_procs", NUM_PROCS)
 def test_nvlink_matches_reference(num_procs):
     run_distributed(num_procs, _worker, NUM_CALLS, backend="gloo", timeout_s=1500)
+
+
+def _graph_worker(rank, world):
+    _init_device()
+    _warm(rank)
+    group = dist.group.WORLD
+    nvl = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=8, timeout_s=30)
+    ref = Buffer(group, 64, 2048, 4, transport="reference")
+    _graph_replay(rank, world, nvl, ref)
+    dist.barrier()
+    nvl.destroy()
+
+
+@pytest.mark.parametrize("num_procs", [n for n in NUM_PROCS if n > 1])
+def test_nvlink_graph_replay(num_procs):
+    run_distributed(num_procs, _graph_worker, backend="gloo", timeout_s=300)
