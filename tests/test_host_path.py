@@ -11,6 +11,8 @@ ones the kernels were given.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -78,6 +80,9 @@ def recorder(monkeypatch):
             pass
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    # The layout workspace is zeroed on the launch stream (no CUDA here: the current one).
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     return rec
 
 
