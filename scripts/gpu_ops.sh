@@ -8,10 +8,13 @@
 #    and the table with the recommendation;
 # 3. each family's scaled-down proxy (bash examples/configs/<family>.sh, TRAIN_ITERS steps,
 #    metrics on): wall time, the first and last iteration lines, $OUT/<family>/metrics/report.html.
-# Every piece has a timeout, and the whole stays under BUDGET_S (default 560) seconds: pieces
-# that no longer fit are skipped and say so. Wheels in .whl/ (megatron-core) are installed into
-# /tmp/site first when present. Knobs: OUT (default .bench_out/ops), TRAIN_ITERS (default 20),
-# FAMILIES (default "deepseek_v3 qwen3_moe mixtral gpt_oss"), SWEEP_ARGS.
+# Every piece has a time limit, and the whole stays under BUDGET_S (default 560) seconds: pieces
+# that no longer fit are skipped and say so. A piece still running at its limit gets SIGABRT in
+# its Python processes (torchrun's workers included), which print their Python stacks into its
+# log first (scripts/time_limit.sh): the lines after "limit reached" say where it waited. Wheels
+# in .whl/ (megatron-core) are installed into /tmp/site first when present. Knobs: OUT (default
+# .bench_out/ops), TRAIN_ITERS (default 20), FAMILIES (default "deepseek_v3 qwen3_moe mixtral
+# gpt_oss"), SWEEP_ARGS, MDEEP_GROUPED_MM_EXPERTS (default 1: the proxies' grouped experts).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
@@ -26,18 +29,9 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-# run LIMIT_S LOG command...: runs with min(LIMIT_S, time left), or says it is skipped.
-run() {
-  local limit=$1 log=$2; shift 2
-  local left=$((BUDGET_S - SECONDS))
-  if (( left < 20 )); then echo "skipped (budget): $*"; return 99; fi
-  (( limit > left )) && limit=$left
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$log" 2>&1
-  local rc=$?
-  echo "rc $rc, $((SECONDS - t0)) s: $*"
-  return $rc
-}
+# run LIMIT_S LOG command... (time_limit.sh): a piece that outlives its limit prints the Python
+# stacks of its processes into its log (where a stalled step waits), then ends.
+source "$(dirname "${BASH_SOURCE[0]}")/time_limit.sh"
 
 # The kernels every piece below needs, compiled in parallel into the cache first.
 run 120 "$OUT/precompile.log" python3 -m megatron_deepep.precompile --topk 2 4 8 \
@@ -54,7 +48,12 @@ done
 for family in $FAMILIES; do
   run 110 "$OUT/proxy_$family.log" env INSTALL=0 TRAIN_ITERS="${TRAIN_ITERS:-20}" \
     OUT="$OUT/$family" bash "examples/configs/$family.sh"
-  grep -E "iteration +1/|iteration +${TRAIN_ITERS:-20}/|Error|error:|report.html" \
-    "$OUT/proxy_$family.log" | cut -c1-300 | tail -6
+  grep -E "iteration +1/|iteration +${TRAIN_ITERS:-20}/|Error|error:|report.html|GROUPED_MM" \
+    "$OUT/proxy_$family.log" | cut -c1-300 | tail -7
+  if grep -q "limit reached" "$OUT/proxy_$family.log"; then  # the last iteration and the stack
+    grep -E "iteration +[0-9]+/" "$OUT/proxy_$family.log" | tail -1 | cut -c1-200
+    sed -n '/limit reached/,$p' "$OUT/proxy_$family.log" | grep -E "^  File|^Thread|^Current" \
+      | head -40
+  fi
 done
 echo "total $SECONDS s"
