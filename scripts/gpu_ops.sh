@@ -4,8 +4,9 @@
 # 0. python -m megatron_deepep.precompile: the kernels below, compiled in parallel;
 # 1. tests/gpu/test_sweep_gpu.py (the sweep's measurements on a small shape);
 # 2. python -m megatron_deepep.sweep for the four families of examples/configs/ (their full-size
-#    shapes, measured at EP = 1 on this GPU, modeled for 1-8 nodes): $OUT/sweep_<family>/sweep.json
-#    and the table with the recommendation;
+#    shapes, measured at EP = 1 on this GPU, modeled for 1-8 nodes): $OUT/sweep_<family>/sweep.json,
+#    the model's constants fitted to the measurements, the check of the model against every
+#    measured call (1.00: it fits) and the recommendation;
 # 3. each family's scaled-down proxy (bash examples/configs/<family>.sh, TRAIN_ITERS steps,
 #    metrics on): wall time, the first and last iteration lines, $OUT/<family>/metrics/report.html.
 # Every piece has a time limit, and the whole stays under BUDGET_S (default 560) seconds: pieces
@@ -42,8 +43,8 @@ tail -n 3 "$OUT/test_sweep_gpu.log"
 for family in $FAMILIES; do
   run 80 "$OUT/sweep_$family.log" python3 -m megatron_deepep.sweep --family "$family" \
     --num-sms 24,132 --nodes 1,2,4,8 --out "$OUT/sweep_$family" ${SWEEP_ARGS:-}
-  grep -E "^sweep:|^kernel times:|^check|^  top-|^  expert GEMMs|^recommended|Error" \
-    "$OUT/sweep_$family.log" | cut -c1-240 | head -14
+  grep -E "^model const|^  (dispatch|combine)|^check|^  top-|^  expert GEMMs|^recommended|Error" \
+    "$OUT/sweep_$family.log" | cut -c1-240 | head -24
 done
 for family in $FAMILIES; do
   run 110 "$OUT/proxy_$family.log" env INSTALL=0 TRAIN_ITERS="${TRAIN_ITERS:-20}" \
