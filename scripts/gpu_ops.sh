@@ -15,7 +15,8 @@
 # log first (scripts/time_limit.sh): the lines after "limit reached" say where it waited. Wheels
 # in .whl/ (megatron-core) are installed into /tmp/site first when present. Knobs: OUT (default
 # .bench_out/ops), TRAIN_ITERS (default 20), FAMILIES (default "deepseek_v3 qwen3_moe mixtral
-# gpt_oss"), SWEEP_ARGS, MDEEP_GROUPED_MM_EXPERTS (default 1: the proxies' grouped experts).
+# gpt_oss"), SWEEP_ARGS, SWEEP=0 (proxies only), MDEEP_GROUPED_MM_EXPERTS (default 1: the
+# proxies' grouped experts; 0: Megatron's SequentialMLP).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
@@ -38,9 +39,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/time_limit.sh"
 run 120 "$OUT/precompile.log" python3 -m megatron_deepep.precompile --topk 2 4 8 \
   --fp8 blockwise_1x128 mxfp8_1x32 --index-dtype int64 -j "$(nproc)" -q
 tail -n 1 "$OUT/precompile.log"
+if [ "${SWEEP:-1}" = 1 ]; then
 run 90 "$OUT/test_sweep_gpu.log" python3 -m pytest -m gpu tests/gpu/test_sweep_gpu.py -x -q -rs
 tail -n 3 "$OUT/test_sweep_gpu.log"
-for family in $FAMILIES; do
+fi
+for family in $([ "${SWEEP:-1}" = 1 ] && echo "$FAMILIES"); do
   run 80 "$OUT/sweep_$family.log" python3 -m megatron_deepep.sweep --family "$family" \
     --num-sms 24,132 --nodes 1,2,4,8 --out "$OUT/sweep_$family" ${SWEEP_ARGS:-}
   grep -E "^model const|^  (dispatch|combine)|^check|^  top-|^  expert GEMMs|^recommended|Error" \
@@ -51,10 +54,20 @@ for family in $FAMILIES; do
     OUT="$OUT/$family" bash "examples/configs/$family.sh"
   grep -E "iteration +1/|iteration +${TRAIN_ITERS:-20}/|Error|error:|report.html|GROUPED_MM" \
     "$OUT/proxy_$family.log" | cut -c1-300 | tail -7
+  python3 - "$OUT/proxy_$family.log" <<'PY'
+import re, sys
+from datetime import datetime
+stamps = [datetime.fromisoformat(m.group(1)) for m in re.finditer(
+    r"\[([0-9-]+ [0-9:.]+)\] iteration +\d+/", open(sys.argv[1], errors="replace").read())]
+steps = sorted((b - a).total_seconds() for a, b in zip(stamps, stamps[1:]))
+if steps:
+    print(f"training: {len(stamps)} iterations, {sum(steps):.1f} s after the first, median "
+          f"{1e3 * steps[len(steps) // 2]:.0f} ms/step, slowest {1e3 * steps[-1]:.0f} ms")
+PY
   if grep -q "limit reached" "$OUT/proxy_$family.log"; then  # the last iteration and the stack
     grep -E "iteration +[0-9]+/" "$OUT/proxy_$family.log" | tail -1 | cut -c1-200
     sed -n '/limit reached/,$p' "$OUT/proxy_$family.log" | grep -E "^  File|^Thread|^Current" \
-      | head -40
+      | head -60
   fi
 done
 echo "total $SECONDS s"
