@@ -145,6 +145,32 @@ def top_kernels(fn: Callable, setup: Callable, count: int, calls: int = 3) -> Li
              "share": _device_us(e) / total} for e in events[:count]]
 
 
+def top_host_functions(fn: Callable, setup: Callable, count: int, calls: int = 5) -> List[dict]:
+    """The `count` functions with the most own host time over `calls` calls of `fn` (cProfile;
+    its overhead inflates Python-heavy paths alike, so read the order, not the absolute time):
+    `[{"name", "us_per_call", "calls_per_call", "cum_us_per_call"}]`."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for i in range(calls):
+        setup(i)
+        profiler.enable()
+        fn()
+        profiler.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    entries = []
+    for (path, line, name), (_, num_calls, own, cumulative, _) in \
+            pstats.Stats(profiler).stats.items():
+        where = f"{os.path.basename(path)}:{line}" if line else "~"
+        entries.append({"name": f"{where}({name})"[:90], "us_per_call": own / calls * 1e6,
+                        "calls_per_call": num_calls / calls,
+                        "cum_us_per_call": cumulative / calls * 1e6})
+    entries.sort(key=lambda e: e["us_per_call"], reverse=True)
+    return entries[:count]
+
+
 def _device_us(event) -> float:
     # torch renamed the field (cuda_time_total -> device_time_total); self time avoids counting
     # a kernel twice through its launching op
@@ -194,7 +220,8 @@ def _graph_step(layer, inputs: _Inputs):
 
 
 def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
-                capacity_factor: float, inputs: _Inputs, profile_top: int = 0) -> dict:
+                capacity_factor: float, inputs: _Inputs, profile_top: int = 0,
+                host_profile_top: int = 0) -> dict:
     """One row: times, host time, syncs, experts, notes; raises Skip or the variant's error."""
     if variant.graph and device == "cpu":
         raise Skip("CUDA graphs need a GPU (--cpu)")
@@ -226,6 +253,8 @@ def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
         row["syncs"] = count_syncs(fn)
         if profile_top and device == "cuda":
             row["top_kernels"] = top_kernels(fn, setup, profile_top)
+        if host_profile_top:
+            row["top_host"] = top_host_functions(fn, setup, host_profile_top)
     finally:
         hook.remove()
     row["experts_input"] = seen.get("experts_input")
@@ -251,7 +280,8 @@ class _LogCapture(logging.Handler):
 
 
 def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], device: str,
-        experts: str, iters: int, capacity_factor: float, profile_top: int = 0) -> List[dict]:
+        experts: str, iters: int, capacity_factor: float, profile_top: int = 0,
+        host_profile_top: int = 0) -> List[dict]:
     """Every selected variant of every table on its shapes; one row dict each."""
     rows = []
     te_skip = te_reason() if "B" in tables else ""
@@ -273,7 +303,8 @@ def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], devi
                     if table == "B" and te_skip:
                         raise Skip(te_skip)
                     row.update(run_variant(variant, shape, device, experts, iters,
-                                           capacity_factor, inputs, profile_top))
+                                           capacity_factor, inputs, profile_top,
+                                           host_profile_top))
                 except Skip as exc:
                     row["skipped"] = str(exc)
                 except Exception as exc:  # the row says what failed; the next one runs
@@ -326,17 +357,25 @@ def markdown_table(rows: List[dict]) -> str:
 
 
 def kernel_tables(rows: List[dict]) -> str:
-    """Each profiled row's top kernels (`--profile`), one block per row."""
+    """Each profiled row's top kernels (`--profile`) and top host functions
+    (`--host-profile`), one block per row."""
     lines = []
     for r in rows:
+        shape = ",".join(str(v) for v in r["shape"])
         if r.get("top_kernels"):
-            shape = ",".join(str(v) for v in r["shape"])
             lines.append(" ".join((r["table"], r["variant"], shape))
                          + ": top kernels (us/call, share)")
             # plain concatenation: under Python 3.12.1, inside the whole test suite, f-strings
             # here lost their one-space literals between fields (cause not found)
             lines += ["  " + format(k["us_per_call"], "9.1f") + " " + format(k["share"], "6.1%")
                       + "  " + k["name"] for k in r["top_kernels"]]
+        if r.get("top_host"):
+            lines.append(" ".join((r["table"], r["variant"], shape))
+                         + ": top host functions (own us/call, calls/call, cumulative us/call)")
+            lines += ["  " + format(k["us_per_call"], "9.1f") + " "
+                      + format(k["calls_per_call"], "7.1f") + " "
+                      + format(k["cum_us_per_call"], "9.1f") + "  " + k["name"]
+                      for k in r["top_host"]]
     return "\n".join(lines)
 
 
@@ -400,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also list each variant's N kernels with the most GPU time "
                              "(torch profiler, 3 calls)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also list each variant's N functions with the most own host time "
+                             "(cProfile, 5 calls): where a host-bound layer's time goes")
     parser.add_argument("--out", default=".bench_out/bench_layer.json", help="JSON output file")
     return parser
 
@@ -435,7 +477,7 @@ def main(argv=None) -> List[dict]:
         init_megatron(device)
         try:
             rows = run(tables, names, device, args.experts, args.iters,
-                       args.rank_capacity_factor, args.profile)
+                       args.rank_capacity_factor, args.profile, args.host_profile)
         finally:
             teardown()
     report = {"environment": environment(device), "iters": args.iters, "rows": rows}

@@ -318,14 +318,16 @@ def build_layer(variant: Variant, shape, device: str, experts: str, capacity_fac
     return layer, name
 
 
-def te_moe_layer(config, num_experts: int, fp8_experts: bool):
-    """Megatron's MoELayer from its TE spec (TEGroupedMLP experts), or with the FP8 experts of
-    `te_experts.with_fp8_experts`; `(layer, experts class name)`, on the CPU."""
+def te_moe_layer(config, num_experts: int, fp8_experts: bool, grouped_gemm: bool = True):
+    """Megatron's MoELayer from its TE spec (TEGroupedMLP experts; `grouped_gemm=False`: TE's
+    SequentialMLP), or with the FP8 experts of `te_experts.with_fp8_experts`; `(layer, experts
+    class name)`, on the CPU."""
     import functools
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    spec = get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True)
+    spec = get_moe_module_spec(use_te=True, num_experts=num_experts,
+                               moe_grouped_gemm=grouped_gemm)
     if fp8_experts:
         from megatron_deepep.megatron import te_experts
 

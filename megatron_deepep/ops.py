@@ -49,12 +49,13 @@ class LayoutArgs(KernelArgs):
 class NotifyArgs(KernelArgs):
     c_name = "mdeep::NotifyArgs"
     _fields_ = [
-        ("peer_bases", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("peer_bases", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch_word", Ptr),
         ("num_tokens_per_rank", Ptr), ("num_tokens_per_expert", Ptr), ("num_local", I32),
         ("hidden", I32), ("num_topk", I32), ("alignment", I32), ("max_recv_rows", I32),
         ("num_recv_tokens_per_rank", Ptr), ("num_recv_tokens_per_expert", Ptr),
         ("tokens_per_expert", Ptr), ("expert_row_start", Ptr), ("src_expert_offset", Ptr),
-        ("host_info", Ptr), ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+        ("host_info", Ptr), ("host_epoch", U32), ("timeout_ns", U64), ("error_claim", Ptr),
+        ("error_record", Ptr)]
 
 
 class DispatchSendArgs(KernelArgs):
@@ -63,7 +64,8 @@ class DispatchSendArgs(KernelArgs):
         ("x", Ptr), ("x_scales", Ptr), ("num_tokens", I32), ("hidden", I32),
         ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr), ("pos_in_expert", Ptr),
         ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr), ("peer_bases", Ptr),
-        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32), ("epoch", U32),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32),
+        ("epoch_word", Ptr),
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
@@ -75,7 +77,8 @@ class DispatchRecvArgs(KernelArgs):
         ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("slot_rows", Ptr), ("x", Ptr),
         ("x_scales", Ptr), ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr),
         ("pos_in_expert", Ptr), ("slot_token", Ptr), ("num_tokens", I32), ("peer_bases", Ptr),
-        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32), ("epoch", U32),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32),
+        ("epoch_word", Ptr),
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
@@ -95,7 +98,7 @@ class CombineSendArgs(KernelArgs):
     _fields_ = [
         ("y", Ptr), ("num_int4", I32), ("recv_weights", Ptr), ("grad_row_weights", Ptr),
         ("slot_rows", Ptr), ("num_recv_tokens_per_rank", Ptr), ("peer_bases", Ptr),
-        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch_word", Ptr),
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
@@ -105,7 +108,7 @@ class CombineReduceArgs(KernelArgs):
         ("out", Ptr), ("out_weights", Ptr), ("num_tokens", I32), ("num_int4", I32), ("y", Ptr),
         ("recv_weights", Ptr), ("grad_row_weights", Ptr), ("slot_rows", Ptr),
         ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr), ("peer_bases", Ptr),
-        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch_word", Ptr),
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
@@ -162,7 +165,7 @@ class InternodeArgs(KernelArgs):
         ("row_stride", I64), ("record_stride", I64), ("meta_stride", I64),
         ("weight_stride", I64), ("max_tokens", I32), ("chunk_tokens", I32), ("rank", I32),
         ("num_ranks", I32), ("ranks_per_node", I32), ("num_nodes", I32), ("pe_of_rank", Ptr),
-        ("epoch", U32), ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr),
+        ("epoch_word", Ptr), ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr),
         ("block_counters", Ptr), ("chunks_seen", Ptr), ("topk_idx", Ptr),
         ("topk_weights", Ptr), ("pos_in_expert", Ptr), ("num_tokens_per_rank", Ptr),
         ("num_tokens_per_expert", Ptr), ("is_token_in_rank", Ptr),
@@ -172,7 +175,8 @@ class InternodeArgs(KernelArgs):
         ("alignment", I32), ("max_recv_rows", I32), ("num_recv_tokens_per_rank", Ptr),
         ("num_recv_tokens_per_expert", Ptr), ("tokens_per_expert", Ptr),
         ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("fwd_count", Ptr),
-        ("fwd_slots", Ptr), ("slot_rows", Ptr), ("host_info", Ptr), ("x", Ptr),
+        ("fwd_slots", Ptr), ("slot_rows", Ptr), ("host_info", Ptr), ("host_epoch", U32),
+        ("x", Ptr),
         ("recv_x", Ptr), ("recv_weights", Ptr), ("max_rows", I32), ("y", Ptr), ("out", Ptr),
         ("out_weights", Ptr), ("grad_row_weights", Ptr), ("x_scales", Ptr),
         ("recv_scales", Ptr), ("amax_epsilon", F32), ("wire_bytes", I64)]
@@ -283,17 +287,20 @@ class _LayoutWorkspace:
         self.max_chunks = self.max_counts = 0
         self.addresses = (0, 0, 0)
 
-    def get(self, num_chunks: int, num_counts: int, device):
-        """(state, chunk_status, chunk_counts) addresses for a launch of `num_chunks` blocks."""
+    def get(self, num_chunks: int, num_counts: int, device, stream):
+        """(state, chunk_status, chunk_counts) addresses for a launch of `num_chunks` blocks on
+        `stream` (a `jit.RawStream`)."""
         count_stride = -(-num_counts // 4) * 4  # the kernel's half row of counts
         if num_chunks > self.max_chunks or count_stride > self.max_counts:
             self.max_chunks = max(num_chunks, 2 * self.max_chunks, 64)
             self.max_counts = max(count_stride, self.max_counts)
             counts_offset = -(-(2 + self.max_chunks) // 4) * 4  # 16-byte aligned
-            self.tensor = torch.zeros(counts_offset + self.max_chunks * 2 * self.max_counts,
-                                      dtype=torch.int32, device=device)
-            # The zeros come from the current stream; the kernel may run on another.
-            torch.cuda.current_stream(device).synchronize()
+            # Zeroed on the kernel's own stream: ordered before it with no host wait, so a
+            # workspace can also be made while a CUDA graph captures that stream.
+            launch_stream = torch.cuda.ExternalStream(stream.cuda_stream, device=device)
+            with torch.cuda.stream(launch_stream):
+                self.tensor = torch.zeros(counts_offset + self.max_chunks * 2 * self.max_counts,
+                                          dtype=torch.int32, device=device)
             base = self.tensor.data_ptr()
             self.addresses = (base, base + 4 * 2, base + 4 * counts_offset)
         return self.addresses
@@ -385,7 +392,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
     workspace = _layout_workspaces.get((dev.index, stream.cuda_stream))
     if workspace is None:
         workspace = _layout_workspaces[(dev.index, stream.cuda_stream)] = _LayoutWorkspace()
-    state, status, counts = workspace.get(num_chunks, num_experts + num_ranks, dev)
+    state, status, counts = workspace.get(num_chunks, num_experts + num_ranks, dev, stream)
     a = arena.address
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
     args = LayoutArgs.fill(
@@ -401,24 +408,27 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
     return DispatchLayout.from_arena(arena)
 
 
-def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch: int,
+def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch_word: int,
            lay: DispatchLayout, num_local: int, hidden: int, num_topk: int, alignment: int,
-           max_recv_rows: int, recv: Arena, host_info_ptr: int, timeout_ns: int,
+           max_recv_rows: int, recv: Arena, host_info_ptr: int, host_epoch: int, timeout_ns: int,
            errors: ErrorSink) -> None:
     """Exchanges counts with every peer and writes the receive layout (the `recv_fields`
-    arrays of `recv`) on the device."""
+    arrays of `recv`) on the device. `epoch_word`: the address of the device word holding the
+    call's epoch (the transport advances it before the call); `host_info_ptr` (non-zero for a
+    synchronous call): where the row count is published with `host_epoch`."""
     kernel = jit.get_kernel("notify.cu", "notify_kernel")
     a = recv.address
     args = NotifyArgs.fill(
         peer_bases=peer_bases.data_ptr(), rank=rank, num_ranks=num_ranks,
-        epoch=epoch & 0xFFFFFFFF, num_tokens_per_rank=lay.address("num_tokens_per_rank"),
+        epoch_word=epoch_word, num_tokens_per_rank=lay.address("num_tokens_per_rank"),
         num_tokens_per_expert=lay.address("num_tokens_per_expert"), num_local=num_local,
         hidden=hidden, num_topk=num_topk, alignment=alignment, max_recv_rows=max_recv_rows,
         num_recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
         num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
         tokens_per_expert=a("tokens_per_expert"), expert_row_start=a("expert_row_start"),
         src_expert_offset=a("src_expert_offset"), host_info=host_info_ptr,
-        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+        host_epoch=host_epoch & 0xFFFFFFFF, timeout_ns=timeout_ns, error_claim=errors.claim,
+        error_record=errors.record)
     kernel.launch(1, NOTIFY_THREADS, args, _stream())
 
 
@@ -432,7 +442,7 @@ def _wire(fp8) -> tuple:
 def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                   topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
                   fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
-                  num_ranks: int, num_local: int, epoch: int, num_sms: int, timeout_ns: int,
+                  num_ranks: int, num_local: int, epoch_word: int, num_sms: int, timeout_ns: int,
                   errors: ErrorSink) -> None:
     """Writes every token row (quantized when `fp8` is given) into each peer's staging region.
 
@@ -450,7 +460,7 @@ def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: t
         is_token_in_rank=lay.address("is_token_in_rank"),
         token_slot_in_rank=lay.address("token_slot_in_rank"),
         peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
-        num_ranks=num_ranks, num_local=num_local, epoch=epoch & 0xFFFFFFFF,
+        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
         timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
     kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
@@ -460,7 +470,7 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
                   x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                   topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
                   fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
-                  num_ranks: int, num_local: int, epoch: int, num_sms: int, timeout_ns: int,
+                  num_ranks: int, num_local: int, epoch_word: int, num_sms: int, timeout_ns: int,
                   errors: ErrorSink) -> None:
     """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`.
 
@@ -482,7 +492,7 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
         slot_token=lay.address("slot_token"), num_tokens=x.shape[0],
         peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
-        num_ranks=num_ranks, num_local=num_local, epoch=epoch & 0xFFFFFFFF,
+        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
         timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
     kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
@@ -560,7 +570,7 @@ def _num_int4(rows: torch.Tensor) -> int:
 
 def combine_send(y: torch.Tensor, handle, weighted: bool,
                  grad_row_weights: Optional[torch.Tensor], peer_bases: torch.Tensor,
-                 regions: torch.Tensor, rank: int, num_ranks: int, epoch: int, num_sms: int,
+                 regions: torch.Tensor, rank: int, num_ranks: int, epoch_word: int, num_sms: int,
                  timeout_ns: int, errors: ErrorSink) -> None:
     """Sends one fp32-accumulated partial row (rounded to y's dtype) per received slot back to
     its source rank. `y` is `[M, H]` of a `ROW_DTYPE_CODES` dtype."""
@@ -573,7 +583,7 @@ def combine_send(y: torch.Tensor, handle, weighted: bool,
         slot_rows=handle.address("slot_rows"),
         num_recv_tokens_per_rank=handle.address("num_recv_tokens_per_rank"),
         peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
-        num_ranks=num_ranks, epoch=epoch & 0xFFFFFFFF, timeout_ns=timeout_ns,
+        num_ranks=num_ranks, epoch_word=epoch_word, timeout_ns=timeout_ns,
         error_claim=errors.claim, error_record=errors.record)
     kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
@@ -581,7 +591,7 @@ def combine_send(y: torch.Tensor, handle, weighted: bool,
 def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
                    handle, weighted: bool, grad_row_weights: Optional[torch.Tensor],
                    peer_bases: torch.Tensor, regions: torch.Tensor, rank: int, num_ranks: int,
-                   epoch: int, num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
+                   epoch_word: int, num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
     """Sums every token's partials over ranks in fp32 into `out [N, H]` (y's dtype)."""
     assert out.dtype == y.dtype, (out.dtype, y.dtype)
     kernel = jit.get_kernel("combine.cu", "combine_reduce",
@@ -594,7 +604,7 @@ def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: to
         recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
         slot_rows=handle.address("slot_rows"), is_token_in_rank=lay.address("is_token_in_rank"),
         token_slot_in_rank=lay.address("token_slot_in_rank"), peer_bases=peer_bases.data_ptr(),
-        regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch=epoch & 0xFFFFFFFF,
+        regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch_word=epoch_word,
         timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
     kernel.launch(num_sms, COMM_THREADS, args, _stream())
 

@@ -27,7 +27,7 @@ def cpu_run(tmp_path_factory):
     env.pop("MDEEP_RANK_CAPACITY_FACTOR", None)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_deepep.bench_layer", "--cpu", "--te", "--iters", "3",
-         "--shapes", "64,64,8,2,128", "--out", str(out)],
+         "--shapes", "64,64,8,2,128", "--host-profile", "4", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout, json.loads(out.read_text())
@@ -109,3 +109,14 @@ def test_kernel_tables_list_each_profiled_row():
     text = bench_layer.kernel_tables(rows)
     assert text.splitlines() == ["B te-alltoall 8,16,4,2,8: top kernels (us/call, share)",
                                  "       12.5  50.0%  gemm_kernel"]
+
+
+def test_host_profile_names_the_functions_that_take_host_time(cpu_run):
+    stdout, report = cpu_run
+    ran = [r for r in report["rows"] if "fwd_bwd_ms" in r]
+    assert ran and all(len(r["top_host"]) == 4 for r in ran)
+    for r in ran:
+        own = [e["us_per_call"] for e in r["top_host"]]
+        assert own == sorted(own, reverse=True) and own[0] > 0
+        assert all(e["cum_us_per_call"] >= e["us_per_call"] - 1e-6 for e in r["top_host"])
+    assert "top host functions (own us/call, calls/call, cumulative us/call)" in stdout
