@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_send(
     const u64* const peer_bases = args.peer_bases;
     const Regions* const regions_ptr = args.regions;
     const int rank = args.rank, num_ranks = args.num_ranks;
-    const u32 epoch = args.epoch;
+    const u32 epoch = *args.epoch_word;
     const u64 timeout_ns = args.timeout_ns;
     const ErrorState err{args.error_claim, args.error_record};
     const Regions rg = *regions_ptr;
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
     const u64* const peer_bases = args.peer_bases;
     const Regions* const regions_ptr = args.regions;
     const int rank = args.rank, num_ranks = args.num_ranks;
-    const u32 epoch = args.epoch;
+    const u32 epoch = *args.epoch_word;
     const u64 timeout_ns = args.timeout_ns;
     const ErrorState err{args.error_claim, args.error_record};
     const Regions rg = *regions_ptr;

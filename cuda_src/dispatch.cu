@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
     const u64* const peer_bases = args.peer_bases;
     const Regions* const regions_ptr = args.regions;
     const int rank = args.rank, num_ranks = args.num_ranks, num_local = args.num_local;
-    const u32 epoch = args.epoch;
+    const u32 epoch = *args.epoch_word;
     const u64 timeout_ns = args.timeout_ns;
     const ErrorState err{args.error_claim, args.error_record};
     const Regions rg = *regions_ptr;
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
     const u64* const peer_bases = args.peer_bases;
     const Regions* const regions_ptr = args.regions;
     const int rank = args.rank, num_ranks = args.num_ranks, num_local = args.num_local;
-    const u32 epoch = args.epoch;
+    const u32 epoch = *args.epoch_word;
     const u64 timeout_ns = args.timeout_ns;
     const ErrorState err{args.error_claim, args.error_record};
     const Regions rg = *regions_ptr;

@@ -81,6 +81,9 @@ struct Signals {
     }
 };
 
+// The call's epoch, from the word the transport advanced before the call (args.cuh).
+__device__ __forceinline__ u32 epoch_of(const InternodeArgs& a) { return *a.epoch_word; }
+
 __device__ __forceinline__ NodeFlags* flags_of(u8* block, const InternodeArgs& a) {
     return reinterpret_cast<NodeFlags*>(block + a.flags);
 }
@@ -141,7 +144,8 @@ __device__ __forceinline__ bool map_node_peers(const InternodeArgs& a, u8** peer
 template <u32 (NodeFlags::*kFlags)[kMaxRanksPerNode]>
 __device__ __forceinline__ void release_node(u8* const* peers, const InternodeArgs& a) {
     const int L = a.ranks_per_node, local = a.rank % L;
-    for (int t = 0; t < L; ++t) st_release_sys(&(flags_of(peers[t], a)->*kFlags)[local], a.epoch);
+    const u32 epoch = epoch_of(a);
+    for (int t = 0; t < L; ++t) st_release_sys(&(flags_of(peers[t], a)->*kFlags)[local], epoch);
 }
 
 // Thread t < L waits until flags[t] reaches `epoch`; returns in every thread whether all did.
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
     const ErrorState err{a.error_claim, a.error_record};
     const int R = a.num_ranks, L = a.ranks_per_node, M = a.num_nodes, me = a.rank;
     const int num_local = a.num_local, row_len = 8 + num_local;
-    const int parity = a.epoch & 1;
+    const int parity = epoch_of(a) & 1;
     int* send = reinterpret_cast<int*>(a.heap + a.notify_send);
     int(*counts)[kCountStride] =
         reinterpret_cast<int(*)[kCountStride]>(a.heap + a.notify_recv) + parity * R;
@@ -244,7 +248,7 @@ __global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
     for (int d = warp; d < R; d += num_warps)
         if (d != me)
             net::put_signal_warp(&counts[me][0], send + d * kCountStride, row_len * sizeof(int),
-                                 signals + me, a.epoch, a.pe_of_rank[d], net::Signal::kSet);
+                                 signals + me, epoch_of(a), a.pe_of_rank[d], net::Signal::kSet);
     __syncwarp();
     if (lane == 0) net::quiet();
     // 2. Everyone's row.
@@ -252,7 +256,7 @@ __global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
     if (threadIdx.x == 0) failed = 0;
     __syncthreads();
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-        if (s != me && !net::wait_signal_ge(signals + s, a.epoch, a.timeout_ns, err, me, s,
+        if (s != me && !net::wait_signal_ge(signals + s, epoch_of(a), a.timeout_ns, err, me, s,
                                             kPhaseInNotify))
             failed = 1;
     __syncthreads();
@@ -292,7 +296,7 @@ __global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
         if (a.max_recv_rows >= 0 && num_rows > a.max_recv_rows)
             record_error(err, kErrRecvOverflow, me, -1, kPhaseInNotify, 0, a.max_recv_rows,
                          num_rows);
-        if (a.host_info != nullptr) publish_host_info(a.host_info, num_rows, a.epoch);
+        if (a.host_info != nullptr) publish_host_info(a.host_info, num_rows, a.host_epoch);
     }
 }
 
@@ -333,8 +337,9 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
     __shared__ int chunk_start[kMaxNodes + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_tokens_per_node, M, C, chunk_start);
     // Rail peers consumed the previous call's slots (the signal carries their epoch).
-    const bool ok = block_wait_rail(sig.disp_ack, nullptr, [&](int) { return (u64)(a.epoch - 1); },
-                                    a, err, kPhaseInDispatchSend);
+    const u64 previous = epoch_of(a) - 1u;
+    const bool ok = block_wait_rail(sig.disp_ack, nullptr, [&](int) { return previous; }, a, err,
+                                    kPhaseInDispatchSend);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     for (int item = blockIdx.x; ok && item < chunk_start[M]; item += gridDim.x) {
         const int m = find_segment(chunk_start, M, item);
@@ -385,7 +390,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
     __shared__ int tok_start[kMaxNodes + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.fwd_count, M, 1, tok_start);
     bool ok = map_node_peers(a, peers, err, kPhaseInForward);
-    ok = ok && block_wait_node(mine->stage_consumed, a.epoch - 1, a, err, kPhaseInForward);
+    ok = ok && block_wait_node(mine->stage_consumed, epoch_of(a) - 1, a, err, kPhaseInForward);
     const auto chunks_from = [&](int n) { return (u64)num_chunks(a.fwd_count[n], a.chunk_tokens); };
     ok = ok && block_wait_rail(sig.disp, a.chunks_seen, chunks_from, a, err, kPhaseInForward);
     const int lane = threadIdx.x & 31;
@@ -427,7 +432,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
         for (int n = 0; n < M; ++n) {
             if (n == node) continue;
             a.chunks_seen[n] += num_chunks(a.fwd_count[n], C);
-            net::signal(sig.disp_ack + node, a.epoch, a.pe_of_rank[n * L + local]);
+            net::signal(sig.disp_ack + node, epoch_of(a), a.pe_of_rank[n * L + local]);
         }
         net::quiet();
     }
@@ -451,7 +456,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
                                             a.expert_row_start, lane);
     __shared__ int slot_start[kMaxInternodeRanks + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
-    const bool ok = block_wait_node(flags_of(a.heap, a)->fwd_done, a.epoch, a, err,
+    const bool ok = block_wait_node(flags_of(a.heap, a)->fwd_done, epoch_of(a), a, err,
                                     kPhaseInDispatchRecv);
     for (int i = warp; ok && i < slot_start[R]; i += num_warps) {
         const int s = find_segment(slot_start, R, i);
@@ -569,7 +574,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
     __shared__ int slot_start[kMaxInternodeRanks + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
     bool ok = map_node_peers(a, peers, err, kPhaseInCombineSend);
-    ok = ok && block_wait_node(flags_of(a.heap, a)->comb_consumed, a.epoch - 1, a, err,
+    ok = ok && block_wait_node(flags_of(a.heap, a)->comb_consumed, epoch_of(a) - 1, a, err,
                                kPhaseInCombineSend);
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -617,10 +622,11 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_forward(
     __shared__ int chunk_start[kMaxNodes + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.fwd_count, M, C, chunk_start);
     bool ok = map_node_peers(a, peers, err, kPhaseInCombineForward);
-    ok = ok && block_wait_node(flags_of(a.heap, a)->comb_done, a.epoch, a, err,
+    ok = ok && block_wait_node(flags_of(a.heap, a)->comb_done, epoch_of(a), a, err,
                                kPhaseInCombineForward);
-    ok = ok && block_wait_rail(sig.comb_ack, nullptr, [&](int) { return (u64)(a.epoch - 1); }, a,
-                               err, kPhaseInCombineForward);
+    const u64 previous = epoch_of(a) - 1u;
+    ok = ok && block_wait_rail(sig.comb_ack, nullptr, [&](int) { return previous; }, a, err,
+                               kPhaseInCombineForward);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     for (int item = blockIdx.x; ok && item < chunk_start[M]; item += gridDim.x) {
         const int n = find_segment(chunk_start, M, item);
@@ -690,7 +696,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_reduce(
         for (int n = 0; n < M; ++n) {
             if (n == node) continue;
             a.chunks_seen[M + n] += num_chunks(a.num_tokens_per_node[n], C);
-            net::signal(sig.comb_ack + node, a.epoch, a.pe_of_rank[n * L + local]);
+            net::signal(sig.comb_ack + node, epoch_of(a), a.pe_of_rank[n * L + local]);
         }
         net::quiet();
     }

@@ -14,7 +14,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
     const __grid_constant__ NotifyArgs args) {
     const u64* const peer_bases = args.peer_bases;
     const int rank = args.rank, num_ranks = args.num_ranks;
-    const u32 epoch = args.epoch;
+    const u32 epoch = *args.epoch_word;
     const int* const num_tokens_per_rank = args.num_tokens_per_rank;
     const int* const num_tokens_per_expert = args.num_tokens_per_expert;
     const int num_local = args.num_local, hidden = args.hidden, num_topk = args.num_topk;
@@ -86,6 +86,6 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
         if (max_recv_rows >= 0 && num_rows > max_recv_rows)
             record_error(err, kErrRecvOverflow, rank, -1, kPhaseNotify, 0, max_recv_rows,
                          num_rows);
-        if (host_info != nullptr) publish_host_info(host_info, num_rows, epoch);
+        if (host_info != nullptr) publish_host_info(host_info, num_rows, args.host_epoch);
     }
 }

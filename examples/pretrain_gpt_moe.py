@@ -21,6 +21,12 @@ DIR`, `--moe-mdeep-num-sms N`, `--moe-mdeep-transport {auto,local,nvlink,referen
 Megatron defines them as config fields itself; here they are added only when missing, and
 `apply_arguments` makes the parsed values the dispatcher's defaults.
 
+`MDEEP_GROUPED_MM_EXPERTS=1` (environment; the `examples/configs/` proxies set it): the experts
+are `layer_variants.GroupedMMExperts` (two `torch._grouped_mm` calls per layer) instead of
+Megatron's `SequentialMLP` (a Python loop over the experts: host-bound with hundreds of small
+experts); kept, with the reason logged, where `torch._grouped_mm` fails a one-call check.
+`MDEEP_FP8_EXPERTS=1`: TE's grouped experts take the FP8 rows (`docs/fp8.md`).
+
 `GPT_MOE_ARGS` (environment): more flags, shell-quoted, appended after the command line's (so
 they win); the model-family templates in `examples/configs/` use it through the Slurm template.
 """
@@ -89,6 +95,14 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             spec = with_fp8_experts(spec)
     else:
         spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
+    if knobs.get("GROUPED_MM_EXPERTS"):  # the examples/configs proxies: grouped experts
+        from megatron_deepep.layer_variants import with_grouped_mm_experts
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        grouped, note = with_grouped_mm_experts(spec, device)
+        log = logger.info if grouped is not spec else logger.warning
+        log("MDEEP_GROUPED_MM_EXPERTS=1: %s", note)
+        spec = grouped
     extra = {k: v for k, v in (("vp_stage", vp_stage), ("pg_collection", pg_collection))
              if v is not None}
     return GPTModel(config=config, transformer_layer_spec=spec,

@@ -14,7 +14,9 @@ whose group offsets stay on the GPU), and `deepep-syncfree-gmm` runs the same ex
 the graph's like-for-like row. Table B (issue 22, `--te`): TE layers under the blockwise FP8
 recipe (`Float8BlockScaling`): `alltoall`, `deepep` bf16 dispatch, `deepep` FP8 dispatch
 dequantized into `TEGroupedMLP`, and `deepep` FP8 dispatch handed to our FP8 experts
-(`te_experts.with_fp8_experts`, what `MDEEP_FP8_EXPERTS=1` selects in the example).
+(`te_experts.with_fp8_experts`, what `MDEEP_FP8_EXPERTS=1` selects in the example), whose wgrad
+columnwise copy comes from `cuda_src/fp8_columnwise.cu`, or (the `-dequant-colwise` row) from
+dequantize + TE's `split_quantize`.
 
 Measured per row: fwd+bwd ms = median over `--iters` calls issued back to back, by CUDA events
 (`bench.time_cuda`; rotating inputs, grads set to None between calls, as a training step does);
@@ -24,7 +26,9 @@ host waits of a synchronizing variant. torch syncs = synchronizing torch calls i
 (`torch.cuda.set_sync_debug_mode`; e.g. the experts' `tokens_per_expert.tolist()`; the deepep
 dispatch's own wait for its row count reads mapped memory and is not among them). Ratio =
 fwd+bwd time / the `alltoall` row's, same table and shape. A variant that fails prints its error
-in its row and the run goes on.
+in its row and the run goes on. `--profile N` lists each row's N kernels with the most GPU time,
+the kernels of the FP8 experts' columnwise copy whatever their rank (`WATCHED_KERNELS`), and the
+row's total kernel time per call.
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ SHAPES_A = [(8192, 4096, 64, 6, 1024)]
 SHAPES_B = [(8192, 4096, 64, 6, 1024), (4096, 7168, 256, 8, 2048)]
 SHAPES_CPU = [(64, 64, 8, 2, 128)]
 NUM_INPUTS = 3  # rotated, so no call replays the previous one's inputs from L2
+#: Kernels `--profile` lists whatever their rank: the FP8 experts' columnwise copy, by our kernel
+#: or by our dequantize and TE's cast-transpose.
+WATCHED_KERNELS = ("columnwise_from_rowwise", "dequantize_blockwise",
+                   "block_scaled_1d_cast_transpose")
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -125,9 +133,16 @@ class _Inputs:
                       .to(torch.bfloat16) for _ in range(NUM_INPUTS)]
 
 
-def top_kernels(fn: Callable, setup: Callable, count: int, calls: int = 3) -> List[dict]:
+def top_kernels(fn: Callable, setup: Callable, count: int, calls: int = 3,
+                watch: Tuple[str, ...] = WATCHED_KERNELS) -> Tuple[List[dict], float]:
     """The `count` kernels with the most device time over `calls` calls of `fn` (torch's
-    profiler): `[{"name", "us_per_call", "share"}]`, share of all kernel time."""
+    profiler), then any other kernel whose name contains a `watch` string.
+
+    Returns:
+        `([{"name", "us_per_call", "share", "rank", "watched"}], total kernel µs per call)`;
+        share of all kernel time, rank by time (1: the most), watched: listed for `watch`
+        only (below the top `count`).
+    """
     from torch.profiler import ProfilerActivity, profile
 
     setup(0)
@@ -141,8 +156,38 @@ def top_kernels(fn: Callable, setup: Callable, count: int, calls: int = 3) -> Li
     events = [e for e in prof.key_averages() if _device_us(e) > 0]
     total = sum(_device_us(e) for e in events) or 1.0
     events.sort(key=_device_us, reverse=True)
-    return [{"name": e.key[:90], "us_per_call": _device_us(e) / calls,
-             "share": _device_us(e) / total} for e in events[:count]]
+    listed = [(rank, e) for rank, e in enumerate(events, 1)
+              if rank <= count or any(w in e.key for w in watch)]
+    return ([{"name": e.key[:90], "us_per_call": _device_us(e) / calls,
+              "share": _device_us(e) / total, "rank": rank, "watched": rank > count}
+             for rank, e in listed],
+            total / calls)
+
+
+def top_host_functions(fn: Callable, setup: Callable, count: int, calls: int = 5) -> List[dict]:
+    """The `count` functions with the most own host time over `calls` calls of `fn` (cProfile;
+    its overhead inflates Python-heavy paths alike, so read the order, not the absolute time):
+    `[{"name", "us_per_call", "calls_per_call", "cum_us_per_call"}]`."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for i in range(calls):
+        setup(i)
+        profiler.enable()
+        fn()
+        profiler.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    entries = []
+    for (path, line, name), (_, num_calls, own, cumulative, _) in \
+            pstats.Stats(profiler).stats.items():
+        where = f"{os.path.basename(path)}:{line}" if line else "~"
+        entries.append({"name": f"{where}({name})"[:90], "us_per_call": own / calls * 1e6,
+                        "calls_per_call": num_calls / calls,
+                        "cum_us_per_call": cumulative / calls * 1e6})
+    entries.sort(key=lambda e: e["us_per_call"], reverse=True)
+    return entries[:count]
 
 
 def _device_us(event) -> float:
@@ -194,7 +239,8 @@ def _graph_step(layer, inputs: _Inputs):
 
 
 def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
-                capacity_factor: float, inputs: _Inputs, profile_top: int = 0) -> dict:
+                capacity_factor: float, inputs: _Inputs, profile_top: int = 0,
+                host_profile_top: int = 0) -> dict:
     """One row: times, host time, syncs, experts, notes; raises Skip or the variant's error."""
     if variant.graph and device == "cpu":
         raise Skip("CUDA graphs need a GPU (--cpu)")
@@ -225,7 +271,9 @@ def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
         setup(0)
         row["syncs"] = count_syncs(fn)
         if profile_top and device == "cuda":
-            row["top_kernels"] = top_kernels(fn, setup, profile_top)
+            row["top_kernels"], row["kernel_us_per_call"] = top_kernels(fn, setup, profile_top)
+        if host_profile_top:
+            row["top_host"] = top_host_functions(fn, setup, host_profile_top)
     finally:
         hook.remove()
     row["experts_input"] = seen.get("experts_input")
@@ -251,7 +299,8 @@ class _LogCapture(logging.Handler):
 
 
 def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], device: str,
-        experts: str, iters: int, capacity_factor: float, profile_top: int = 0) -> List[dict]:
+        experts: str, iters: int, capacity_factor: float, profile_top: int = 0,
+        host_profile_top: int = 0) -> List[dict]:
     """Every selected variant of every table on its shapes; one row dict each."""
     rows = []
     te_skip = te_reason() if "B" in tables else ""
@@ -273,7 +322,8 @@ def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], devi
                     if table == "B" and te_skip:
                         raise Skip(te_skip)
                     row.update(run_variant(variant, shape, device, experts, iters,
-                                           capacity_factor, inputs, profile_top))
+                                           capacity_factor, inputs, profile_top,
+                                           host_profile_top))
                 except Skip as exc:
                     row["skipped"] = str(exc)
                 except Exception as exc:  # the row says what failed; the next one runs
@@ -326,18 +376,35 @@ def markdown_table(rows: List[dict]) -> str:
 
 
 def kernel_tables(rows: List[dict]) -> str:
-    """Each profiled row's top kernels (`--profile`), one block per row."""
+    """Each profiled row's top kernels (`--profile`) and top host functions
+    (`--host-profile`), one block per row."""
     lines = []
     for r in rows:
+        shape = ",".join(str(v) for v in r["shape"])
         if r.get("top_kernels"):
-            shape = ",".join(str(v) for v in r["shape"])
             lines.append(" ".join((r["table"], r["variant"], shape))
                          + ": top kernels (us/call, share)")
             # plain concatenation: under Python 3.12.1, inside the whole test suite, f-strings
             # here lost their one-space literals between fields (cause not found)
             lines += ["  " + format(k["us_per_call"], "9.1f") + " " + format(k["share"], "6.1%")
-                      + "  " + k["name"] for k in r["top_kernels"]]
+                      + "  " + k["name"] + _rank_note(k)
+                      for k in r["top_kernels"]]
+            if "kernel_us_per_call" in r:
+                lines.append("  " + format(r["kernel_us_per_call"], "9.1f")
+                             + "          total kernel time per call")
+        if r.get("top_host"):
+            lines.append(" ".join((r["table"], r["variant"], shape))
+                         + ": top host functions (own us/call, calls/call, cumulative us/call)")
+            lines += ["  " + format(k["us_per_call"], "9.1f") + " "
+                      + format(k["calls_per_call"], "7.1f") + " "
+                      + format(k["cum_us_per_call"], "9.1f") + "  " + k["name"]
+                      for k in r["top_host"]]
     return "\n".join(lines)
+
+
+def _rank_note(kernel: dict) -> str:
+    """" (rank R)" for a watched kernel listed below the top ones, else ""."""
+    return " (rank " + str(kernel["rank"]) + ")" if kernel.get("watched") else ""
 
 
 def environment(device: str) -> dict:
@@ -399,7 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "receives exactly tokens x top-k)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also list each variant's N kernels with the most GPU time "
-                             "(torch profiler, 3 calls)")
+                             "(torch profiler, 3 calls), the FP8 experts' columnwise-copy "
+                             "kernels whatever their rank, and the total kernel time")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also list each variant's N functions with the most own host time "
+                             "(cProfile, 5 calls): where a host-bound layer's time goes")
     parser.add_argument("--out", default=".bench_out/bench_layer.json", help="JSON output file")
     return parser
 
@@ -435,7 +506,7 @@ def main(argv=None) -> List[dict]:
         init_megatron(device)
         try:
             rows = run(tables, names, device, args.experts, args.iters,
-                       args.rank_capacity_factor, args.profile)
+                       args.rank_capacity_factor, args.profile, args.host_profile)
         finally:
             teardown()
     report = {"environment": environment(device), "iters": args.iters, "rows": rows}

@@ -112,6 +112,15 @@ _TABLE = (
     Knob("FP8_EXPERTS", "bool", False, "0", "`examples/pretrain_gpt_moe.py` builds its TE experts "
          "with `te_experts.with_fp8_experts`: FP8 rows into TE's grouped GEMM in training "
          "(`docs/fp8.md`)", "dispatcher"),
+    Knob("FP8_COLUMNWISE", "str", "kernel", "kernel", "how the FP8 experts make the weight "
+         "gradient's columnwise copy of their FP8 rows: `kernel` (one pass, FP8 in and out, "
+         "`cuda_src/fp8_columnwise.cu`) or `dequantize` (bf16 rows, then TE's `split_quantize`)",
+         "dispatcher"),
+    Knob("GROUPED_MM_EXPERTS", "bool", False, "0", "`examples/pretrain_gpt_moe.py` swaps "
+         "Megatron's `SequentialMLP` experts (a Python loop over the experts) for "
+         "`layer_variants.GroupedMMExperts` (two `torch._grouped_mm` calls); where "
+         "`torch._grouped_mm` fails a one-call check it keeps `SequentialMLP` and logs why "
+         "(`examples/configs/` proxies: on)", "dispatcher"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),

@@ -2,7 +2,8 @@
 
 `VARIANTS` names every row kind (dispatcher, sync mode, CUDA graph, experts, FP8); `build_layer`
 builds a variant's Megatron `MoELayer` (megatron-core 0.16 `ModuleSpec`s and the 0.17+ builders);
-`GroupedMMExperts` are experts that read no counts on the host (CUDA-graph capturable);
+`GroupedMMExperts` are experts that read no counts on the host (CUDA-graph capturable), and
+`with_grouped_mm_experts` puts them into a layer spec (`examples/pretrain_gpt_moe.py`);
 `init_megatron` sets up one rank at TP = EP = 1; `cpu_stand_ins` lets megatron-core run on a
 CPU-only torch for `--cpu`.
 """
@@ -30,6 +31,8 @@ class Variant:
         grouped_mm: `GroupedMMExperts` instead of the table's experts.
         fp8_dispatch: the deepep `fp8_dispatch` option.
         fp8_experts: `te_experts.with_fp8_experts` on the TE layer spec.
+        fp8_columnwise: with `fp8_experts`, how they make the wgrad's columnwise copy
+            (`te_experts.COLUMNWISE_METHODS`; "": `MDEEP_FP8_COLUMNWISE`, the kernel by default).
     """
 
     name: str
@@ -40,6 +43,7 @@ class Variant:
     grouped_mm: bool = False
     fp8_dispatch: str = "off"
     fp8_experts: bool = False
+    fp8_columnwise: str = ""
 
 
 VARIANTS = [
@@ -52,6 +56,8 @@ VARIANTS = [
     Variant("te-deepep-bf16", "B", "deepep"),
     Variant("te-deepep-fp8-dequant", "B", "deepep", fp8_dispatch="blockwise"),
     Variant("te-deepep-fp8-experts", "B", "deepep", fp8_dispatch="blockwise", fp8_experts=True),
+    Variant("te-deepep-fp8-experts-dequant-colwise", "B", "deepep", fp8_dispatch="blockwise",
+            fp8_experts=True, fp8_columnwise="dequantize"),
 ]
 BASELINE = {"A": "alltoall", "B": "te-alltoall"}
 
@@ -91,6 +97,13 @@ class GroupedMMExperts(torch.nn.Module):
                           device=device)
         self.weight1 = torch.nn.Parameter(fc1.normal_(0, std))
         self.weight2 = torch.nn.Parameter(fc2.normal_(0, std))
+        # As Megatron's expert linears: under EP > 1 each rank holds other experts, so their
+        # gradients are reduced over the expert data-parallel group, not the whole DP group.
+        expert_groups = (getattr(config, "expert_model_parallel_size", 1) > 1
+                         or getattr(config, "expert_tensor_parallel_size", None)
+                         not in (None, getattr(config, "tensor_model_parallel_size", 1)))
+        for weight in (self.weight1, self.weight2):
+            weight.allreduce = not expert_groups
 
     def forward(self, rows, tokens_per_expert, permuted_probs, *args, **kwargs):
         offs = torch.cumsum(tokens_per_expert.to(rows.device), 0).to(torch.int32)
@@ -102,6 +115,37 @@ class GroupedMMExperts(torch.nn.Module):
             h = self.activation(h)
         h = (h * permuted_probs.unsqueeze(-1)).to(rows.dtype)
         return torch._grouped_mm(h, self.weight2, offs=offs), None
+
+
+def with_grouped_mm_experts(spec, device):
+    """A layer spec whose `SequentialMLP` experts are `GroupedMMExperts`, where they can run.
+
+    `SequentialMLP` runs each local expert's MLP in a Python loop (forward and backward), so a
+    layer of many small experts is bound by the host (hundreds of kernel launches per layer);
+    `GroupedMMExperts` makes it two grouped GEMMs. Same routed computation (SwiGLU or the
+    config's activation, probs applied after it); its weights are two `[E_local, ...]`
+    parameters, so checkpoints are not interchangeable with `SequentialMLP`'s.
+
+    Args:
+        spec: a layer, decoder block or MoE module spec (megatron-core 0.16 `ModuleSpec`s or
+            the 0.17+ `functools.partial` builders).
+        device: where the experts will run (`grouped_mm_reason` is checked there).
+
+    Returns:
+        `(spec, note)`: the new spec and what was done, or the spec unchanged and why (no
+        `SequentialMLP` in it, or `torch._grouped_mm` fails here).
+    """
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_deepep.megatron.te_experts import replace_classes
+
+    new = replace_classes(spec, {SequentialMLP: GroupedMMExperts})
+    if new is spec:
+        return spec, "the spec has no SequentialMLP experts (already grouped): unchanged"
+    reason = grouped_mm_reason(device)
+    if reason:
+        return spec, f"kept SequentialMLP: {reason}"
+    return new, "SequentialMLP -> GroupedMMExperts (torch._grouped_mm)"
 
 
 def grouped_mm_reason(device) -> str:
@@ -268,6 +312,9 @@ def build_layer(variant: Variant, shape, device: str, experts: str, capacity_fac
         config.moe_mdeep_rank_capacity_factor = capacity_factor
     if te_layer:
         layer, name = te_moe_layer(config, num_experts, variant.fp8_experts)
+        if variant.fp8_columnwise:  # read by FP8ColumnParallelGroupedLinear at each call
+            layer.experts.linear_fc1.fp8_columnwise = variant.fp8_columnwise
+            name += f" (columnwise copy: {variant.fp8_columnwise})"
     else:
         if variant.grouped_mm or experts == "grouped_mm":
             module, name = GroupedMMExperts, "GroupedMMExperts (torch._grouped_mm, device counts)"
@@ -279,14 +326,16 @@ def build_layer(variant: Variant, shape, device: str, experts: str, capacity_fac
     return layer, name
 
 
-def te_moe_layer(config, num_experts: int, fp8_experts: bool):
-    """Megatron's MoELayer from its TE spec (TEGroupedMLP experts), or with the FP8 experts of
-    `te_experts.with_fp8_experts`; `(layer, experts class name)`, on the CPU."""
+def te_moe_layer(config, num_experts: int, fp8_experts: bool, grouped_gemm: bool = True):
+    """Megatron's MoELayer from its TE spec (TEGroupedMLP experts; `grouped_gemm=False`: TE's
+    SequentialMLP), or with the FP8 experts of `te_experts.with_fp8_experts`; `(layer, experts
+    class name)`, on the CPU."""
     import functools
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    spec = get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True)
+    spec = get_moe_module_spec(use_te=True, num_experts=num_experts,
+                               moe_grouped_gemm=grouped_gemm)
     if fp8_experts:
         from megatron_deepep.megatron import te_experts
 

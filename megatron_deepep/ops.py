@@ -49,12 +49,13 @@ class LayoutArgs(KernelArgs):
 class NotifyArgs(KernelArgs):
     c_name = "mdeep::NotifyArgs"
     _fields_ = [
-        ("peer_bases", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("peer_bases", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch_word", Ptr),
         ("num_tokens_per_rank", Ptr), ("num_tokens_per_expert", Ptr), ("num_local", I32),
         ("hidden", I32), ("num_topk", I32), ("alignment", I32), ("max_recv_rows", I32),
         ("num_recv_tokens_per_rank", Ptr), ("num_recv_tokens_per_expert", Ptr),
         ("tokens_per_expert", Ptr), ("expert_row_start", Ptr), ("src_expert_offset", Ptr),
-        ("host_info", Ptr), ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+        ("host_info", Ptr), ("host_epoch", U32), ("timeout_ns", U64), ("error_claim", Ptr),
+        ("error_record", Ptr)]
 
 
 class DispatchSendArgs(KernelArgs):
@@ -63,7 +64,8 @@ class DispatchSendArgs(KernelArgs):
         ("x", Ptr), ("x_scales", Ptr), ("num_tokens", I32), ("hidden", I32),
         ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr), ("pos_in_expert", Ptr),
         ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr), ("peer_bases", Ptr),
-        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32), ("epoch", U32),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32),
+        ("epoch_word", Ptr),
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
@@ -75,7 +77,8 @@ class DispatchRecvArgs(KernelArgs):
         ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("slot_rows", Ptr), ("x", Ptr),
         ("x_scales", Ptr), ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr),
         ("pos_in_expert", Ptr), ("slot_token", Ptr), ("num_tokens", I32), ("peer_bases", Ptr),
-        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32), ("epoch", U32),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32),
+        ("epoch_word", Ptr),
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
@@ -95,7 +98,7 @@ class CombineSendArgs(KernelArgs):
     _fields_ = [
         ("y", Ptr), ("num_int4", I32), ("recv_weights", Ptr), ("grad_row_weights", Ptr),
         ("slot_rows", Ptr), ("num_recv_tokens_per_rank", Ptr), ("peer_bases", Ptr),
-        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch_word", Ptr),
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
@@ -105,7 +108,7 @@ class CombineReduceArgs(KernelArgs):
         ("out", Ptr), ("out_weights", Ptr), ("num_tokens", I32), ("num_int4", I32), ("y", Ptr),
         ("recv_weights", Ptr), ("grad_row_weights", Ptr), ("slot_rows", Ptr),
         ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr), ("peer_bases", Ptr),
-        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch", U32),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("epoch_word", Ptr),
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
@@ -127,6 +130,14 @@ class DequantizeArgs(KernelArgs):
     c_name = "mdeep::DequantizeArgs<float>"
     _fields_ = [("q", Ptr), ("scales", Ptr), ("out", Ptr), ("num_tokens", I32),
                 ("hidden", I32)]
+
+
+class ColumnwiseArgs(KernelArgs):
+    c_name = "mdeep::ColumnwiseArgs"
+    _fields_ = [("q", Ptr), ("scales", Ptr), ("token_stride", I64), ("block_stride", I64),
+                ("row_offsets", Ptr), ("col_data", Ptr), ("col_scales", Ptr),
+                ("num_experts", I32), ("num_rows", I32), ("hidden", I32), ("scale_cols", I32),
+                ("num_blocks", I32), ("amax_epsilon", F32)]
 
 
 class FillArgs(KernelArgs):
@@ -162,7 +173,7 @@ class InternodeArgs(KernelArgs):
         ("row_stride", I64), ("record_stride", I64), ("meta_stride", I64),
         ("weight_stride", I64), ("max_tokens", I32), ("chunk_tokens", I32), ("rank", I32),
         ("num_ranks", I32), ("ranks_per_node", I32), ("num_nodes", I32), ("pe_of_rank", Ptr),
-        ("epoch", U32), ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr),
+        ("epoch_word", Ptr), ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr),
         ("block_counters", Ptr), ("chunks_seen", Ptr), ("topk_idx", Ptr),
         ("topk_weights", Ptr), ("pos_in_expert", Ptr), ("num_tokens_per_rank", Ptr),
         ("num_tokens_per_expert", Ptr), ("is_token_in_rank", Ptr),
@@ -172,7 +183,8 @@ class InternodeArgs(KernelArgs):
         ("alignment", I32), ("max_recv_rows", I32), ("num_recv_tokens_per_rank", Ptr),
         ("num_recv_tokens_per_expert", Ptr), ("tokens_per_expert", Ptr),
         ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("fwd_count", Ptr),
-        ("fwd_slots", Ptr), ("slot_rows", Ptr), ("host_info", Ptr), ("x", Ptr),
+        ("fwd_slots", Ptr), ("slot_rows", Ptr), ("host_info", Ptr), ("host_epoch", U32),
+        ("x", Ptr),
         ("recv_x", Ptr), ("recv_weights", Ptr), ("max_rows", I32), ("y", Ptr), ("out", Ptr),
         ("out_weights", Ptr), ("grad_row_weights", Ptr), ("x_scales", Ptr),
         ("recv_scales", Ptr), ("amax_epsilon", F32), ("wire_bytes", I64)]
@@ -198,6 +210,7 @@ KERNEL_ARGS = {
     ("fp8.cu", "quantize_blockwise"): QuantizeArgs, ("fp8.cu", "quantize_mxfp8"): QuantizeArgs,
     ("fp8.cu", "dequantize_blockwise"): DequantizeArgs,
     ("fp8.cu", "dequantize_mxfp8"): DequantizeArgs,
+    ("fp8_columnwise.cu", "columnwise_from_rowwise"): ColumnwiseArgs,
     ("ceiling.cu", "fill_kernel"): FillArgs, ("ceiling.cu", "fan_out_copy"): FanOutArgs,
     ("ceiling.cu", "fan_in_sum"): FanInArgs,
     ("internode_leg.cu", "internode_leg_send"): LegArgs,
@@ -283,17 +296,20 @@ class _LayoutWorkspace:
         self.max_chunks = self.max_counts = 0
         self.addresses = (0, 0, 0)
 
-    def get(self, num_chunks: int, num_counts: int, device):
-        """(state, chunk_status, chunk_counts) addresses for a launch of `num_chunks` blocks."""
+    def get(self, num_chunks: int, num_counts: int, device, stream):
+        """(state, chunk_status, chunk_counts) addresses for a launch of `num_chunks` blocks on
+        `stream` (a `jit.RawStream`)."""
         count_stride = -(-num_counts // 4) * 4  # the kernel's half row of counts
         if num_chunks > self.max_chunks or count_stride > self.max_counts:
             self.max_chunks = max(num_chunks, 2 * self.max_chunks, 64)
             self.max_counts = max(count_stride, self.max_counts)
             counts_offset = -(-(2 + self.max_chunks) // 4) * 4  # 16-byte aligned
-            self.tensor = torch.zeros(counts_offset + self.max_chunks * 2 * self.max_counts,
-                                      dtype=torch.int32, device=device)
-            # The zeros come from the current stream; the kernel may run on another.
-            torch.cuda.current_stream(device).synchronize()
+            # Zeroed on the kernel's own stream: ordered before it with no host wait, so a
+            # workspace can also be made while a CUDA graph captures that stream.
+            launch_stream = torch.cuda.ExternalStream(stream.cuda_stream, device=device)
+            with torch.cuda.stream(launch_stream):
+                self.tensor = torch.zeros(counts_offset + self.max_chunks * 2 * self.max_counts,
+                                          dtype=torch.int32, device=device)
             base = self.tensor.data_ptr()
             self.addresses = (base, base + 4 * 2, base + 4 * counts_offset)
         return self.addresses
@@ -385,7 +401,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
     workspace = _layout_workspaces.get((dev.index, stream.cuda_stream))
     if workspace is None:
         workspace = _layout_workspaces[(dev.index, stream.cuda_stream)] = _LayoutWorkspace()
-    state, status, counts = workspace.get(num_chunks, num_experts + num_ranks, dev)
+    state, status, counts = workspace.get(num_chunks, num_experts + num_ranks, dev, stream)
     a = arena.address
     kernel = jit.get_kernel("layout.cu", "layout_kernel", [_index_type(topk_idx), num_topk])
     args = LayoutArgs.fill(
@@ -401,24 +417,27 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rank: int,
     return DispatchLayout.from_arena(arena)
 
 
-def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch: int,
+def notify(peer_bases: torch.Tensor, rank: int, num_ranks: int, epoch_word: int,
            lay: DispatchLayout, num_local: int, hidden: int, num_topk: int, alignment: int,
-           max_recv_rows: int, recv: Arena, host_info_ptr: int, timeout_ns: int,
+           max_recv_rows: int, recv: Arena, host_info_ptr: int, host_epoch: int, timeout_ns: int,
            errors: ErrorSink) -> None:
     """Exchanges counts with every peer and writes the receive layout (the `recv_fields`
-    arrays of `recv`) on the device."""
+    arrays of `recv`) on the device. `epoch_word`: the address of the device word holding the
+    call's epoch (the transport advances it before the call); `host_info_ptr` (non-zero for a
+    synchronous call): where the row count is published with `host_epoch`."""
     kernel = jit.get_kernel("notify.cu", "notify_kernel")
     a = recv.address
     args = NotifyArgs.fill(
         peer_bases=peer_bases.data_ptr(), rank=rank, num_ranks=num_ranks,
-        epoch=epoch & 0xFFFFFFFF, num_tokens_per_rank=lay.address("num_tokens_per_rank"),
+        epoch_word=epoch_word, num_tokens_per_rank=lay.address("num_tokens_per_rank"),
         num_tokens_per_expert=lay.address("num_tokens_per_expert"), num_local=num_local,
         hidden=hidden, num_topk=num_topk, alignment=alignment, max_recv_rows=max_recv_rows,
         num_recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
         num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
         tokens_per_expert=a("tokens_per_expert"), expert_row_start=a("expert_row_start"),
         src_expert_offset=a("src_expert_offset"), host_info=host_info_ptr,
-        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+        host_epoch=host_epoch & 0xFFFFFFFF, timeout_ns=timeout_ns, error_claim=errors.claim,
+        error_record=errors.record)
     kernel.launch(1, NOTIFY_THREADS, args, _stream())
 
 
@@ -432,7 +451,7 @@ def _wire(fp8) -> tuple:
 def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                   topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
                   fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
-                  num_ranks: int, num_local: int, epoch: int, num_sms: int, timeout_ns: int,
+                  num_ranks: int, num_local: int, epoch_word: int, num_sms: int, timeout_ns: int,
                   errors: ErrorSink) -> None:
     """Writes every token row (quantized when `fp8` is given) into each peer's staging region.
 
@@ -450,7 +469,7 @@ def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: t
         is_token_in_rank=lay.address("is_token_in_rank"),
         token_slot_in_rank=lay.address("token_slot_in_rank"),
         peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
-        num_ranks=num_ranks, num_local=num_local, epoch=epoch & 0xFFFFFFFF,
+        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
         timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
     kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
@@ -460,7 +479,7 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
                   x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                   topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
                   fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
-                  num_ranks: int, num_local: int, epoch: int, num_sms: int, timeout_ns: int,
+                  num_ranks: int, num_local: int, epoch_word: int, num_sms: int, timeout_ns: int,
                   errors: ErrorSink) -> None:
     """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`.
 
@@ -482,7 +501,7 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
         slot_token=lay.address("slot_token"), num_tokens=x.shape[0],
         peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
-        num_ranks=num_ranks, num_local=num_local, epoch=epoch & 0xFFFFFFFF,
+        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
         timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
     kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
@@ -560,7 +579,7 @@ def _num_int4(rows: torch.Tensor) -> int:
 
 def combine_send(y: torch.Tensor, handle, weighted: bool,
                  grad_row_weights: Optional[torch.Tensor], peer_bases: torch.Tensor,
-                 regions: torch.Tensor, rank: int, num_ranks: int, epoch: int, num_sms: int,
+                 regions: torch.Tensor, rank: int, num_ranks: int, epoch_word: int, num_sms: int,
                  timeout_ns: int, errors: ErrorSink) -> None:
     """Sends one fp32-accumulated partial row (rounded to y's dtype) per received slot back to
     its source rank. `y` is `[M, H]` of a `ROW_DTYPE_CODES` dtype."""
@@ -573,7 +592,7 @@ def combine_send(y: torch.Tensor, handle, weighted: bool,
         slot_rows=handle.address("slot_rows"),
         num_recv_tokens_per_rank=handle.address("num_recv_tokens_per_rank"),
         peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
-        num_ranks=num_ranks, epoch=epoch & 0xFFFFFFFF, timeout_ns=timeout_ns,
+        num_ranks=num_ranks, epoch_word=epoch_word, timeout_ns=timeout_ns,
         error_claim=errors.claim, error_record=errors.record)
     kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
@@ -581,7 +600,7 @@ def combine_send(y: torch.Tensor, handle, weighted: bool,
 def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
                    handle, weighted: bool, grad_row_weights: Optional[torch.Tensor],
                    peer_bases: torch.Tensor, regions: torch.Tensor, rank: int, num_ranks: int,
-                   epoch: int, num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
+                   epoch_word: int, num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
     """Sums every token's partials over ranks in fp32 into `out [N, H]` (y's dtype)."""
     assert out.dtype == y.dtype, (out.dtype, y.dtype)
     kernel = jit.get_kernel("combine.cu", "combine_reduce",
@@ -594,7 +613,7 @@ def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: to
         recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
         slot_rows=handle.address("slot_rows"), is_token_in_rank=lay.address("is_token_in_rank"),
         token_slot_in_rank=lay.address("token_slot_in_rank"), peer_bases=peer_bases.data_ptr(),
-        regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch=epoch & 0xFFFFFFFF,
+        regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch_word=epoch_word,
         timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
     kernel.launch(num_sms, COMM_THREADS, args, _stream())
 
@@ -734,6 +753,86 @@ def _launch_fp8(kernel, num_tokens: int, hidden: int, num_warps: int, args) -> N
     if total_warps == 0:
         return
     kernel.launch(math.ceil(total_warps / num_warps), 32 * num_warps, args, _stream())
+
+
+# ---------------------------------------------------------------------------------------------
+# The columnwise (128x1) copy of rowwise FP8 rows per expert (cuda_src/fp8_columnwise.cu): the
+# GPU version of `fp8.columnwise.reference`, bit for bit, in its packed layout.
+
+COLUMNWISE_THREADS = 256  # kColumnwiseWarps * 32 in fp8_columnwise.cu
+COLUMNWISE_TILE = 128  # columns per CTA
+
+
+def columnwise_from_rowwise(x_fp8: torch.Tensor, scales: torch.Tensor,
+                            row_offsets: torch.Tensor, num_blocks: int, *,
+                            power_2_scale: bool = True, amax_epsilon: float = 0.0
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's columnwise 128x1 FP8 copy of its rowwise 1x128 FP8 rows, in one kernel.
+
+    Args:
+        x_fp8: `[M, H]` torch.float8_e4m3fn (or its torch.uint8 bytes), contiguous, CUDA, rows
+            grouped by expert; H % 16 == 0 (TE's FP8 GEMM rule).
+        scales: `[M, ceil(H / 128)]` torch.float32 rowwise scale_inv, any strides (the wire's
+            contiguous scales, or TE's GEMM-ready buffer seen as `buffer[:, :M].t()`).
+        row_offsets: `[E + 1]` torch.int32, contiguous, on x's device: expert e's rows are
+            `[row_offsets[e], row_offsets[e + 1])` (read on the device only).
+        num_blocks: token blocks of all experts, `sum(ceil(m_e / 128))` (`fp8.columnwise.layout`;
+            a larger bound works, the extra CTAs exit).
+        power_2_scale, amax_epsilon: the columnwise quantizer's settings.
+
+    Returns:
+        `(col_data [H * M] torch.uint8, col_scales [num_blocks, round_up(H, 4)] torch.float32)`
+        in `fp8.columnwise`'s packed layout: expert e's `[H, m_e]` data at `H * row_offsets[e]`,
+        its `[ceil(m_e / 128), round_up(H, 4)]` scales from its first token block's row.
+        Computed on the current stream.
+
+    Raises:
+        ValueError: an argument of the wrong shape, dtype, layout or device (named).
+    """
+    from megatron_deepep.fp8.columnwise import scale_columns
+
+    _check_columnwise_args(x_fp8, scales, row_offsets, num_blocks)
+    num_rows, hidden = x_fp8.shape
+    col_data = torch.empty(hidden * num_rows, dtype=torch.uint8, device=x_fp8.device)
+    col_scales = torch.empty(num_blocks, scale_columns(hidden), dtype=torch.float32,
+                             device=x_fp8.device)
+    num_tiles = math.ceil(hidden / COLUMNWISE_TILE)
+    if num_blocks == 0 or num_tiles == 0:
+        return col_data, col_scales
+    kernel = jit.get_kernel("fp8_columnwise.cu", "columnwise_from_rowwise",
+                            [bool(power_2_scale)])
+    args = ColumnwiseArgs.fill(
+        q=x_fp8.data_ptr(), scales=scales.data_ptr(), token_stride=scales.stride(0),
+        block_stride=scales.stride(1), row_offsets=row_offsets.data_ptr(),
+        col_data=col_data.data_ptr(), col_scales=col_scales.data_ptr(),
+        num_experts=row_offsets.numel() - 1, num_rows=num_rows, hidden=hidden,
+        scale_cols=col_scales.shape[1], num_blocks=num_blocks, amax_epsilon=float(amax_epsilon))
+    kernel.launch(num_blocks * num_tiles, COLUMNWISE_THREADS, args, _stream())
+    return col_data, col_scales
+
+
+def _check_columnwise_args(x_fp8: torch.Tensor, scales: torch.Tensor,
+                           row_offsets: torch.Tensor, num_blocks: int) -> None:
+    if x_fp8.dim() != 2 or x_fp8.dtype not in (torch.float8_e4m3fn, torch.uint8) \
+            or not x_fp8.is_contiguous() or x_fp8.data_ptr() % 16:
+        raise ValueError(f"x_fp8 must be a contiguous, 16-byte aligned 2-D float8_e4m3fn (or "
+                         f"uint8) tensor, got {x_fp8.dtype} {tuple(x_fp8.shape)}")
+    num_rows, hidden = x_fp8.shape
+    if hidden % 16:
+        raise ValueError(f"x_fp8: hidden {hidden} is not a multiple of 16 (TE's FP8 GEMM rule)")
+    expected = (num_rows, math.ceil(hidden / 128))
+    if tuple(scales.shape) != expected or scales.dtype != torch.float32:
+        raise ValueError(f"scales must be float32 {expected}, got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    if row_offsets.dim() != 1 or row_offsets.numel() < 1 or row_offsets.dtype != torch.int32 \
+            or not row_offsets.is_contiguous():
+        raise ValueError(f"row_offsets must be a contiguous 1-D int32 tensor [E + 1], got "
+                         f"{row_offsets.dtype} {tuple(row_offsets.shape)}")
+    if not (x_fp8.device == scales.device == row_offsets.device) or x_fp8.device.type != "cuda":
+        raise ValueError(f"x_fp8, scales and row_offsets must be on one CUDA device, got "
+                         f"{x_fp8.device}, {scales.device}, {row_offsets.device}")
+    if num_blocks < 0 or num_rows >= 2 ** 31 or hidden * num_rows >= 2 ** 62:
+        raise ValueError(f"num_blocks {num_blocks} / shape {tuple(x_fp8.shape)} out of range")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ that has no cache entry yet. This tool compiles them all at once, in parallel, w
 so a cluster can fill a shared cache on a login node; jobs then point `MDEEP_CACHE_DIR` at that
 directory and load instead of compiling. The entries are keyed by the sources, options, arch and
 NVRTC version: build with the same install (or the same code and cuda-bindings) as the job, for
-the job's GPU (`--arch`, sm_90 for H100/H200). `--internode` also links the internode
-transport's kernels (NVRTC + nvJitLink against the nvidia-nvshmem wheel's device library), one
-module per (top-k, index type, wire format) for dispatch and per (top-k, row dtype) for combine.
+the job's GPU (`--arch`, sm_90 for H100/H200). With a blockwise `--fp8` format and FP8 output
+it also builds the FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise.cu`).
+`--internode` also links the internode transport's kernels (NVRTC + nvJitLink against the
+nvidia-nvshmem wheel's device library), one module per (top-k, index type, wire format) for
+dispatch and per (top-k, row dtype) for combine.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
     Args:
         topks: the router's top-k values (1-16).
         fp8_formats: FP8 wire-format names dispatch may use (`megatron_deepep.fp8.FORMATS`).
-        fp8_outputs: "fp8" (FP8 rows to the experts) and/or "bf16" (dequantized on receive).
+        fp8_outputs: "fp8" (FP8 rows to the experts; with a blockwise format this includes the
+            FP8 experts' columnwise-copy kernel) and/or "bf16" (dequantized on receive).
         index_dtypes: "int64" and/or "int32", the dtype of `topk_idx`.
         bf16: include the bf16 dispatch kernels (dispatch without FP8).
         bench: include the benchmark's ceiling kernels.
@@ -95,9 +98,27 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
             out[("dispatch.cu", expr)] = None
         for expr in ops.kernel_names(k, row_dtypes=row_dtypes)["combine.cu"]:
             out[("combine.cu", expr)] = None
+    if "fp8" in fp8_outputs:
+        out.update(dict.fromkeys(columnwise_kernels(fp8_formats)))
     if bench:
         out.update(dict.fromkeys(BENCH_KERNELS))
     return list(out)
+
+
+def columnwise_kernels(fp8_formats: Sequence[str]) -> List[Tuple[str, str]]:
+    """The FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise.cu`) for the blockwise
+    formats among `fp8_formats` (its template argument: the format's power-of-two scales, which
+    the recipe's input quantizer shares)."""
+    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.fp8.formats import ScaleKind
+
+    out = []
+    for name in fp8_formats:
+        spec = as_fp8_dispatch(name)
+        if spec is not None and spec.fmt.scale_kind is ScaleKind.FP32_SCALE_INV:
+            power_2 = jit.render_template_arg(spec.fmt.power_2_scale)
+            out.append(("fp8_columnwise.cu", f"columnwise_from_rowwise<{power_2}>"))
+    return out
 
 
 def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),

@@ -4,16 +4,28 @@
     python -m megatron_deepep.sweep --hidden 4096 --experts 64 --topk 6 --moe-ffn-hidden 1408
     python -m megatron_deepep.sweep --family qwen3_moe --measurements sweep.json   # re-model
 
-Two parts:
+Three parts:
 
 1. Kernel times on one GPU, at EP = 1 (`--out DIR` keeps them in `sweep.json`): per top-k, wire
-   (bf16 / FP8 blockwise) and SM budget, the dispatch and combine of `tokens` rows
-   (`megatron_deepep.bench` pieces: random routing, CUDA events, median); per top-k and EP size,
-   the forward expert GEMMs of one layer on one rank (E / EP experts, `tokens x top-k` rows split
-   evenly, fc1 then fc2 as batched GEMMs, bf16). Without a GPU (or with `--assume`), assumed
-   rates stand in, and the output says so: HBM rates per SM of our EP = 1 kernels on an H200
-   (`docs/bench_h200_ep1.log`) and a GEMM rate of `--gemm-tflops` scaled by rows per expert.
-2. A model of EP groups of several GPUs and nodes (`megatron_deepep.internode_model`'s row
+   (bf16 / FP8 blockwise) and SM budget, the dispatch and combine of `tokens` rows, and of
+   `tokens` / 2 and / 4 for the fit below (`megatron_deepep.bench` pieces: random routing, CUDA
+   events, median of back-to-back calls); per top-k and EP size, the forward expert GEMMs of one
+   layer on one rank (E / EP experts, `tokens x top-k` rows split evenly, fc1 then fc2 as
+   batched GEMMs, bf16). Without a GPU (or with `--assume`), assumed constants stand in, and the
+   output says so.
+2. The model's constants. One EP = 1 call of B HBM bytes on S SMs (`KernelCost`):
+
+       t = fixed + max(floor, B / min(cap, S x rate per SM))
+
+   `fixed` is paid by every call (launches, layout, a synchronous dispatch's host wait),
+   `floor` is what back-to-back calls of few bytes cost beyond it (the GPU waits for the host's
+   work per call), the rate is HBM traffic. Expert GEMMs: `tflops x m / (m + m0)` for m rows
+   per expert. On a GPU these are fitted to the measured calls (per phase and SM budget, least
+   squares in relative error; the `check:` lines set every measured call against the fit, 1.00
+   where it fits, and against the CPU defaults); without one they are `ASSUMED_KERNEL` and
+   `--gemm-tflops`, m0 = 128 (H200 figures). The output names which constants are measured and
+   which assumed (the link rates below always are: they need several GPUs).
+3. A model of EP groups of several GPUs and nodes (`megatron_deepep.internode_model`'s row
    counts from a routed layout: per rank, the busiest of send and receive over the network and
    over NVLink), at NVLink and NIC rates given as parameters (defaults: H100/H200 SXM NVLink 4,
    450 GB/s per direction; one 400 Gb/s NIC per GPU, 50 GB/s):
@@ -21,13 +33,12 @@ Two parts:
        t_phase = t_local + max(B_net / NIC rate, B_nvl / min(NVLink rate, SMs x link rate/SM))
        comm_share = (t_dispatch + t_combine) / t_expert
 
-   where t_local is the EP = 1 kernel time (each rank still expands and reduces its rows in
-   HBM), B are the busiest rank's bytes (FP8 rows: the format's e4m3 bytes plus scales;
-   combine: bf16) and `--link-gbps-per-sm` bounds what a small SM budget can push. At EP = 1
-   the model is the measurement itself; on a GPU the output also sets each measured time
-   against the assumed rate a CPU run would have used (`check:` lines), which is what one GPU
-   can check of the model's inputs (the link terms need several GPUs). Group-limited routing (a family's `node_limited`) is modeled beside
-   uniform routing when the group spans more nodes than the limit.
+   where t_local is the EP = 1 kernel time at `tokens` (measured, or the assumed constants':
+   each rank still expands and reduces its rows in HBM), B are the busiest rank's bytes (FP8
+   rows: the format's e4m3 bytes plus scales; combine: bf16) and `--link-gbps-per-sm` bounds
+   what a small SM budget can push. At EP = 1 the model is the measurement itself.
+   Group-limited routing (a family's `node_limited`) is modeled beside uniform routing when the
+   group spans more nodes than the limit.
 
 Recommendation: the smallest EP size whose expert weights, gradients and Adam states (18 bytes
 per parameter, `--gpu-mem-gb` x 0.6 for them, layers split over the pipeline stages) fit; there
@@ -104,11 +115,44 @@ FAMILY_FP8 = {"gpt_oss": "mxfp8"}
 #: Pipeline stages of each family's full-size template (`examples/configs/`).
 FAMILY_PIPELINE_STAGES = {"deepseek_v3": 8, "qwen3_moe": 8, "mixtral": 4, "gpt_oss": 2}
 
-#: Assumed EP = 1 kernel rates (GB/s of HBM traffic per SM, and the cap), from the H200 bench
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """Time of one EP = 1 dispatch or combine call of `num_bytes` HBM bytes on `num_sms` SMs:
+
+        t = fixed_us + max(floor_us, num_bytes / min(cap_gbps, gbps_per_sm x num_sms))
+
+    `fixed_us`: paid by every call (launches, the layout kernel, a synchronous dispatch's host
+    wait); `floor_us`: what back-to-back calls of few bytes cost beyond it (the host's work per
+    call, which the GPU waits for when the copy is shorter); the rate: HBM traffic per SM, up
+    to the cap.
+    """
+
+    fixed_us: float
+    floor_us: float
+    gbps_per_sm: float
+    cap_gbps: float
+
+    def us(self, num_bytes: float, num_sms: int) -> float:
+        rate = min(self.cap_gbps, self.gbps_per_sm * num_sms)
+        return self.fixed_us + max(self.floor_us, num_bytes / (rate * 1e3))
+
+
+#: Assumed EP = 1 kernel costs (the CPU defaults), per phase. Rates: the H200 bench
 #: (`docs/bench_h200_ep1.log`: bf16 dispatch 1398 GB/s at 24 SMs, 3272 at 132; combine 1685 and
-#: 3920; FP8 blockwise dispatch 1188 and 1825).
-ASSUMED_HBM = {"dispatch_bf16": (58.0, 3300.0), "dispatch_fp8": (50.0, 1850.0),
-               "combine": (70.0, 3900.0)}
+#: 3920; FP8 blockwise dispatch 1188 and 1825). Fixed cost and floor: the H200 sweep of
+#: `scripts/gpu_ops.sh`, where Mixtral's shape (top-2, H 4096, 4096 tokens: 30-70 µs of bytes)
+#: took 160-190 µs a synchronous dispatch and 70-90 µs a combine at 24 and 132 SMs, and
+#: DeepSeek-V3's (top-8, H 7168: 135-380 µs of bytes) 1.00-1.32 times its bytes' time. A GPU
+#: run fits its own (`fit_kernel_cost`).
+ASSUMED_KERNEL = {"dispatch_bf16": KernelCost(25.0, 150.0, 58.0, 3300.0),
+                  "dispatch_fp8": KernelCost(25.0, 160.0, 50.0, 1850.0),
+                  "combine": KernelCost(10.0, 70.0, 70.0, 3900.0)}
+#: Assumed expert GEMM rate: `--gemm-tflops` x m / (m + this), m rows per expert.
+ASSUMED_GEMM_HALF_RATE_ROWS = 128.0
+#: A kernel fit takes a floor only where a plain line misses the calls by more than this.
+FLOOR_MIN_RMS = 0.02
+#: The sweep measures each kernel at these fractions of `--tokens` too (the fit's points).
+FIT_TOKEN_DIVISORS = (4, 2, 1)
 WIRES = ("bf16", "fp8")
 
 
@@ -119,20 +163,24 @@ def wire_row_bytes(wire: str, hidden: int, fp8: str = "blockwise") -> int:
     return FORMATS[ALIASES.get(fp8, fp8)].bytes_per_token(hidden)
 
 
-def _hbm_bytes(phase: str, wire: str, tokens: int, rows: int, hidden: int) -> int:
+def phase_key(phase: str, wire: str) -> str:
+    """"dispatch_bf16", "dispatch_fp8" or "combine" (combine is bf16 on every wire)."""
+    return "combine" if phase == "combine" else f"dispatch_{wire}"
+
+
+def kernel_bytes(phase: str, wire: str, tokens: int, topk: int, hidden: int,
+                 fp8: str = "blockwise") -> int:
     """HBM bytes of one EP = 1 call (bench's definitions): read x, write the expanded rows."""
     if phase == "combine":
-        return (tokens + rows) * hidden * 2
-    return tokens * hidden * 2 + rows * wire_row_bytes(wire, hidden)
+        return (tokens + tokens * topk) * hidden * 2
+    return tokens * hidden * 2 + tokens * topk * wire_row_bytes(wire, hidden, fp8)
 
 
 def assumed_kernel_us(phase: str, wire: str, tokens: int, topk: int, hidden: int,
-                      num_sms: int) -> float:
-    """Assumed EP = 1 time of one dispatch or combine (see `ASSUMED_HBM`)."""
-    key = "combine" if phase == "combine" else f"dispatch_{wire}"
-    per_sm, cap = ASSUMED_HBM[key]
-    gbps = min(cap, per_sm * num_sms)
-    return _hbm_bytes(phase, wire, tokens, tokens * topk, hidden) / (gbps * 1e3)
+                      num_sms: int, fp8: str = "blockwise") -> float:
+    """Assumed EP = 1 time of one dispatch or combine (see `ASSUMED_KERNEL`)."""
+    cost = ASSUMED_KERNEL[phase_key(phase, wire)]
+    return cost.us(kernel_bytes(phase, wire, tokens, topk, hidden, fp8), num_sms)
 
 
 def expert_flops(shape: Shape, rows: int, tokens: int) -> float:
@@ -144,21 +192,35 @@ def expert_flops(shape: Shape, rows: int, tokens: int) -> float:
     return routed + shared
 
 
-def assumed_expert_us(shape: Shape, tokens: int, topk: int, ep: int, tflops: float) -> float:
-    """Assumed expert time: `tflops` x m / (m + 128) for m rows per expert (small GEMMs are
-    less efficient)."""
-    rows = tokens * topk
-    per_expert = rows / (shape.experts / ep)
-    rate = tflops * per_expert / (per_expert + 128.0)
-    return expert_flops(shape, rows, tokens) / (rate * 1e6)
+def rows_per_expert(shape: Shape, tokens: int, topk: int, ep: int) -> float:
+    """m: routed rows per local expert of one rank (even routing)."""
+    return tokens * topk / (shape.experts / ep)
+
+
+def assumed_expert_us(shape: Shape, tokens: int, topk: int, ep: int, tflops: float,
+                      half_rate_rows: float = ASSUMED_GEMM_HALF_RATE_ROWS) -> float:
+    """Assumed expert time: `tflops` x m / (m + half_rate_rows) for m rows per expert (small
+    GEMMs are less efficient)."""
+    m = rows_per_expert(shape, tokens, topk, ep)
+    rate = tflops * m / (m + half_rate_rows)
+    return expert_flops(shape, tokens * topk, tokens) / (rate * 1e6)
 
 
 # ----------------------------------------------------------------------------------------------
 # Measurement on the local GPU
 # ----------------------------------------------------------------------------------------------
+def fit_token_counts(tokens: int) -> List[int]:
+    """The token counts each kernel is measured at: `tokens` and its `FIT_TOKEN_DIVISORS`."""
+    return sorted({max(1, tokens // d) for d in FIT_TOKEN_DIVISORS})
+
+
 def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Sequence[int],
                 eps: Sequence[int], fp8_format: str = "blockwise") -> dict:
-    """EP = 1 kernel and expert-GEMM times on this GPU (see the module docstring)."""
+    """EP = 1 kernel and expert-GEMM times on this GPU (see the module docstring).
+
+    `kernels` holds the times at `tokens` (what the model uses); `points` every measured call
+    (also at the smaller `fit_token_counts`), from which `fit_constants` fits the kernel costs.
+    """
     import torch
     import torch.distributed as dist
 
@@ -173,29 +235,41 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", rank=0, world_size=1)
     props = torch.cuda.get_device_properties(0)
-    kernels, experts = {}, {}
+    kernels, experts, points = {}, {}, []
     xs = [torch.randn(tokens, shape.hidden, device="cuda").to(torch.bfloat16) for _ in range(3)]
     fp8 = as_fp8_dispatch(fp8_format, "fp8")
     for topk in topks:
         routing = [bench.make_routing(tokens, shape.experts, topk, 31 + i) for i in range(3)]
-        idxs, ws = [r[0] for r in routing], [r[1] for r in routing]
         for num_sms in sms_list:
             num_sms = min(num_sms, props.multi_processor_count)
             buf = Buffer(dist.group.WORLD, tokens, shape.hidden, topk, transport="auto",
                          num_sms=num_sms)
-            bf16 = bench.bench_ours(buf, xs, idxs, ws, shape.experts)["sync"]
-            f8 = bench.bench_ours(buf, xs, idxs, ws, shape.experts, fp8=fp8)["sync"]
+            for n in fit_token_counts(tokens):
+                x_n = [x[:n] for x in xs]
+                idxs, ws = [r[0][:n] for r in routing], [r[1][:n] for r in routing]
+                bf16 = bench.bench_ours(buf, x_n, idxs, ws, shape.experts)["sync"]
+                f8 = bench.bench_ours(buf, x_n, idxs, ws, shape.experts, fp8=fp8)["sync"]
+                for phase, wire, us in (("dispatch", "bf16", bf16["dispatch_us"]),
+                                        ("dispatch", "fp8", f8["dispatch_us"]),
+                                        ("combine", "bf16", bf16["combine_us"])):
+                    points.append({"phase": phase_key(phase, wire), "topk": topk,
+                                   "num_sms": num_sms, "tokens": n, "us": us,
+                                   "bytes": kernel_bytes(phase, wire, n, topk, shape.hidden,
+                                                         fp8.fmt.name)})
+                if n == tokens:
+                    for wire, dispatch_us in (("bf16", bf16["dispatch_us"]),
+                                              ("fp8", f8["dispatch_us"])):
+                        kernels[f"{topk},{wire},{num_sms}"] = {
+                            "dispatch_us": dispatch_us, "combine_us": bf16["combine_us"]}
             buf.destroy()
-            for wire, dispatch_us in (("bf16", bf16["dispatch_us"]), ("fp8", f8["dispatch_us"])):
-                kernels[f"{topk},{wire},{num_sms}"] = {"dispatch_us": dispatch_us,
-                                                      "combine_us": bf16["combine_us"]}
         for ep in eps:
             experts[f"{topk},{ep}"] = _expert_gemm_us(shape, tokens, topk, ep)
         torch.cuda.empty_cache()
     if own_group:
         dist.destroy_process_group()
     return {"source": f"measured on {props.name} ({props.multi_processor_count} SMs)",
-            "fp8_format": fp8.fmt.name, "kernels": kernels, "experts": experts}
+            "fp8_format": fp8.fmt.name, "kernels": kernels, "experts": experts,
+            "points": points}
 
 
 def _expert_gemm_us(shape: Shape, tokens: int, topk: int, ep: int) -> float:
@@ -239,6 +313,7 @@ def assumed_measurements(shape: Shape, tokens: int, topks: Sequence[int],
                          sms_list: Sequence[int], eps: Sequence[int], tflops: float,
                          fp8_format: str = "blockwise") -> dict:
     """The same table as `measure_gpu`, from assumed rates (no GPU)."""
+    fmt = ALIASES.get(fp8_format, fp8_format)
     kernels, experts = {}, {}
     for topk in topks:
         for num_sms in sms_list:
@@ -246,14 +321,122 @@ def assumed_measurements(shape: Shape, tokens: int, topks: Sequence[int],
             for wire in WIRES:
                 kernels[f"{topk},{wire},{num_sms}"] = {
                     "dispatch_us": assumed_kernel_us("dispatch", wire, tokens, topk,
-                                                     shape.hidden, num_sms),
+                                                     shape.hidden, num_sms, fmt),
                     "combine_us": combine}
         for ep in eps:
             experts[f"{topk},{ep}"] = assumed_expert_us(shape, tokens, topk, ep, tflops)
-    return {"source": f"ASSUMED rates, no GPU measurement: EP = 1 kernels at the H200 bench's "
-                      f"GB/s per SM, expert GEMMs at {tflops:g} TFLOP/s x m / (m + 128)",
-            "fp8_format": ALIASES.get(fp8_format, fp8_format), "kernels": kernels,
-            "experts": experts}
+    return {"source": f"ASSUMED rates, no GPU measurement: EP = 1 kernels at the H200 "
+                      f"constants of sweep.ASSUMED_KERNEL, expert GEMMs at {tflops:g} TFLOP/s x "
+                      f"m / (m + {ASSUMED_GEMM_HALF_RATE_ROWS:g})",
+            "fp8_format": fmt, "kernels": kernels, "experts": experts}
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration: the model's constants from one GPU's measurements
+# ----------------------------------------------------------------------------------------------
+def _weighted_line(xs: Sequence[float], ts: Sequence[float]):
+    """`(c, k)` of t = c + k x by least squares in relative error (weights 1 / t), with c >= 0
+    and k >= 0 (refitted through the origin or flat when one comes out negative)."""
+    ws = [1.0 / t ** 2 for t in ts]
+    sw = sum(ws)
+    sx = sum(w * x for w, x in zip(ws, xs))
+    st = sum(w * t for w, t in zip(ws, ts))
+    sxx = sum(w * x * x for w, x in zip(ws, xs))
+    sxt = sum(w * x * t for w, x, t in zip(ws, xs, ts))
+    det = sw * sxx - sx * sx
+    c, k = (st / sw, 0.0) if det <= 1e-12 * sw * sxx else (
+        (st * sxx - sx * sxt) / det, (sw * sxt - sx * st) / det)
+    if c < 0:
+        c, k = 0.0, sxt / sxx
+    if k < 0:
+        c, k = st / sw, 0.0
+    return c, k
+
+
+def _relative_sse(model_us, points) -> float:
+    return sum((model_us(p) / p["us"] - 1.0) ** 2 for p in points)
+
+
+def fit_kernel_cost(points: Sequence[dict], num_sms: int) -> KernelCost:
+    """The `KernelCost` of one phase at one SM budget from its measured calls (`bytes`, `us`;
+    any top-k and token count), least squares in relative error.
+
+    Sorted by bytes, the first j calls sit on the floor and the rest on the line
+    `fixed + bytes / rate`; every j is tried and the best fit kept. A floor is fitted only where
+    the plain line (j = 0) misses the calls by more than `FLOOR_MIN_RMS` (relative, root mean
+    square) and the floor halves its squared error: noise alone makes no floor.
+    """
+    pts = sorted(points, key=lambda p: p["bytes"])
+    fits = []  # (relative squared error, cost) with the first j calls on the floor
+    for j in range(len(pts) + 1):
+        floor_pts, line_pts = pts[:j], pts[j:]
+        if len({p["bytes"] for p in line_pts}) >= 2:
+            c, k = _weighted_line([p["bytes"] for p in line_pts], [p["us"] for p in line_pts])
+        elif line_pts:  # one call on the line: through it (no fixed cost)
+            c, k = 0.0, line_pts[0]["us"] / line_pts[0]["bytes"]
+        else:
+            c, k = 0.0, 0.0
+        floor_total = (sum(p["us"] for p in floor_pts) / len(floor_pts)) if floor_pts else 0.0
+        rate = 1.0 / (k * 1e3) if k > 0 else float("inf")  # GB/s
+        cost = KernelCost(fixed_us=c, floor_us=max(0.0, floor_total - c),
+                          gbps_per_sm=rate / num_sms, cap_gbps=rate)
+        fits.append((_relative_sse(lambda p, cost=cost: cost.us(p["bytes"], num_sms), pts),
+                     cost))
+    line_err, line_cost = fits[0]
+    if line_err <= len(pts) * FLOOR_MIN_RMS ** 2 or len(fits) < 2:
+        return line_cost
+    err, cost = min(fits[1:], key=lambda fit: fit[0])
+    return cost if err <= 0.5 * line_err else line_cost
+
+
+def fit_gemm_rate(shape: Shape, tokens: int, experts_us: Dict[str, float]):
+    """`(tflops, half_rate_rows)` of the expert-GEMM model `tflops x m / (m + half_rate_rows)`
+    from measured times per "topk,ep" (least squares in relative error; None when fewer than
+    two settings)."""
+    if len(experts_us) < 2:
+        return None
+    # t = F / T + (F m0 / T) / m: linear in u = 1 / T and v = m0 / T.
+    rows = []
+    for key, us in experts_us.items():
+        topk, ep = (int(v) for v in key.split(","))
+        flops = expert_flops(shape, tokens * topk, tokens) / 1e6  # TFLOP x 1e6: µs at 1 TFLOP/s
+        rows.append((flops, flops / rows_per_expert(shape, tokens, topk, ep), us))
+    ws = [1.0 / t ** 2 for _, _, t in rows]
+    a11 = sum(w * f * f for w, (f, _, _) in zip(ws, rows))
+    a12 = sum(w * f * g for w, (f, g, _) in zip(ws, rows))
+    a22 = sum(w * g * g for w, (_, g, _) in zip(ws, rows))
+    b1 = sum(w * f * t for w, (f, _, t) in zip(ws, rows))
+    b2 = sum(w * g * t for w, (_, g, t) in zip(ws, rows))
+    det = a11 * a22 - a12 * a12
+    u, v = ((b1 * a22 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det) if det > 1e-12 * a11 * a22 \
+        else (b1 / a11, 0.0)
+    if v < 0 or u <= 0:
+        u, v = b1 / a11, 0.0
+    return 1.0 / u, v / u
+
+
+def fit_constants(shape: Shape, tokens: int, measured: dict) -> Optional[dict]:
+    """The model's constants fitted to a GPU run's `points` and expert times: per phase and SM
+    budget a `KernelCost` (as a dict), and the expert GEMMs' rate; None without points (an
+    assumed run, or a `--measurements` file of an older sweep)."""
+    points = measured.get("points")
+    if not points:
+        return None
+    kernels: Dict[str, Dict[str, dict]] = {}
+    for phase in sorted({p["phase"] for p in points}):
+        for num_sms in sorted({p["num_sms"] for p in points if p["phase"] == phase}):
+            mine = [p for p in points if p["phase"] == phase and p["num_sms"] == num_sms]
+            kernels.setdefault(phase, {})[str(num_sms)] = dataclasses.asdict(
+                fit_kernel_cost(mine, num_sms))
+    gemm = fit_gemm_rate(shape, tokens, measured.get("experts", {}))
+    return {"kernels": kernels,
+            "gemm": None if gemm is None else {"tflops": gemm[0], "half_rate_rows": gemm[1]}}
+
+
+def fitted_us(constants: dict, point: dict) -> float:
+    """A measured call's time as the fitted constants model it."""
+    cost = KernelCost(**constants["kernels"][point["phase"]][str(point["num_sms"])])
+    return cost.us(point["bytes"], point["num_sms"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,20 +599,94 @@ def format_table(shape: Shape, tokens: int, measured: dict, rows: List[dict],
     return "\n".join(lines)
 
 
-def format_check(measured: dict, assumed: dict) -> str:
-    """Measured against the assumed rates (what a CPU run would have used), per setting."""
-    lines = ["check: measured / assumed-rate time (1.00: the CPU defaults fit this GPU)"]
-    for key, m in sorted(measured["kernels"].items()):
-        a = assumed["kernels"].get(key)
-        if a:
-            lines.append(f"  top-{key.replace(',', ' ', 1).replace(',', ', SMs ')}: dispatch "
-                         f"{m['dispatch_us'] / a['dispatch_us']:.2f}, combine "
-                         f"{m['combine_us'] / a['combine_us']:.2f}")
-    ratios = [m / assumed["experts"][k] for k, m in sorted(measured["experts"].items())
-              if k in assumed["experts"]]
-    if ratios:
-        lines.append(f"  expert GEMMs: {min(ratios):.2f}-{max(ratios):.2f} over "
-                     f"{len(ratios)} (top-k, EP) settings")
+def _cost_text(cost: KernelCost, num_sms: int) -> str:
+    rate = min(cost.cap_gbps, cost.gbps_per_sm * num_sms)
+    rate_text = "inf" if math.isinf(rate) else f"{rate:.0f}"
+    return (f"{cost.fixed_us:.1f} us + max({cost.floor_us:.1f} us, bytes / {rate_text} GB/s)")
+
+
+def format_constants(measured: dict, constants: Optional[dict], cluster: Cluster,
+                     tflops: float) -> str:
+    """Which of the model's constants were measured on this GPU and which are assumed."""
+    links = (f"links ASSUMED (parameters): NVLink {cluster.nvlink_gbps:g} GB/s, at most "
+             f"{cluster.link_gbps_per_sm:g} GB/s per SM, NIC {cluster.nic_gbps:g} GB/s, "
+             f"{cluster.ranks_per_node} GPUs per node")
+    default_gemm = f"{tflops:g} TFLOP/s x m / (m + {ASSUMED_GEMM_HALF_RATE_ROWS:g})"
+    sms_list = sorted({int(k.split(",")[2]) for k in measured["kernels"]})
+    if constants is None:
+        why = ("no GPU measurement" if "ASSUMED" in measured["source"]
+               else "these measurements hold no calibration points")
+        lines = [f"model constants: kernels and expert GEMMs ASSUMED ({why}; the CPU defaults, "
+                 f"sweep.ASSUMED_KERNEL); {links}"]
+        for phase, cost in ASSUMED_KERNEL.items():
+            for num_sms in sms_list:
+                lines.append(f"  {phase:<13} SMs {num_sms:>3}: {_cost_text(cost, num_sms)}")
+        lines.append(f"  expert GEMMs: {default_gemm}")
+        return "\n".join(lines)
+    points = measured["points"]
+    counts = sorted({p["tokens"] for p in points})
+    topks = sorted({p["topk"] for p in points})
+    gemm = constants.get("gemm")
+    lines = [f"model constants: kernels MEASURED, {measured['source']} (fit per phase and SM "
+             f"budget over {len(counts)} token counts {', '.join(map(str, counts))} x top-k "
+             f"{', '.join(map(str, topks))}); expert GEMMs "
+             f"{'MEASURED' if gemm else 'ASSUMED (fewer than 2 settings measured)'}; {links}; "
+             f"[in brackets: the CPU defaults]"]
+    for phase, by_sms in constants["kernels"].items():
+        for key, fields in by_sms.items():
+            num_sms = int(key)
+            lines.append(f"  {phase:<13} SMs {num_sms:>3}: "
+                         f"{_cost_text(KernelCost(**fields), num_sms)}  "
+                         f"[{_cost_text(ASSUMED_KERNEL[phase], num_sms)}]")
+    if gemm:
+        lines.append(f"  expert GEMMs: {gemm['tflops']:.0f} TFLOP/s x m / (m + "
+                     f"{gemm['half_rate_rows']:.0f})  [{default_gemm}]")
+    return "\n".join(lines)
+
+
+def format_check(shape: Shape, tokens: int, measured: dict, constants: dict,
+                 tflops: float) -> str:
+    """Measured against the model with the fitted constants at every measured setting (and,
+    in brackets, against the CPU defaults)."""
+    points = measured["points"]
+    lines = ["check: measured / model time at each measured setting (1.00: the model with the "
+             "measured constants fits; in brackets: with the CPU defaults)"]
+
+    def ratios(mine):
+        fit = " ".join(f"{p['us'] / fitted_us(constants, p):.2f}" for p in mine)
+        default = " ".join(
+            f"{p['us'] / ASSUMED_KERNEL[p['phase']].us(p['bytes'], p['num_sms']):.2f}"
+            for p in mine)
+        return f"{fit} [{default}]"
+
+    def order(key):
+        topk, wire, num_sms = key.split(",")
+        return int(topk), wire, int(num_sms)
+
+    for key in sorted(measured["kernels"], key=order):
+        topk, wire, num_sms = key.split(",")
+        pick = {phase: sorted((p for p in points if p["phase"] == phase
+                               and p["topk"] == int(topk) and p["num_sms"] == int(num_sms)),
+                              key=lambda p: p["tokens"])
+                for phase in (phase_key("dispatch", wire), "combine")}
+        if not all(pick.values()):
+            continue
+        counts = " ".join(str(p["tokens"]) for p in pick["combine"])
+        lines.append(f"  top-{topk} {wire}, SMs {num_sms}: dispatch "
+                     f"{ratios(pick[phase_key('dispatch', wire)])}, combine "
+                     f"{ratios(pick['combine'])} (tokens {counts})")
+    gemm = constants.get("gemm")
+    fit, default = [], []
+    for key, us in sorted(measured["experts"].items()):
+        topk, ep = (int(v) for v in key.split(","))
+        default.append(us / assumed_expert_us(shape, tokens, topk, ep, tflops))
+        if gemm:
+            fit.append(us / assumed_expert_us(shape, tokens, topk, ep, gemm["tflops"],
+                                              gemm["half_rate_rows"]))
+    if default:
+        fitted = f"{min(fit):.2f}-{max(fit):.2f}" if fit else "(no fit)"
+        lines.append(f"  expert GEMMs: {fitted} [{min(default):.2f}-{max(default):.2f}] over "
+                     f"{len(default)} (top-k, EP) settings")
     return "\n".join(lines)
 
 
@@ -533,17 +790,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         else:
             measured = assumed_measurements(shape, args.tokens, topks, sms_list, eps,
                                             args.gemm_tflops, fp8)
-    if measured["source"].startswith("measured"):
-        assumed = assumed_measurements(shape, args.tokens, topks, sms_list, eps,
-                                       args.gemm_tflops, measured.get("fp8_format", "blockwise"))
-        sys.stdout.write(format_check(measured, assumed) + "\n")
+    constants = fit_constants(shape, args.tokens, measured)
+    sys.stdout.write(format_constants(measured, constants, cluster, args.gemm_tflops) + "\n")
+    if constants is not None:
+        sys.stdout.write(format_check(shape, args.tokens, measured, constants,
+                                      args.gemm_tflops) + "\n")
     rows = model(shape, args.tokens, measured, eps, cluster)
     pick = recommend(rows, shape.topk, args.limit / 100.0, cluster)
     sys.stdout.write(format_table(shape, args.tokens, measured, rows, cluster,
                                   args.limit / 100.0, pick) + "\n")
     result = {"shape": dataclasses.asdict(shape), "tokens": args.tokens,
-              "cluster": dataclasses.asdict(cluster), "measurements": measured, "rows": rows,
-              "recommended": pick}
+              "cluster": dataclasses.asdict(cluster), "measurements": measured,
+              "constants": constants, "rows": rows, "recommended": pick}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sweep.json"), "w", encoding="utf-8") as f:

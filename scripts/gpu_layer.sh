@@ -12,7 +12,9 @@
 # 4. table B (issue 22): the same with --te: TE layers under the blockwise FP8 recipe, H 4096 /
 #    64 experts / top-6 / 8192 tokens and H 7168 / 256 experts / top-8 / 4096 tokens: alltoall,
 #    deepep bf16 dispatch, deepep FP8 dispatch dequantized into TEGroupedMLP, deepep FP8
-#    dispatch into the FP8 experts (skipped, with the reason, when TE does not import).
+#    dispatch into the FP8 experts (skipped, with the reason, when TE does not import);
+#    VARIANTS_B picks its rows, e.g. adding te-deepep-fp8-experts-dequant-colwise (the FP8
+#    experts making their wgrad's columnwise copy by dequantize + TE instead of the kernel).
 # Prints both markdown tables; logs and JSON (layer_a.json, layer_b.json) in $OUT (default
 # .bench_out). Knobs: TABLES ("A B"; "A" or "B" runs one: under a 10-minute limit per command,
 # run them in two calls), ITERS (20), TIMEOUT_PRECOMPILE (180 s), TIMEOUT_A (380 s),
@@ -76,9 +78,10 @@ fi
 fi
 if [[ " $TABLES " == *" B "* ]]; then
 t2=$(date +%s)
+DEFAULT_VARIANTS_B=te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,te-deepep-fp8-experts
 # shellcheck disable=SC2086
 timeout "${TIMEOUT_B:-400}" python3 -m megatron_deepep.bench_layer --te --iters "$ITERS" \
-  --variants te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,te-deepep-fp8-experts \
+  --variants "${VARIANTS_B:-$DEFAULT_VARIANTS_B}" \
   --out "$OUT/layer_b.json" ${ARGS_B:-} > "$OUT/layer_b.log" 2>&1
 rc_b=$?
 echo "gpu_layer: table B rc $rc_b in $(( $(date +%s) - t2 )) s (log $OUT/layer_b.log)"

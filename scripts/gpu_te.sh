@@ -5,10 +5,11 @@
 # (transformer_engine, transformer_engine_cu13, transformer_engine_torch, pydantic and its three
 # dependencies) and the megatron-core wheel. They are installed together, in ONE pip command
 # (one at a time with --target silently drops the extension's .so), into /tmp/site.
-# Runs the TE tests (tests/gpu/test_te_gpu.py, tests/gpu/test_te_experts_gpu.py and the TE
-# checks of the CPU files) and prints one PASS/FAIL/SKIP line per test with its time, the
-# measured numbers the tests print, and a summary line. Full log and JUnit XML in $OUT
-# (default .bench_out). Exit status: pytest's.
+# Runs the TE tests (tests/gpu/test_te_gpu.py, tests/gpu/test_te_experts_gpu.py,
+# tests/gpu/test_parity_te_gpu.py, the columnwise kernel's tests/gpu/test_fp8_columnwise_gpu.py
+# and the TE checks of the CPU files) and prints one PASS/FAIL/SKIP line per test with its
+# time, the measured numbers the tests print, and a summary line. Full log and JUnit XML in
+# $OUT (default .bench_out). Exit status: pytest's.
 # MAIN_JOB=N (off by default; about 1-2 minutes a run): the main job (examples/run_gpt_moe.sh)
 # with TE layers, --moe-grouped-gemm and the blockwise FP8 recipe, N steps each, for alltoall,
 # deepep bf16 dispatch, deepep FP8 dispatch dequantized for TEGroupedMLP, and deepep FP8 dispatch
@@ -55,8 +56,9 @@ print("gpu_te:", line)
 EOF
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-TESTS="tests/gpu/test_te_gpu.py tests/gpu/test_te_experts_gpu.py
-  tests/test_te_bridge.py tests/test_te_experts.py
+TESTS="tests/gpu/test_te_gpu.py tests/gpu/test_te_experts_gpu.py tests/gpu/test_parity_te_gpu.py
+  tests/gpu/test_fp8_columnwise_gpu.py tests/test_te_bridge.py tests/test_te_experts.py
+  tests/test_fp8_columnwise.py
   tests/test_fp8_formats.py::test_format_for_recipe
   tests/test_fp8_formats.py::test_te_tensor_dequantizes_like_reference
   tests/test_fp8_dispatch.py::test_fp8_output_falls_back_without_te

@@ -8,8 +8,9 @@ other tests run meanwhile and the compile tests, ordered last, collect the resul
 Two sweeps:
 - every instantiation `ops.kernel_names` lists for top-k 1-16, bf16 and FP8 dispatch (and the
   fp16 / fp32 combine kernels at `WIDE_ROW_TOPKS`: their dtype code does not depend on top-k),
-  plus `fp8.cu` and `ceiling.cu`, compiled with `jit.FAST_COMPILE_OPTIONS` (front end, template
-  instantiation and ptxas, ~30x faster than -O3), up to 60 instantiations a program;
+  plus `fp8.cu`, `fp8_columnwise.cu` and `ceiling.cu`, compiled with `jit.FAST_COMPILE_OPTIONS`
+  (front end, template instantiation and ptxas, ~30x faster than -O3), up to 60 instantiations
+  a program;
 - one instantiation of each (kernel, wire format, dequantize, combine row dtype) at top-k 8
   with the options the kernels run with (-O3), as `jit.get_kernel` compiles them.
 Together ~60 CPU-seconds (a one-program-per-source sweep at -O3 took ~370). `python -m
@@ -38,6 +39,7 @@ FP8_KERNELS = ([f"quantize_blockwise<{w}, {p}>" for w in (4, 8) for p in ("false
                + [f"{k}<{w}>" for k in ("quantize_mxfp8", "dequantize_blockwise",
                                          "dequantize_mxfp8") for w in (4, 8)])
 CEILING_KERNELS = ["fill_kernel", "fan_out_copy", "fan_in_sum"]
+COLUMNWISE_KERNELS = [f"columnwise_from_rowwise<{p}>" for p in ("true", "false")]
 WORKERS = 2
 
 
@@ -81,6 +83,8 @@ def jobs() -> Dict[str, Job]:
             "dispatch.cu", tuple(_names(k, fp8=True)["dispatch.cu"]), True, 2.0)
     out["fast-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), True, 0.3)
     out["fast-ceiling.cu"] = Job("ceiling.cu", tuple(CEILING_KERNELS), True, 0.1)
+    out["fast-fp8_columnwise.cu"] = Job("fp8_columnwise.cu", tuple(COLUMNWISE_KERNELS), True,
+                                        0.2)
     # -O3, top-k 8, int64 indices, not cached: one per (kernel, kFmt, kDequant).
     k8 = _names(8)
     k8_fp8 = _names(8, fp8=True)["dispatch.cu"]
@@ -98,6 +102,8 @@ def jobs() -> Dict[str, Job]:
     out["O3-notify.cu"] = Job("notify.cu", ("notify_kernel",), False, 0.1)
     out["O3-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), False, 0.4)
     out["O3-ceiling.cu"] = Job("ceiling.cu", tuple(CEILING_KERNELS), False, 0.2)
+    out["O3-fp8_columnwise.cu"] = Job("fp8_columnwise.cu", tuple(COLUMNWISE_KERNELS), False,
+                                      0.3)
     return out
 
 

@@ -27,7 +27,7 @@ def cpu_run(tmp_path_factory):
     env.pop("MDEEP_RANK_CAPACITY_FACTOR", None)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_deepep.bench_layer", "--cpu", "--te", "--iters", "3",
-         "--shapes", "64,64,8,2,128", "--out", str(out)],
+         "--shapes", "64,64,8,2,128", "--host-profile", "4", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout, json.loads(out.read_text())
@@ -55,7 +55,8 @@ def test_graph_and_te_rows_are_skipped_with_a_reason(cpu_run):
     assert "GPU" in rows["deepep-syncfree-graph"]["skipped"]
     te_rows = [r for r in report["rows"] if r["table"] == "B"]
     assert {r["variant"] for r in te_rows} == {"te-alltoall", "te-deepep-bf16",
-                                                "te-deepep-fp8-dequant", "te-deepep-fp8-experts"}
+                                                "te-deepep-fp8-dequant", "te-deepep-fp8-experts",
+                                                "te-deepep-fp8-experts-dequant-colwise"}
     assert all(r.get("skipped") for r in te_rows), te_rows
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| table | variant | shape")
@@ -109,3 +110,22 @@ def test_kernel_tables_list_each_profiled_row():
     text = bench_layer.kernel_tables(rows)
     assert text.splitlines() == ["B te-alltoall 8,16,4,2,8: top kernels (us/call, share)",
                                  "       12.5  50.0%  gemm_kernel"]
+    # A watched kernel below the top ones says its rank; the total closes the block.
+    rows[0]["top_kernels"].append({"name": "void columnwise_from_rowwise<true>(...)",
+                                   "us_per_call": 0.5, "share": 0.02, "rank": 17,
+                                   "watched": True})
+    rows[0]["kernel_us_per_call"] = 25.0
+    assert bench_layer.kernel_tables(rows).splitlines()[2:] == [
+        "        0.5   2.0%  void columnwise_from_rowwise<true>(...) (rank 17)",
+        "       25.0          total kernel time per call"]
+
+
+def test_host_profile_names_the_functions_that_take_host_time(cpu_run):
+    stdout, report = cpu_run
+    ran = [r for r in report["rows"] if "fwd_bwd_ms" in r]
+    assert ran and all(len(r["top_host"]) == 4 for r in ran)
+    for r in ran:
+        own = [e["us_per_call"] for e in r["top_host"]]
+        assert own == sorted(own, reverse=True) and own[0] > 0
+        assert all(e["cum_us_per_call"] >= e["us_per_call"] - 1e-6 for e in r["top_host"])
+    assert "top host functions (own us/call, calls/call, cumulative us/call)" in stdout

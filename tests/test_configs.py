@@ -5,13 +5,16 @@ flags Megatron or we define (megatron-core 0.16.1 has no `megatron.training`: it
 the launchers' own flags and a list checked against 0.19.2's parser stand in; with
 `megatron.training` installed the real parser takes them, and the proxy model is built); the
 proxy is small; the full size is the family's public shape in a layout the dispatcher accepts
-(`options.check_config`), whatever NODES is.
+(`options.check_config`), whatever NODES is. The DeepSeek-V3 proxy's MoE layers (its flags as a
+TransformerConfig, grouped experts as the proxy runs them, FP8 dispatch, metrics on) train for
+several steps on the CPU: expert-bias updates, per-step metrics, no growth in the step time.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -253,3 +256,132 @@ def test_full_size_flags_parse_with_megatron_training(name):
     shape = sweep.FAMILIES[name]
     assert re.search(rf"PARSED {shape.experts} {sweep.FAMILY_PIPELINE_STAGES[name]}",
                      done.stdout)
+
+
+_TRAIN_CHILD = r"""
+import dataclasses, functools, json, sys, time, warnings
+warnings.filterwarnings("ignore")
+import torch
+from megatron_deepep import layer_variants as lv
+
+flags, steps, metrics_dir = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+
+def parse(value):
+    if value is True:
+        return True
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+kwargs = dict(add_bias_linear=False, gradient_accumulation_fusion=False, bf16=True,
+              params_dtype=torch.bfloat16, use_cpu_initialization=True,
+              moe_token_dispatcher_type="deepep")
+ours = {}
+for flag, value in flags.items():
+    name = flag[2:].replace("-", "_")
+    if name == "num_experts":
+        kwargs["num_moe_experts"] = int(value)
+    elif name == "swiglu":
+        kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    elif name.startswith("moe_mdeep_"):
+        ours[name] = parse(value)
+    elif name in fields:
+        kwargs[name] = parse(value)
+report = {"unused": sorted(f for f in flags if f[2:].replace("-", "_") not in fields
+                           and f not in ("--num-experts", "--swiglu")
+                           and not f.startswith("--moe-mdeep-"))}
+with lv.cpu_stand_ins():
+    lv.init_megatron("cpu")
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron_deepep.megatron import metrics
+
+    config = TransformerConfig(**kwargs)
+    for name, value in dict(ours, moe_mdeep_transport="reference", moe_mdeep_metrics=True,
+                            moe_mdeep_metrics_dir=metrics_dir).items():
+        setattr(config, name, value)  # as a patched Megatron's config fields
+    spec = get_gpt_layer_local_spec(config.num_moe_experts, False)
+    grouped_spec, report["note"] = lv.with_grouped_mm_experts(spec, "cpu")
+
+    def moe_layers(layer_spec, seed):
+        torch.manual_seed(seed)
+        moe = layer_spec.submodules.mlp
+        return torch.nn.ModuleList(
+            moe(config=config, layer_number=i + 1) if isinstance(moe, functools.partial)
+            else build_module(moe, config=config, layer_number=i + 1)
+            for i in range(config.num_layers))
+
+    # The swap computes what Megatron's SequentialMLP does, given the same weights.
+    sequential, layers = moe_layers(spec, 1), moe_layers(grouped_spec, 2)
+    with torch.no_grad():
+        for seq, grp in zip(sequential, layers):
+            for name in ("router", "shared_experts"):
+                getattr(grp, name).load_state_dict(getattr(seq, name).state_dict())
+            for e, mlp in enumerate(seq.experts.local_experts):
+                grp.experts.weight1[e].copy_(mlp.linear_fc1.weight.t())
+                grp.experts.weight2[e].copy_(mlp.linear_fc2.weight.t())
+        x = torch.randn(64, 2, config.hidden_size).bfloat16()
+        want, got = sequential[0](x)[0].float(), layers[0](x)[0].float()
+    report["max_rel_diff"] = ((got - want).abs().max() / want.abs().max()).item()
+    metrics.flush(-1)
+    report["experts"] = type(layers[0].experts).__name__
+    report["dispatcher"] = type(layers[0].token_dispatcher).__name__
+    optimizer = torch.optim.Adam(layers.parameters(), lr=1e-3)
+    report.update(step_s=[], loss=[], flushed=[])
+    bias0 = layers[0].router.expert_bias.clone()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        t0 = time.perf_counter()
+        h = torch.randn(128, 2, config.hidden_size, generator=gen).bfloat16()
+        for layer in layers:
+            h = h + layer(h)[0]
+        loss = h.float().square().mean()
+        loss.backward()
+        _update_router_expert_bias([layers], config)  # Megatron's finalize_model_grads
+        for layer in layers:
+            layer.router.local_tokens_per_expert.zero_()
+        optimizer.step()
+        optimizer.zero_grad()
+        report["flushed"].append(len(metrics.flush(step)))
+        report["step_s"].append(time.perf_counter() - t0)
+        report["loss"].append(loss.item())
+    report["bias_moved"] = (layers[0].router.expert_bias - bias0).abs().max().item()
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_deepseek_proxy_moe_layers_train_on_cpu(tmp_path):
+    """The DeepSeek-V3 proxy's MoE path (256 experts, top-8, sigmoid + expert bias,
+    group-limited routing, seq aux loss, shared expert, FP8 blockwise dispatch, metrics on) with
+    the grouped experts the proxy trains with: equal to SequentialMLP's output, then 6 training
+    steps whose time does not grow (the GPU proxy once stalled after its third step)."""
+    import json
+
+    flags = as_dict(proxy_flags("deepseek_v3"))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    steps = 6
+    done = subprocess.run([sys.executable, "-c", _TRAIN_CHILD, json.dumps(flags), str(steps),
+                           str(tmp_path / "metrics")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(lines[-1][len("REPORT "):])
+    assert report["unused"] == [], report["unused"]  # every proxy flag reached the config
+    assert report["experts"] == "GroupedMMExperts", report["note"]
+    assert report["dispatcher"] == "DeepEPTokenDispatcher"
+    assert report["max_rel_diff"] < 3e-2
+    assert all(math.isfinite(v) for v in report["loss"])
+    assert report["flushed"] == [4] * steps  # every MoE layer's metrics, every step
+    assert report["bias_moved"] > 0  # the aux-loss-free balancing bias is updated
+    lines = (tmp_path / "metrics" / "deepep_metrics_rank0.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines] == [-1] + list(range(steps))
+    steady = sorted(report["step_s"][1:])[len(report["step_s"][1:]) // 2]
+    assert max(report["step_s"][2:]) < 4 * steady + 0.5, report["step_s"]

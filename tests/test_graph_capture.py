@@ -296,6 +296,16 @@ def test_buffer_capture_guards():
     run_distributed(1, _buffer_worker)
 
 
+def test_which_transports_a_graph_can_replay():
+    """The kernel transports keep their epochs on the device (`transport/epochs.py`); the
+    reference one exchanges split sizes on the host."""
+    from megatron_deepep.transport import internode, local, nvlink, reference
+
+    for cls in (local.LocalTransport, nvlink.NVLinkTransport, internode.InternodeTransport):
+        assert cls.graph_capture_refusal is None, cls.__name__
+    assert "host" in reference.ReferenceTransport.graph_capture_refusal
+
+
 def test_step_end_report_checks_buffer_errors(monkeypatch):
     """Megatron's step-end MoE report (our hook) raises a kernel error recorded during graph
     replays, which make no eager call that would."""

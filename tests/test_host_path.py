@@ -11,12 +11,15 @@ ones the kernels were given.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from megatron_deepep import jit, ops
 from megatron_deepep.transport import local, nvlink
+from megatron_deepep.transport.epochs import DeviceEpochs
 from megatron_deepep.transport.regions import BufferRegions
 
 
@@ -77,6 +80,9 @@ def recorder(monkeypatch):
             pass
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    # The layout workspace is zeroed on the launch stream (no CUDA here: the current one).
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     return rec
 
 
@@ -86,6 +92,7 @@ def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify):
     if num_ranks == 1:
         t = local.LocalTransport.__new__(local.LocalTransport)
         t.max_tokens, t.epoch = max_tokens, 0
+        t.epochs = DeviceEpochs(torch.device("cpu"))
         t._meta_bases = torch.zeros(1, dtype=torch.int64)
     else:
         t = nvlink.NVLinkTransport.__new__(nvlink.NVLinkTransport)
@@ -94,7 +101,7 @@ def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify):
         t.regions_dev = torch.zeros(16, dtype=torch.int64)
         t.sym = type("Sym", (), {})()
         t.sym.peer_bases, t.sym.ptr = torch.zeros(num_ranks, dtype=torch.int64), 0
-        t.notify_epoch = t.dispatch_epoch = t.combine_epoch = 0
+        t.epochs, t.host_epoch = DeviceEpochs(torch.device("cpu")), 0
     t.device = torch.device("cpu")
     t.num_sms, t.timeout_ns = 8, 5 * 10**9
     t.status = _FakeStatus(rec, rows_from_notify)

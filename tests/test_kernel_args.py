@@ -111,7 +111,7 @@ _KERNEL_RE = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([
 
 
 @pytest.mark.parametrize("source", ["layout.cu", "notify.cu", "dispatch.cu", "combine.cu",
-                                    "fp8.cu", "ceiling.cu"])
+                                    "fp8.cu", "fp8_columnwise.cu", "ceiling.cu"])
 def test_every_kernel_takes_its_one_argument_struct(source):
     text = (jit.cuda_src_dir() / source).read_text()
     kernels = dict(_KERNEL_RE.findall(text))
@@ -199,3 +199,22 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
     assert quantize["x"] == src.data_ptr() and quantize["num_tokens"] == 4
     assert quantize["hidden"] == 64 and quantize["q"] != 0 and quantize["scales"] != 0
     assert by_name["dequantize_blockwise"][2]["num_tokens"] == 4
+
+
+def test_columnwise_wrapper_fills_every_field(recorder, monkeypatch):
+    """`ops.columnwise_from_rowwise`: the scales' strides, the grid (token blocks x column
+    tiles), the packed outputs and the epsilon."""
+    monkeypatch.setattr(ops, "_check_columnwise_args", lambda *args: None)
+    q = torch.zeros(272, 384, dtype=torch.uint8)
+    scales = torch.zeros(3, 276).t()[:272]  # TE's GEMM-ready buffer, seen as [rows, blocks]
+    offsets = torch.tensor([0, 16, 16, 272], dtype=torch.int32)
+    data, scale_inv = ops.columnwise_from_rowwise(q, scales, offsets, 4, power_2_scale=False,
+                                                  amax_epsilon=0.5)
+    assert data.shape == (384 * 272,) and scale_inv.shape == (4, 384)
+    ((name, grid, block, fields),) = recorder.launches
+    assert (name, grid, block) == ("columnwise_from_rowwise", 4 * 3, ops.COLUMNWISE_THREADS)
+    assert fields == dict(q=q.data_ptr(), scales=scales.data_ptr(), token_stride=1,
+                          block_stride=276, row_offsets=offsets.data_ptr(),
+                          col_data=data.data_ptr(), col_scales=scale_inv.data_ptr(),
+                          num_experts=3, num_rows=272, hidden=384, scale_cols=384, num_blocks=4,
+                          amax_epsilon=0.5)

@@ -5,7 +5,7 @@ nothing of the package; the module-level import graph has no cycle):
 
     0 knobs, logs
     1 jit              (knows no kernel; only `ops` imports it)
-    2 arena, layout, handle, events, validate, fp8 (formats, dispatch, te_bridge)
+    2 arena, layout, handle, events, validate, fp8 (formats, dispatch, te_bridge, columnwise)
     3 ops              (one thin wrapper per kernel; the only caller of jit)
     4 transport/       (base, local, nvlink, reference, ipc, regions, errors, ...)
     5 buffer
@@ -50,6 +50,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.fp8.formats": 2,
     "megatron_deepep.fp8.dispatch": 2,
     "megatron_deepep.fp8.te_bridge": 2,
+    "megatron_deepep.fp8.columnwise": 2,
     "megatron_deepep.ops": 3,
     "megatron_deepep.ops.*": 3,
     "megatron_deepep.transport": 4,

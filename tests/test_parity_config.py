@@ -100,6 +100,9 @@ def test_plugin_refuses_alltoalls_preprocess_rule_by_name(impl, scope, cause):
 def test_a_row_bound_makes_the_graph_fine(monkeypatch):
     graph = dict(cuda_graph_impl="local", cuda_graph_scope=[])
     options.check_config(_config(**graph), options.DeepEPOptions(rank_capacity_factor=1.5))
+    # Any EP size: the kernels' epochs live on the device.
+    options.check_config(_config(expert_model_parallel_size=8, **graph),
+                         options.DeepEPOptions(rank_capacity_factor=1.5), ep_size=8)
     options.check_config(_config(moe_expert_rank_capacity_factor=2.0, **graph),
                          options.DeepEPOptions())
     options.check_config(_config(moe_pad_expert_input_to_capacity=True,
@@ -110,20 +113,6 @@ def test_a_row_bound_makes_the_graph_fine(monkeypatch):
     monkeypatch.setenv("MDEEP_RANK_CAPACITY_FACTOR", "")
     with pytest.raises(ValueError, match="captures the deepep dispatch"):
         options.check_config(_config(**graph))
-
-
-def test_graph_around_the_dispatch_needs_ep_1():
-    """The NVLink / internode kernels take their flag epochs from the host: a replay would
-    reuse them. Refused at EP > 1 (the config's EP before the groups exist, then the group's)."""
-    graph = dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=[])
-    opts = options.DeepEPOptions(rank_capacity_factor=2.0)
-    with pytest.raises(ValueError, match="--expert-model-parallel-size 4: .*epoch"):
-        options.check_config(_config(expert_model_parallel_size=4, **graph), opts)
-    with pytest.raises(ValueError, match="--expert-model-parallel-size 2"):
-        options.check_config(_config(**graph), opts, ep_size=2)
-    options.check_config(_config(**graph), opts, ep_size=1)
-    router = dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_router"])
-    options.check_config(_config(**router), options.DeepEPOptions(), ep_size=8)
 
 
 def test_newer_megatron_graph_field_is_read():
@@ -334,8 +323,6 @@ def test_deepep_refuses_exactly_what_megatron_refuses(impl, scope, extra):
     ("local", ["moe_router"], dict(moe_expert_capacity_factor=1.0), False,
      "moe_preprocess .* without --moe-pad-expert-input-to-capacity"),
     ("transformer_engine", ["moe_preprocess"], {}, False, "moe_preprocess needs moe_router"),
-    ("transformer_engine", [], dict(expert_model_parallel_size=2), True,
-     "--expert-model-parallel-size 2"),
 ])
 def test_transformer_config_names_the_graph_flag(monkeypatch, impl, scope, extra, bound, match):
     """Under the plugin, TransformerConfig itself refuses (before Megatron's bare assertions or

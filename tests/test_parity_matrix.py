@@ -124,8 +124,8 @@ DEFAULT_PARALLEL = (2, 1, 2, 1)
 
 EP_CASE = "ep2_matches_ep1"
 
-# Options of the issue that need what this CPU tier lacks; tests/gpu covers the ones a GPU and
-# megatron-core 0.19.2 can run.
+# Options of the issue that need what this CPU tier lacks; tests/gpu covers them with a GPU,
+# megatron-core 0.19.2 and TE (tests/gpu/test_parity_te_gpu.py, run by scripts/gpu_te.sh).
 GPU_ONLY = {
     "grouped_gemm": "TEGroupedMLP / GroupedMLP need Transformer Engine or grouped_gemm",
     "moe_latent_size": "MoELayer's latent projections are TELinear (Transformer Engine)",

@@ -51,6 +51,13 @@ def test_list_narrows_by_index_dtype_fp8_format_and_output(capsys):
     # 2 weighted x 2 with-weights x 3 kernels, each for kDtype 1 (fp16) and 2 (fp32).
     assert sorted(combine) == sorted(ops.kernel_names(4, row_dtypes=("fp16", "fp32"))
                                      ["combine.cu"]) and len(combine) == 24
+    blockwise = _listed(capsys, "--topk", "4", "--fp8", "blockwise", "blockwise_1x128_fp32_scales",
+                        "--no-bf16")
+    # The FP8 experts' columnwise copy, once per power-of-two setting; not for bf16 output.
+    assert sorted(e for s, e in blockwise if s == "fp8_columnwise.cu") == [
+        "columnwise_from_rowwise<false>", "columnwise_from_rowwise<true>"]
+    assert not [s for s, _ in _listed(capsys, "--topk", "4", "--fp8", "blockwise",
+                                      "--fp8-output", "bf16") if s == "fp8_columnwise.cu"]
     several = _listed(capsys, "--topk", "2", "8", "--bench")
     assert ("ceiling.cu", "fill_kernel") in several
     assert {e for _, e in several} >= set(ops.kernel_names(2)["combine.cu"])

@@ -1,5 +1,7 @@
 """CPU tier: the scripts in `scripts/` explain every argument, name missing dependencies, and
-plot metrics that make sense at EP = 1 (no bandwidth axis when no bytes cross ranks) and EP = 2."""
+plot metrics that make sense at EP = 1 (no bandwidth axis when no bytes cross ranks) and EP = 2;
+the GPU scripts' time limit (`time_limit.sh`) leaves the Python stacks of a stalled piece in its
+log, those of processes in sessions of their own (torchrun's workers) included."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -119,3 +123,38 @@ def test_sanitize_ep1_without_a_gpu(capsys):
         pytest.skip("this machine has a GPU")
     assert _script("sanitize_ep1").main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+
+_STALLED = r"""
+import subprocess, sys
+child = "def stalled_in_a_worker():\n    import time\n    time.sleep(120)\nstalled_in_a_worker()\n"
+# As torchrun starts its workers: in a session of their own.
+subprocess.Popen([sys.executable, "-c", child], start_new_session=True).wait()
+"""
+
+
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(os.path.join(ROOT, "scripts"))
+                                          if f.endswith(".sh")))
+def test_shell_scripts_parse(script):
+    done = subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", script)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+def test_time_limit_prints_the_python_stacks_of_a_stalled_piece(tmp_path):
+    log = tmp_path / "piece.log"
+    command = (f'BUDGET_S=100; source "{ROOT}/scripts/time_limit.sh"; '
+               f'run 3 "{log}" "{sys.executable}" -c "$STALLED"; echo "returned $?"; '
+               f'run 30 "{tmp_path / "quick.log"}" true; echo "returned $?"')
+    t0 = time.monotonic()
+    done = subprocess.run(["bash", "-c", command], env=dict(os.environ, STALLED=_STALLED),
+                          capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 25
+    assert "returned 124" in done.stdout and "returned 0" in done.stdout, done.stdout
+    assert re.search(r"rc 124, \d+ s: ", done.stdout)
+    text = log.read_text()
+    assert "limit reached" in text
+    after = text[text.index("limit reached"):]
+    assert "Fatal Python error: Aborted" in after
+    assert "in stalled_in_a_worker" in after, after  # the worker's own stack

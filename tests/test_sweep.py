@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -86,13 +87,103 @@ def test_command_line_help():
     assert proc.returncode == 0 and "--nic-gbps" in proc.stdout and "--family" in proc.stdout
 
 
-def test_check_compares_measured_with_assumed():
+#: Known constants for the synthetic GPU run below (Mixtral's shape): some with a floor that
+#: holds the smallest calls (host-bound), some without; rates that are not the defaults'.
+TRUE_KERNEL = {("dispatch_bf16", 24): sweep.KernelCost(40.0, 22.0, 70.0, 1680.0),
+               ("dispatch_bf16", 132): sweep.KernelCost(30.0, 0.0, 30.0, 3960.0),
+               ("dispatch_fp8", 24): sweep.KernelCost(45.0, 20.0, 55.0, 1320.0),
+               ("dispatch_fp8", 132): sweep.KernelCost(35.0, 12.0, 15.0, 1980.0),
+               ("combine", 24): sweep.KernelCost(12.0, 18.0, 80.0, 1920.0),
+               ("combine", 132): sweep.KernelCost(8.0, 0.0, 32.0, 4224.0)}
+TRUE_GEMM = (520.0, 96.0)
+
+
+def synthetic_gpu_run(shape, tokens, topks=(2,), sms_list=(24, 132), eps=(1, 2, 4, 8)):
+    """What `measure_gpu` returns, made from `TRUE_KERNEL` and `TRUE_GEMM`."""
+    points, kernels = [], {}
+    for topk in topks:
+        for num_sms in sms_list:
+            for n in sweep.fit_token_counts(tokens):
+                times = {}
+                for phase, wire in (("dispatch", "bf16"), ("dispatch", "fp8"),
+                                    ("combine", "bf16")):
+                    key = sweep.phase_key(phase, wire)
+                    num_bytes = sweep.kernel_bytes(phase, wire, n, topk, shape.hidden)
+                    times[key] = TRUE_KERNEL[(key, num_sms)].us(num_bytes, num_sms)
+                    points.append({"phase": key, "topk": topk, "num_sms": num_sms,
+                                   "tokens": n, "bytes": num_bytes, "us": times[key]})
+                if n == tokens:
+                    for wire in sweep.WIRES:
+                        kernels[f"{topk},{wire},{num_sms}"] = {
+                            "dispatch_us": times[f"dispatch_{wire}"],
+                            "combine_us": times["combine"]}
+    experts = {f"{topk},{ep}": sweep.assumed_expert_us(shape, tokens, topk, ep, *TRUE_GEMM)
+               for topk in topks for ep in eps}
+    return {"source": "measured on a synthetic GPU (132 SMs)", "fp8_format": "blockwise_1x128",
+            "kernels": kernels, "experts": experts, "points": points}
+
+
+def test_fit_recovers_known_constants_and_the_check_is_one():
     shape = sweep.FAMILIES["mixtral"]
-    assumed = sweep.assumed_measurements(shape, 4096, [2], [24], [1, 2], 650.0)
-    measured = {"kernels": {k: {"dispatch_us": 2 * v["dispatch_us"],
-                                "combine_us": v["combine_us"]}
-                            for k, v in assumed["kernels"].items()},
-                "experts": {k: 0.5 * v for k, v in assumed["experts"].items()}}
-    text = sweep.format_check(measured, assumed)
-    assert "top-2 bf16, SMs 24: dispatch 2.00, combine 1.00" in text
-    assert "expert GEMMs: 0.50-0.50 over 2" in text
+    measured = synthetic_gpu_run(shape, 4096)
+    constants = sweep.fit_constants(shape, 4096, measured)
+    for (phase, num_sms), true in TRUE_KERNEL.items():
+        got = sweep.KernelCost(**constants["kernels"][phase][str(num_sms)])
+        rate = min(true.cap_gbps, true.gbps_per_sm * num_sms)
+        assert got.fixed_us == pytest.approx(true.fixed_us, rel=1e-6, abs=1e-6), phase
+        assert got.fixed_us + got.floor_us == pytest.approx(true.fixed_us + true.floor_us,
+                                                            rel=1e-6), (phase, num_sms)
+        assert min(got.cap_gbps, got.gbps_per_sm * num_sms) == pytest.approx(rate, rel=1e-6)
+    assert constants["gemm"]["tflops"] == pytest.approx(TRUE_GEMM[0], rel=1e-6)
+    assert constants["gemm"]["half_rate_rows"] == pytest.approx(TRUE_GEMM[1], rel=1e-6)
+    text = sweep.format_check(shape, 4096, measured, constants, 650.0)
+    check = [ln for ln in text.splitlines() if ln.startswith("  top-")]
+    assert len(check) == 4  # top-2 x bf16/fp8 x 24/132 SMs
+    for line in check:
+        fitted = [float(v) for v in re.findall(r"(?:dispatch|combine) ([\d. ]+) \[", line)[0]
+                  .split() + re.findall(r"combine ([\d. ]+) \[", line)[0].split()]
+        assert fitted and all(v == 1.0 for v in fitted), line
+    assert "expert GEMMs: 1.00-1.00 [" in text
+
+
+def test_fit_is_a_line_without_a_floor_and_keeps_noise_small():
+    points = [{"bytes": b, "us": (20.0 + b / 2e6) * (1 + 0.01 * (-1) ** i)}
+              for i, b in enumerate([1e7, 3e7, 1e8, 3e8])]
+    cost = sweep.fit_kernel_cost(points, 100)
+    assert cost.floor_us == pytest.approx(0.0, abs=1.0)
+    assert cost.cap_gbps == pytest.approx(2000.0, rel=0.03)
+    assert all(cost.us(p["bytes"], 100) / p["us"] == pytest.approx(1.0, abs=0.02)
+               for p in points)
+
+
+def test_gpu_run_output_says_what_is_measured_and_what_assumed(tmp_path, capsys):
+    shape = sweep.FAMILIES["mixtral"]
+    measured = synthetic_gpu_run(shape, 4096)
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"measurements": measured}))
+    result, out = _run(capsys, "--family", "mixtral", "--nodes", "1", "--num-sms", "24,132",
+                       "--measurements", str(path))
+    assert "model constants: kernels MEASURED, measured on a synthetic GPU" in out
+    assert "expert GEMMs MEASURED" in out and "links ASSUMED (parameters)" in out
+    assert re.search(r"dispatch_bf16 SMs  24: 40\.0 us \+ max\(22\.0 us, bytes / 1680 "
+                     r"GB/s\)  \[25\.0 us", out)
+    assert "check: measured / model time" in out
+    assert result["constants"]["kernels"]["combine"]["132"]["fixed_us"] == pytest.approx(8.0)
+    # An older measurements file (no calibration points): the constants are the defaults.
+    del measured["points"]
+    path.write_text(json.dumps({"measurements": measured}))
+    result, out = _run(capsys, "--family", "mixtral", "--nodes", "1", "--num-sms", "24,132",
+                       "--measurements", str(path))
+    assert "ASSUMED (these measurements hold no calibration points" in out
+    assert "check:" not in out and result["constants"] is None
+
+
+def test_assumed_kernel_times_have_a_fixed_cost_and_a_floor():
+    # Few bytes: the floor; many: bytes over the rate, plus the fixed cost either way.
+    few = sweep.assumed_kernel_us("combine", "bf16", 16, 2, 1024, 132)
+    cost = sweep.ASSUMED_KERNEL["combine"]
+    assert few == pytest.approx(cost.fixed_us + cost.floor_us)
+    many = sweep.assumed_kernel_us("dispatch", "bf16", 4096, 8, 7168, 24)
+    num_bytes = sweep.kernel_bytes("dispatch", "bf16", 4096, 8, 7168)
+    bf16 = sweep.ASSUMED_KERNEL["dispatch_bf16"]
+    assert many == pytest.approx(bf16.fixed_us + num_bytes / (bf16.gbps_per_sm * 24 * 1e3))

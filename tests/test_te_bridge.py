@@ -280,3 +280,11 @@ def test_without_te_everything_says_why():
     with pytest.raises(B.TEUnavailableError):
         B.split_rowwise(torch.zeros(0, 128, dtype=torch.uint8), torch.zeros(0, 1), [0])
     assert B.is_wire_tensor(torch.zeros(1)) is False
+    assert "transformer_engine" in B.columnwise_reason(torch.zeros(16, 128, dtype=torch.uint8))
+    with pytest.raises(B.TEUnavailableError):
+        B.columnwise_tensors(torch.zeros(0, dtype=torch.uint8), torch.zeros(0, 128), [0], 128)
+
+
+def test_columnwise_reason_names_what_the_kernel_needs(monkeypatch):
+    monkeypatch.setattr(B, "te_available", lambda: (True, ""))
+    assert "cpu" in B.columnwise_reason(torch.zeros(16, 128, dtype=torch.uint8))

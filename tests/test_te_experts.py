@@ -376,6 +376,52 @@ def test_grouped_fp8_linear_plumbing(fake_te_gemm, fuse):
             torch.testing.assert_close(w.grad.float(), want_w, rtol=1e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("method", ["kernel", "dequantize"])
+def test_columnwise_method_picks_the_wgrad_operand(fake_te_gemm, monkeypatch, method):
+    """The knob (or the layer's `fp8_columnwise`) picks how the wgrad's columnwise copy is made;
+    both give the same weight gradients; the kernel path runs where `columnwise_reason` allows
+    (here, stood in by the pure-torch reference)."""
+    torch = fake_te_gemm
+    from megatron_deepep.fp8 import columnwise as C
+    from megatron_deepep.fp8 import formats as F
+    from megatron_deepep.fp8 import te_bridge
+
+    used = []
+
+    def by_kernel(x_fp8, scales, call):
+        used.append("kernel")
+        settings = call.settings["input"]
+        C.reference(x_fp8, scales, call.splits, power_2_scale=settings["force_pow_2_scales"],
+                    amax_epsilon=settings["amax_epsilon"])  # what the kernel computes
+        rows = F.dequantize(x_fp8, scales, call.fmt).float().split(call.splits)
+        return [_FakeStorage(r, False, True, "act") for r in rows]
+
+    monkeypatch.setattr(X, "_columnwise_by_kernel", by_kernel)
+    monkeypatch.setattr(te_bridge, "columnwise_reason", lambda x: "")
+    monkeypatch.setenv("MDEEP_FP8_COLUMNWISE", method)
+    splits, grads = [16, 0, 48], {}
+    for name in ("knob", "attribute"):
+        module = _Module(len(splits), 32, 256)
+        if name == "attribute":  # the layer's attribute outranks the knob
+            module.fp8_columnwise = "dequantize" if method == "kernel" else "kernel"
+        x = torch.randn(sum(splits), 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+        X.grouped_fp8_linear(module, x.requires_grad_(True), splits).sum().backward()
+        grads[name] = [w.grad for w in module.weights()]
+    other = "dequantize" if method == "kernel" else "kernel"
+    assert used == [m for m in (method, other) if m == "kernel"]
+    for a, b in zip(grads["knob"], grads["attribute"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_columnwise_method_rejects_unknown_values(monkeypatch):
+    assert X.columnwise_method("dequantize") == "dequantize"
+    monkeypatch.setenv("MDEEP_FP8_COLUMNWISE", "fast")
+    with pytest.raises(ValueError, match="MDEEP_FP8_COLUMNWISE='fast'"):
+        X.columnwise_method()
+    monkeypatch.delenv("MDEEP_FP8_COLUMNWISE")
+    assert X.columnwise_method() == "kernel"
+
+
 def test_grouped_fp8_linear_without_grad(fake_te_gemm):
     torch = fake_te_gemm
     module = _Module(2, 32, 128)

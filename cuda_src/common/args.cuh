@@ -3,6 +3,9 @@
 // mirrors each one field by field, in this order (megatron_deepep/ops.py, `KernelArgs`
 // subclasses of the same name); tests/test_kernel_args.py checks sizes and offsets with NVRTC.
 // Pointers are 64-bit; `regions` points to a `Regions` in device memory (common/buffer.cuh).
+// `epoch_word`: the protocol kernels read their call's epoch from a device word that the
+// transport advances in stream order before the call, never from a launch argument, so a CUDA
+// graph that captured the calls replays with new epochs (flags and signals keep advancing).
 #pragma once
 #include "common/buffer.cuh"
 #include "common/error.cuh"
@@ -43,7 +46,7 @@ struct LayoutArgs {
 struct NotifyArgs {
     const u64* peer_bases;
     int rank, num_ranks;
-    u32 epoch;
+    const u32* epoch_word;  // the call's epoch (see the top of this file)
     const int* num_tokens_per_rank;
     const int* num_tokens_per_expert;
     int num_local, hidden, num_topk, alignment, max_recv_rows;
@@ -53,6 +56,7 @@ struct NotifyArgs {
     int* expert_row_start;
     int* src_expert_offset;
     HostInfo* host_info;
+    u32 host_epoch;  // what host_info publishes (a synchronous call's host-side count)
     u64 timeout_ns;
     int* error_claim;
     ErrorRecord* error_record;
@@ -73,7 +77,7 @@ struct DispatchSendArgs {
     const u64* peer_bases;
     const Regions* regions;
     int rank, num_ranks, num_local;
-    u32 epoch;
+    const u32* epoch_word;  // the call's epoch (see the top of this file)
     u64 timeout_ns;
     int* error_claim;
     ErrorRecord* error_record;
@@ -102,7 +106,7 @@ struct DispatchRecvArgs {
     const u64* peer_bases;
     const Regions* regions;
     int rank, num_ranks, num_local;
-    u32 epoch;
+    const u32* epoch_word;  // the call's epoch (see the top of this file)
     u64 timeout_ns;
     int* error_claim;
     ErrorRecord* error_record;
@@ -142,7 +146,7 @@ struct CombineSendArgs {
     const u64* peer_bases;
     const Regions* regions;
     int rank, num_ranks;
-    u32 epoch;
+    const u32* epoch_word;  // the call's epoch (see the top of this file)
     u64 timeout_ns;
     int* error_claim;
     ErrorRecord* error_record;
@@ -162,7 +166,7 @@ struct CombineReduceArgs {
     const u64* peer_bases;
     const Regions* regions;
     int rank, num_ranks;
-    u32 epoch;
+    const u32* epoch_word;  // the call's epoch (see the top of this file)
     u64 timeout_ns;
     int* error_claim;
     ErrorRecord* error_record;
@@ -198,6 +202,20 @@ struct DequantizeArgs {
     const ScaleT* scales;
     u16* out;
     int num_tokens, hidden;
+};
+
+// fp8_columnwise.cu: columnwise_from_rowwise. The row scales of (row r, 128-column block b) are
+// at scales[r * token_stride + b * block_stride] (the wire's [rows, nb] or TE's GEMM-ready
+// [nb, round_up(rows, 4)]); outputs are packed per expert (layout in fp8_columnwise.cu).
+struct ColumnwiseArgs {
+    const u8* q;                 // [num_rows, hidden] e4m3, rows grouped by expert
+    const float* scales;
+    i64 token_stride, block_stride;
+    const int* row_offsets;      // [num_experts + 1], device
+    u8* col_data;                // [hidden * num_rows] e4m3
+    float* col_scales;           // [num_blocks, scale_cols] fp32 scale_inv
+    int num_experts, num_rows, hidden, scale_cols, num_blocks;
+    float amax_epsilon;
 };
 
 // ceiling.cu: fill_kernel.
@@ -253,7 +271,7 @@ struct InternodeArgs {
     int max_tokens, chunk_tokens;
     int rank, num_ranks, ranks_per_node, num_nodes;
     const int* pe_of_rank;       // [R]: NVSHMEM PE of each EP rank
-    u32 epoch;
+    const u32* epoch_word;       // the call's epoch (see the top of this file)
     u64 timeout_ns;
     int* error_claim;
     ErrorRecord* error_record;
@@ -281,6 +299,7 @@ struct InternodeArgs {
     int* fwd_slots;              // [M, N_max, L]: their slot on each rank of this node, or -1
     int* slot_rows;              // [R, N_max, K]
     HostInfo* host_info;
+    u32 host_epoch;              // what host_info publishes
     // Rows.
     const u8* x;                 // [N, H] bf16
     u8* recv_x;                  // [max_rows, H] bf16

@@ -8,8 +8,10 @@
 #   FULL_NODES FULL_PP FULL_EP FULL_MBS FULL_ACCUM FULL_EXPERTS  the full-size layout
 # Modes (environment):
 #   MODE=proxy (default)  bash examples/run_gpt_moe.sh with the proxy flags appended (they
-#                         override its defaults), TRAIN_ITERS (default 30) steps, metrics on, then
-#                         scripts/report.py renders $OUT/metrics/report.html
+#                         override its defaults), TRAIN_ITERS (default 30) steps, metrics on,
+#                         grouped experts (MDEEP_GROUPED_MM_EXPERTS, default 1: two grouped GEMMs
+#                         instead of a Python loop over the experts), then scripts/report.py
+#                         renders $OUT/metrics/report.html
 #   MODE=full             sbatch examples/slurm_gpt_moe.sbatch on NODES nodes; the family's
 #                         flags reach examples/pretrain_gpt_moe.py through GPT_MOE_ARGS (Slurm
 #                         passes the environment), appended after the template's own flags
@@ -33,15 +35,17 @@ _proxy() {
   local name=$1; shift
   local out=${OUT:-runs/${name}_proxy}
   local args=("${PROXY_MODEL[@]}" "${MOE_FLAGS[@]}" "${DEEPEP_FLAGS[@]}" "$@")
+  local grouped=${MDEEP_GROUPED_MM_EXPERTS:-1}
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    echo "TRAIN_ITERS=${TRAIN_ITERS:-30} METRICS=${METRICS:-1} OUT=$out"
+    echo "TRAIN_ITERS=${TRAIN_ITERS:-30} METRICS=${METRICS:-1} OUT=$out" \
+      "MDEEP_GROUPED_MM_EXPERTS=$grouped"
     _print_command bash "$REPO_DIR/examples/run_gpt_moe.sh" "${args[@]}"
     return 0
   fi
   echo "$name.sh: scaled-down proxy (${TRAIN_ITERS:-30} steps, EP = GPUs of this machine)," \
     "run folder $out" >&2
   TRAIN_ITERS=${TRAIN_ITERS:-30} METRICS=${METRICS:-1} OUT=$out \
-    bash "$REPO_DIR/examples/run_gpt_moe.sh" "${args[@]}"
+    MDEEP_GROUPED_MM_EXPERTS=$grouped bash "$REPO_DIR/examples/run_gpt_moe.sh" "${args[@]}"
   if [ -d "$out/metrics" ]; then
     "${PYTHON:-python3}" "$REPO_DIR/scripts/report.py" "$out/metrics" || true
   fi

@@ -2,7 +2,8 @@
 
 `formats` holds the format descriptions and their pure-torch references (bit-exact with TE and
 with the device code in `cuda_src/common/fp8.cuh`); `te_bridge` wraps received data as TE's own
-quantized tensor types when Transformer Engine is importable.
+quantized tensor types when Transformer Engine is importable; `columnwise` describes the 128x1
+copy the FP8 experts' weight gradient needs (`cuda_src/fp8_columnwise.cu`) and its reference.
 """
 
 from megatron_deepep.fp8.formats import (

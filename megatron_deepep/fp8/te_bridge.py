@@ -47,6 +47,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_deepep.fp8 import columnwise
 from megatron_deepep.fp8.formats import (
     BLOCKWISE_1x128,
     BLOCKWISE_1x128_FP32_SCALES,
@@ -423,7 +424,7 @@ def pack_split_scales(scales: torch.Tensor, splits: Sequence[int]) -> List[torch
     if rows[-1]:
         index = split_scale_index(splits, num_blocks, device=scales.device)
         flat.index_copy_(0, index.reshape(-1), scales.reshape(-1))
-    return [flat[num_blocks * c0: num_blocks * c1].view(num_blocks, c1 - c0)
+    return [flat.as_strided((num_blocks, c1 - c0), (c1 - c0, 1), num_blocks * c0)
             for c0, c1 in zip(cols[:-1], cols[1:])]
 
 
@@ -441,24 +442,98 @@ def split_rowwise(x_fp8: torch.Tensor, scales: torch.Tensor, splits: Sequence[in
 
     Returns:
         One rowwise-only `Float8BlockwiseQTensorStorage` per split (data: a view of `x_fp8`;
-        scales: GEMM-ready, `pack_split_scales`).
+        scales: GEMM-ready, `pack_split_scales`). They carry no quantizer: TE's GEMM reads their
+        data, scales and dtype only (and a quantizer per split would be copied per split).
     """
     _require_te()
     if fmt.scale_kind is not ScaleKind.FP32_SCALE_INV:
         raise TEUnavailableError(f"split_rowwise takes blockwise 1x128 rows, not {fmt.name}")
+    import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
         Float8BlockwiseQTensorStorage,
     )
 
-    quantizer = _rowwise_quantizer(fmt, None)
     data = x_fp8.contiguous().view(torch.uint8)
-    rows, _ = split_offsets(splits)
-    if rows[-1] != data.shape[0]:
-        raise ValueError(f"splits sum to {rows[-1]}, rows are {data.shape[0]}")
+    splits = [int(m) for m in splits]
+    if sum(splits) != data.shape[0]:
+        raise ValueError(f"splits sum to {sum(splits)}, rows are {data.shape[0]}")
     packed = pack_split_scales(scales, splits)
+    e4m3 = tex.DType.kFloat8E4M3
+    return [Float8BlockwiseQTensorStorage(rows, scale, None, None, e4m3, None, False,
+                                          fake_dtype=dtype)
+            for rows, scale in zip(data.split(splits), packed)]
+
+
+def columnwise_reason(x_fp8: torch.Tensor) -> str:
+    """Why `ops.columnwise_from_rowwise` cannot make these rows' columnwise copy ("" if it can)."""
+    if not te_available()[0]:
+        return te_available()[1]
+    if not x_fp8.is_cuda:
+        return f"the rows are on {x_fp8.device} (the kernel runs on CUDA devices)"
+    hidden = x_fp8.shape[1]
+    if hidden % GEMM_HIDDEN_MULTIPLE:
+        return f"hidden {hidden} is not a multiple of {GEMM_HIDDEN_MULTIPLE}"
+    if not x_fp8.is_contiguous() or x_fp8.data_ptr() % 16:
+        return "the rows are not contiguous and 16-byte aligned"
+    return _columnwise_layout_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def _columnwise_layout_reason() -> str:
+    """Whether TE's columnwise 1D blockwise layout is the one the kernel writes (asked once)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    quantizer = Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=False, columnwise=True,
+                                     block_scaling_dim=1)
+    rows, hidden = 2 * columnwise.TOKEN_BLOCK + 16, 2 * 128 + 16
+    want = ((hidden, rows), (3, columnwise.scale_columns(hidden)))
+    got = (tuple(quantizer.get_columnwise_shape((rows, hidden))),
+           tuple(quantizer.get_scale_shape((rows, hidden), columnwise=True)))
+    if got != want:
+        return (f"TE {'.'.join(map(str, te_version()))} lays columnwise 1D blocks out as data "
+                f"{got[0]}, scales {got[1]} for {(rows, hidden)}; the kernel writes {want}")
+    return ""
+
+
+def columnwise_tensors(data: torch.Tensor, scale_inv: torch.Tensor, splits: Sequence[int],
+                       hidden: int, *, dtype: torch.dtype = torch.bfloat16) -> List[Any]:
+    """Per-split TE tensors over the packed columnwise copy of wire rows (the wgrad operand).
+
+    Args:
+        data: `[H * N]` torch.uint8, the packed columnwise data (`fp8.columnwise` layout, as
+            `ops.columnwise_from_rowwise` writes it): split i's `[H, m_i]` at `H * row_i`.
+        scale_inv: `[num_blocks, round_up(H, 4)]` torch.float32: split i's
+            `[ceil(m_i / 128), round_up(H, 4)]` GEMM-ready scales from its first block's row.
+        splits: rows per split (sum N).
+        hidden: H.
+        dtype: the nominal high-precision dtype.
+
+    Returns:
+        One columnwise-only `Float8BlockwiseQTensorStorage` per split (views of the two
+        buffers): what `tex.split_quantize` returns for the dequantized rows with a
+        columnwise-only `Float8BlockQuantizer`. They carry no quantizer: TE's GEMM reads data,
+        scales and dtype only (and would copy a quantizer per split).
+    """
+    _require_te()
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage,
+    )
+
+    rows, blocks = columnwise.layout(splits)
+    cols = scale_inv.shape[1]
+    if hidden * rows[-1] > data.numel() or scale_inv.shape[0] < blocks[-1] \
+            or cols != columnwise.scale_columns(hidden):
+        raise ValueError(f"columnwise buffers {tuple(data.shape)}, {tuple(scale_inv.shape)} do "
+                         f"not hold splits {list(splits)}")
+    e4m3 = tex.DType.kFloat8E4M3
+    # One as_strided view per buffer and split (one call each).
     return [Float8BlockwiseQTensorStorage(
-        data[r0:r1], scale, None, None, quantizer.dtype, quantizer, False, fake_dtype=dtype)
-        for r0, r1, scale in zip(rows[:-1], rows[1:], packed)]
+        None, None, data.as_strided((hidden, r1 - r0), (r1 - r0, 1), hidden * r0),
+        scale_inv.as_strided((b1 - b0, cols), (cols, 1), cols * b0), e4m3, None, False,
+        fake_dtype=dtype)
+        for r0, r1, b0, b1 in zip(rows[:-1], rows[1:], blocks[:-1], blocks[1:])]
 
 
 def maybe_to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format,

@@ -224,8 +224,7 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
         options: the resolved options; None checks the `moe_mdeep_*` config fields only.
         expert_tp_size: the expert tensor-parallel group size (default: the config's
             `expert_tensor_parallel_size`).
-        ep_size: the expert-parallel group size, when known (experts must divide evenly;
-            default for the CUDA-graph rule: the config's `expert_model_parallel_size`).
+        ep_size: the expert-parallel group size, when known (experts must divide evenly).
         validated_as: the dispatcher type whose rules Megatron's own `__post_init__` applies
             to this config ("alltoall" under the plugin; None when Megatron knows deepep).
 
@@ -250,7 +249,7 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
     if transport is not None:
         check_transport_option(transport)
     _check_graph_scope(config, validated_as)
-    _check_sync_free(config, options, ep_size)
+    _check_sync_free(config, options)
     etp = expert_tp_size if expert_tp_size is not None \
         else getattr(config, "expert_tensor_parallel_size", None)
     if etp is not None and etp > 1:
@@ -404,22 +403,14 @@ def _check_graph_scope(config, validated_as: Optional[str]) -> None:
             f"or capture moe_router only with --cuda-graph-impl transformer_engine")
 
 
-def _check_sync_free(config, options: Optional[DeepEPOptions], ep_size: Optional[int]) -> None:
-    """A CUDA graph around the dispatch needs it sync-free (a row bound) and, for now, EP = 1."""
+def _check_sync_free(config, options: Optional[DeepEPOptions]) -> None:
+    """A CUDA graph around the dispatch needs it sync-free: a row bound must be known."""
     megatron_factor = getattr(config, MEGATRON_RANK_CAPACITY_FIELD, None)
     if megatron_factor is not None:
         check_rank_capacity_factor(megatron_factor, "--moe-expert-rank-capacity-factor")
     captured = graph_captures_dispatch(config)
     if captured is None:
         return
-    ep = ep_size if ep_size is not None else getattr(config, "expert_model_parallel_size", 1)
-    if (ep or 1) > 1:
-        raise ValueError(
-            f"{captured} captures the deepep dispatch at --expert-model-parallel-size {ep}: the "
-            f"NVLink and internode transports pass each call's flag epoch to their kernels from "
-            f"the host, so a replayed graph would reuse stale epochs. Graphs around the dispatch "
-            f"work at EP = 1 for now; at EP > 1 capture moe_router / moe_preprocess only (the "
-            f"dispatch runs eagerly)")
     if options is None:
         options = resolve_options(config)
     if rank_capacity_factor(config, options) is None and not _drop_and_pad(config):

@@ -22,13 +22,17 @@ gradients `grad_block_scaling_dim` (1x128), e4m3 forward, e5m2 gradients under H
     wgrad  dW_e    = dy_e^T (columnwise)       @ x_e   (columnwise)         layout NT
 The wgrad needs x's columnwise copy (128x1 blocks along tokens), which the wire cannot carry:
 blocks span tokens from many senders. It is made where it costs least, in this backward, just
-before the wgrad GEMM: one fused kernel dequantizes the saved rowwise rows to bf16
-(`ops.dequantize_rows`) and TE's `split_quantize` makes the columnwise blocks of every expert.
-Nothing beyond the 1-byte rows and their scales is kept from forward to backward; the bf16 copy
-lives only during the wgrad. Its values are quantized from the dequantized rows (TE's own
-`HybridQuantizer` calls this source "rowwise_dequantized"), so the wgrad operand carries the
-rowwise rounding too: a small difference from `TEGroupedMLP`, which quantizes both copies from
-the bf16 input. The forward output and dgrad use the same operands TE would.
+before the wgrad GEMM, by one kernel that reads the saved 1-byte rows and their scales and writes
+every expert's transposed FP8 data and GEMM-ready scales (`cuda_src/fp8_columnwise.cu` through
+`te_bridge.columnwise_tensors`; FP8 in, FP8 out, no bf16 copy). Nothing beyond the 1-byte rows and
+their scales is kept from forward to backward. Its values are those of quantizing the
+dequantized rows (TE's own `HybridQuantizer` calls this source "rowwise_dequantized"), bit for
+bit (`fp8.columnwise`), so the wgrad operand carries the rowwise rounding too: a small
+difference from `TEGroupedMLP`, which quantizes both copies from the bf16 input. The forward
+output and dgrad use the same operands TE would. `MDEEP_FP8_COLUMNWISE=dequantize` (or a layer's
+`fp8_columnwise` attribute) selects the two-step path instead: `ops.dequantize_rows` to bf16,
+then TE's `split_quantize`; it is also the fallback where the kernel does not apply (rows off
+CUDA, a TE whose columnwise layout differs, no NVRTC), logged once with the reason.
 
 Shape rules (TE's, `common/gemm/cublaslt_gemm.cu`): every expert's row count must be a multiple
 of 16 (the wgrad's leading dimension is the token count; Megatron's FP8 padding aligns to 16 for
@@ -50,7 +54,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_deepep.fp8 import te_bridge
+from megatron_deepep import knobs
+from megatron_deepep.fp8 import columnwise, te_bridge
 from megatron_deepep.fp8.formats import BLOCKWISE_1x128, Fp8Format, ScaleKind
 from megatron_deepep.logs import log_once
 
@@ -61,6 +66,23 @@ TAKES_FP8_ROWS = "takes_fp8_rows"
 #: Rows per expert: a multiple of this (TE wgrad: leading dimension % 16; Megatron's blockwise
 #: FP8 padding size, `get_fp8_align_size`).
 ROW_ALIGNMENT = 16
+#: How the wgrad's columnwise copy is made: one kernel from the FP8 rows, or dequantize + TE.
+COLUMNWISE_KERNEL = "kernel"
+COLUMNWISE_DEQUANTIZE = "dequantize"
+COLUMNWISE_METHODS = (COLUMNWISE_KERNEL, COLUMNWISE_DEQUANTIZE)
+
+
+def columnwise_method(override: Optional[str] = None) -> str:
+    """`override` (a layer's `fp8_columnwise` attribute), else `MDEEP_FP8_COLUMNWISE`.
+
+    Raises:
+        ValueError: naming the value and the choices.
+    """
+    method = override or knobs.get("FP8_COLUMNWISE")
+    if method not in COLUMNWISE_METHODS:
+        raise ValueError(f"fp8_columnwise / {knobs.PREFIX}FP8_COLUMNWISE={method!r}: choose "
+                         f"from {COLUMNWISE_METHODS}")
+    return method
 
 
 def splits_reason(splits: Sequence[int]) -> str:
@@ -136,6 +158,7 @@ class _Call:
     out_dtype: torch.dtype
     fuse_wgrad_accumulation: bool = False
     grad_enabled: bool = True  # grad mode at the call (forward runs with it off)
+    columnwise: str = COLUMNWISE_KERNEL  # `columnwise_method`
 
 
 class GroupedFP8Linear(torch.autograd.Function):
@@ -152,7 +175,7 @@ class GroupedFP8Linear(torch.autograd.Function):
         need_dgrad = call.grad_enabled and x.requires_grad
         need_wgrad = call.grad_enabled and any(w.requires_grad for w in weights)
         wq = _quantizer(call.settings["weight"], rowwise=True, columnwise=need_dgrad)
-        weights_fp8 = [wq(w.detach()) for w in weights]
+        weights_fp8 = _quantize_all([w.detach() for w in weights], wq)
         out = torch.empty(x_fp8.shape[0], weights[0].shape[0], dtype=call.out_dtype,
                           device=x_fp8.device)
         general_grouped_gemm(weights_fp8, inputs, [out], [None] * len(weights), call.out_dtype,
@@ -179,7 +202,9 @@ class GroupedFP8Linear(torch.autograd.Function):
             grad_out = grad_out.dequantize()
         grad_out = grad_out.to(call.out_dtype).contiguous()
         gq = _quantizer(call.settings["grad"], rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
-        grads = tex.split_quantize(grad_out, call.splits, [gq.copy() for _ in range(num)])
+        # One quantizer object for every split: TE reads its settings (and copies it into each
+        # tensor itself), so per-split copies here would only cost host time.
+        grads = tex.split_quantize(grad_out, call.splits, [gq] * num)
         dgrad = None
         if ctx.need_dgrad:
             for w in ctx.weights_fp8:
@@ -193,10 +218,7 @@ class GroupedFP8Linear(torch.autograd.Function):
         wgrads = [None] * num
         if ctx.need_wgrad:
             x_fp8, scales = ctx.saved_tensors
-            x_bf16 = _dequantize(x_fp8, scales, call.fmt)
-            xq = _quantizer(call.settings["input"], rowwise=False, columnwise=True)
-            x_col = tex.split_quantize(x_bf16, call.splits, [xq.copy() for _ in range(num)])
-            del x_bf16
+            x_col = columnwise_operands(x_fp8, scales, call)
             wgrads, accumulate = _wgrad_outputs(ctx, num, grad_out.device)
             general_grouped_gemm(x_col, grads, wgrads, [None] * num, call.out_dtype,
                                  layout="NT", m_splits=call.splits, grad=True,
@@ -207,6 +229,58 @@ class GroupedFP8Linear(torch.autograd.Function):
         return (dgrad, None, *wgrads)
 
 
+def _quantize_all(tensors: List[torch.Tensor], quantizer) -> List[Any]:
+    """`[quantizer(t) for t in tensors]` in one call into TE where it has one."""
+    import transformer_engine_torch as tex
+
+    multi = getattr(tex, "multi_tensor_quantize", None)
+    if multi is None or not all(t.is_contiguous() for t in tensors):
+        return [quantizer(t) for t in tensors]
+    return list(multi(tensors, [quantizer] * len(tensors)))
+
+
+def columnwise_operands(x_fp8: torch.Tensor, scales: torch.Tensor, call: _Call) -> List[Any]:
+    """The wgrad's columnwise copy of the rows: one TE tensor per expert (module docstring).
+
+    Args:
+        x_fp8: `[M, H]` torch.float8_e4m3fn, the saved wire rows.
+        scales: `[M, ceil(H / 128)]` torch.float32 rowwise scale_inv.
+        call: the call (splits, the input quantizer's settings, `columnwise` method).
+
+    Returns:
+        One columnwise-only `Float8BlockwiseQTensorStorage` per expert (data `[H, m_e]`,
+        scale_inv `[ceil(m_e / 128), round_up(H, 4)]`): the same bits by either method.
+    """
+    settings = call.settings["input"]
+    if call.columnwise == COLUMNWISE_KERNEL:
+        reason = te_bridge.columnwise_reason(x_fp8)
+        if not reason:
+            try:
+                return _columnwise_by_kernel(x_fp8, scales, call)
+            except ImportError as exc:  # no cuda-bindings: NVRTC cannot build the kernel
+                reason = f"{type(exc).__name__}: {exc}"
+        log_once(logger, "megatron_deepep: FP8 experts make the columnwise copy by "
+                 "dequantize + TE split_quantize: %s", reason)
+    import transformer_engine_torch as tex
+
+    x_bf16 = _dequantize(x_fp8, scales, call.fmt)
+    xq = _quantizer(settings, rowwise=False, columnwise=True)
+    return tex.split_quantize(x_bf16, call.splits, [xq] * len(call.splits))
+
+
+def _columnwise_by_kernel(x_fp8: torch.Tensor, scales: torch.Tensor, call: _Call) -> List[Any]:
+    """`columnwise_operands` by `cuda_src/fp8_columnwise.cu`: one launch, then views."""
+    from megatron_deepep import ops
+
+    rows, blocks = columnwise.layout(call.splits)
+    settings = call.settings["input"]
+    data, scale_inv = ops.columnwise_from_rowwise(
+        x_fp8, scales, columnwise.device_offsets(rows, x_fp8.device), blocks[-1],
+        power_2_scale=settings["force_pow_2_scales"], amax_epsilon=settings["amax_epsilon"])
+    return te_bridge.columnwise_tensors(data, scale_inv, call.splits, x_fp8.shape[1],
+                                        dtype=call.out_dtype)
+
+
 def _wgrad_outputs(ctx, num: int, device) -> Tuple[List[torch.Tensor], bool]:
     """The wgrad GEMM outputs: Megatron's `main_grad` buffers (fused accumulation) or new ones."""
     weights = ctx.weights
@@ -215,7 +289,7 @@ def _wgrad_outputs(ctx, num: int, device) -> Tuple[List[torch.Tensor], bool]:
         return [w.main_grad for w in weights], not overwrite
     ctx.weights = None
     packed = torch.empty(num, *ctx.weight_shape, dtype=ctx.call.out_dtype, device=device)
-    return [packed[i] for i in range(num)], False
+    return list(packed.unbind(0)), False
 
 
 def _dummy_wgrad(weight) -> torch.Tensor:
@@ -260,7 +334,8 @@ def grouped_fp8_linear(module: Any, x: Any, splits: Sequence[int]) -> torch.Tens
     call = _Call(splits=[int(m) for m in splits], settings=quantizer_settings(recipe),
                  fmt=fmt or BLOCKWISE_1x128, out_dtype=out_dtype,
                  fuse_wgrad_accumulation=bool(getattr(module, "fuse_wgrad_accumulation", False)),
-                 grad_enabled=torch.is_grad_enabled())
+                 grad_enabled=torch.is_grad_enabled(),
+                 columnwise=columnwise_method(getattr(module, "fp8_columnwise", None)))
     return GroupedFP8Linear.apply(x, call, *weights)
 
 

@@ -10,6 +10,8 @@ Per dispatch (kernels of `cuda_src/internode.cu`, in stream order): layout (as e
 -> node layout -> notify (counts to every PE over NVSHMEM) -> send (network puts by chunks) ->
 forward (NVLink copies into the node peers' staging) -> [one host wait for the row count, unless
 the caller gave a row bound] -> receive (expand). Per combine: send -> forward -> reduce.
+Epochs live in device words (`epochs.DeviceEpochs`), signals count on the device
+(`chunks_seen`): with a row bound, the calls can be captured in a CUDA graph and replayed.
 
 The network leg runs on NVSHMEM's device API; node peers are reached by load/store through
 `nvshmem_ptr` (NVLink inside a node, or processes sharing one GPU). Everything lives in one block
@@ -31,6 +33,7 @@ from megatron_deepep.arena import ArenaPlan
 from megatron_deepep.handle import DispatchHandle, RecvLayout
 from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
+from megatron_deepep.transport.epochs import DeviceEpochs
 from megatron_deepep.transport.internode_regions import MAX_NODES, InternodeRegions
 from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit
 from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
@@ -81,11 +84,8 @@ class InternodeTransport(Transport):
     """
 
     name = "internode"
-    # NOTES: the flag epochs are kernel arguments counted on the host: a replayed graph would
-    # pass the captured ones again, and the peers' flags already hold them.
-    graph_capture_refusal = ("its kernels take each call's flag epoch from the host, so a "
-                             "replayed graph would reuse stale epochs (graphs around the "
-                             "dispatch need EP = 1 for now)")
+    # The flag epochs live in device words (`epochs.DeviceEpochs`): replays advance them.
+    graph_capture_refusal = None
     row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
@@ -122,7 +122,8 @@ class InternodeTransport(Transport):
         self.timeout_ns = int(timeout_s * 1e9)
         self.status = KernelStatus(self.workspace.data_ptr() + 4 * _CLAIM_WORD, self.rank,
                                    timeout_s, locate=self.locate)
-        self.notify_epoch = self.dispatch_epoch = self.combine_epoch = 0
+        self.epochs = DeviceEpochs(self.device)  # CUDA-graph safe: kernels read device words
+        self.host_epoch = 0  # what a synchronous dispatch's notify publishes to the host
         self._static = self._static_fields()
         # Every PE's flags and signals are zero before any peer writes them.
         torch.cuda.synchronize(self.device)
@@ -161,13 +162,13 @@ class InternodeTransport(Transport):
                       chunks_seen=self.chunks_seen.data_ptr(), max_recv_rows=-1, alignment=1)
         return fields
 
-    def _fields(self, epoch: int, topk_idx: torch.Tensor, num_experts: int,
+    def _fields(self, epoch_word: int, topk_idx: torch.Tensor, num_experts: int,
                 layout: DispatchLayout, recv, nodes, hidden: int) -> dict:
         """The fields every kernel of one call reads: the layouts and the handle's state."""
         fields = dict(self._static)
         a, n, la = recv.address, nodes.address, layout.address
         fields.update(
-            epoch=epoch & 0xFFFFFFFF, topk_idx=topk_idx.data_ptr(),
+            epoch_word=epoch_word, topk_idx=topk_idx.data_ptr(),
             pos_in_expert=la("pos_in_expert"), num_tokens_per_rank=la("num_tokens_per_rank"),
             num_tokens_per_expert=la("num_tokens_per_expert"),
             is_token_in_rank=la("is_token_in_rank"), token_slot_in_rank=la("token_slot_in_rank"),
@@ -204,24 +205,25 @@ class InternodeTransport(Transport):
                               self.regions.max_tokens, layout is None).allocate(dev)
         nodes = node_plan(num_tokens, self.num_nodes, self.regions.max_tokens,
                           self.ranks_per_node).allocate(dev)
-        self.notify_epoch += 1
-        self.dispatch_epoch += 1
+        self.epochs.advance_dispatch()
+        self.host_epoch += 1
         is_sync = num_max_recv_rows is None
         if layout is None:
             layout = ops.layout(topk_idx, num_experts, num_ranks, self.rank, self.status.errors,
                                 timeout_ns=self.timeout_ns, arena=arena)
-        fields = self._fields(self.dispatch_epoch, topk_idx, num_experts, layout, arena, nodes,
+        fields = self._fields(self.epochs.dispatch, topk_idx, num_experts, layout, arena, nodes,
                               hidden)
         fields.update(x=x.data_ptr(), topk_weights=topk_weights.data_ptr(),
                       x_scales=ops.addr(x_scales), **ops.internode_wire(fp8, hidden))
         ops.internode_node_layout(topk_idx, fp8, self.num_nodes, fields)
-        notify = dict(fields, epoch=self.notify_epoch & 0xFFFFFFFF, alignment=expert_alignment,
+        notify = dict(fields, epoch_word=self.epochs.notify, alignment=expert_alignment,
                       max_recv_rows=-1 if is_sync else num_max_recv_rows,
-                      host_info=self.status.host_info_ptr if is_sync else 0)
+                      host_info=self.status.host_info_ptr if is_sync else 0,
+                      host_epoch=self.host_epoch & 0xFFFFFFFF)
         ops.internode_notify(topk_idx, fp8, notify)
         ops.internode_dispatch_send(topk_idx, False, fp8, self.num_sms, fields)
         ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
-        num_rows = (self.status.wait_num_rows(self.notify_epoch) if is_sync
+        num_rows = (self.status.wait_num_rows(self.host_epoch) if is_sync
                     else num_max_recv_rows)
         recv_x, recv_scales = empty_recv(num_rows, hidden, fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
@@ -269,8 +271,8 @@ class InternodeTransport(Transport):
         self._adopt(handle)
         topk_idx, arena, nodes = handle.transport_state
         hidden = x.shape[1]
-        self.dispatch_epoch += 1
-        fields = self._fields(self.dispatch_epoch, topk_idx, handle.num_experts, handle.layout,
+        self.epochs.advance_cached_dispatch()
+        fields = self._fields(self.epochs.dispatch, topk_idx, handle.num_experts, handle.layout,
                               arena, nodes, hidden)
         recv_x, recv_scales = empty_recv(handle.num_recv_rows, hidden, fp8, x.device)
         fields.update(x=x.data_ptr(), x_scales=ops.addr(x_scales), recv_x=recv_x.data_ptr(),
@@ -290,9 +292,9 @@ class InternodeTransport(Transport):
         self.check_errors()
         self._adopt(handle)
         topk_idx, arena, nodes = handle.transport_state
-        self.combine_epoch += 1
+        self.epochs.advance_combine()
         # Kernels count rows in 2-byte units (an fp32 row of H is 2 H of them).
-        fields = self._fields(self.combine_epoch, topk_idx, handle.num_experts, handle.layout,
+        fields = self._fields(self.epochs.combine, topk_idx, handle.num_experts, handle.layout,
                               arena, nodes, y.shape[1] * y.element_size() // 2)
         with_weights = grad_row_weights is not None
         out, out_weights = empty_combine_out(handle, y, with_weights)

@@ -19,6 +19,7 @@ from megatron_deepep import ops
 from megatron_deepep.handle import DispatchHandle, RecvLayout
 from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
+from megatron_deepep.transport.epochs import DeviceEpochs
 from megatron_deepep.transport.recv import as_recv_x, dispatch_plan, empty_recv
 from megatron_deepep.transport.regions import META_BYTES
 from megatron_deepep.transport.status import KernelStatus
@@ -43,7 +44,7 @@ class LocalTransport(Transport):
     """
 
     name = "local"
-    # Its layout kernel keeps its epoch on the device; the other epochs only tag host waits.
+    # Its kernels' epochs live on the device; `self.epoch` only tags host waits.
     graph_capture_refusal = None
     row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
@@ -59,7 +60,8 @@ class LocalTransport(Transport):
         self._meta_bases = torch.tensor([self._private.data_ptr()], dtype=torch.int64,
                                         device=self.device)
         self.status = KernelStatus(self._private.data_ptr() + META_BYTES, 0, timeout_s)
-        self.epoch = 0
+        self.epoch = 0  # what the receive layout publishes to the host
+        self.epochs = DeviceEpochs(self.device)  # the notify kernel's (a given layout only)
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
@@ -114,10 +116,12 @@ class LocalTransport(Transport):
             layout = ops.layout(topk_idx, num_experts, 1, 0, self.status.errors,
                                 timeout_ns=self.timeout_ns, arena=arena, local_recv=local_recv)
         else:
-            ops.notify(peer_bases=self._meta_bases, rank=0, num_ranks=1, epoch=self.epoch,
-                       lay=layout, num_local=num_experts, hidden=x.shape[1], num_topk=num_topk,
-                       alignment=expert_alignment, max_recv_rows=bound, recv=arena,
-                       host_info_ptr=host_info, timeout_ns=self.timeout_ns,
+            self.epochs.advance_dispatch()
+            ops.notify(peer_bases=self._meta_bases, rank=0, num_ranks=1,
+                       epoch_word=self.epochs.notify, lay=layout, num_local=num_experts,
+                       hidden=x.shape[1], num_topk=num_topk, alignment=expert_alignment,
+                       max_recv_rows=bound, recv=arena, host_info_ptr=host_info,
+                       host_epoch=self.epoch, timeout_ns=self.timeout_ns,
                        errors=self.status.errors)
         if not is_sync:
             num_rows = num_max_recv_rows

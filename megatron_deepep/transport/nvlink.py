@@ -6,6 +6,8 @@ unless the caller gave an upper bound] -> dispatch_recv (expand into expert-majo
 Per combine: combine_send (one partial row per received slot back to its source) ->
 combine_reduce (sum over ranks). Flags carry per-operation epochs, so the buffer is never zeroed
 between calls, and every writer first waits until its reader has consumed the previous call.
+The epochs live in device words (`epochs.DeviceEpochs`): with a row bound, a dispatch and its
+combine can be captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from megatron_deepep import ops
 from megatron_deepep.handle import DispatchHandle, RecvLayout
 from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
+from megatron_deepep.transport.epochs import DeviceEpochs
 from megatron_deepep.transport.ipc import SymmetricBuffer
 from megatron_deepep.transport.recv import as_recv_x, dispatch_plan, empty_recv
 from megatron_deepep.transport.regions import MAX_RANKS, BufferRegions
@@ -43,11 +46,8 @@ class NVLinkTransport(Transport):
     """
 
     name = "nvlink"
-    # NOTES: the flag epochs are kernel arguments counted on the host: a replayed graph would
-    # pass the captured ones again, and the peers' flags already hold them.
-    graph_capture_refusal = ("its kernels take each call's flag epoch from the host, so a "
-                             "replayed graph would reuse stale epochs (graphs around the "
-                             "dispatch need EP = 1 for now)")
+    # The flag epochs live in device words (`epochs.DeviceEpochs`): replays advance them.
+    graph_capture_refusal = None
     row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
@@ -66,9 +66,8 @@ class NVLinkTransport(Transport):
         self.timeout_ns = int(timeout_s * 1e9)
         self.status = KernelStatus(self.sym.ptr + self.regions.workspace + CLAIM_OFFSET,
                                    self.rank, timeout_s)
-        self.notify_epoch = 0
-        self.dispatch_epoch = 0
-        self.combine_epoch = 0
+        self.epochs = DeviceEpochs(self.device)
+        self.host_epoch = 0  # what a synchronous dispatch's notify publishes to the host
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
@@ -84,10 +83,10 @@ class NVLinkTransport(Transport):
         return ops.layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
                           self.status.errors, timeout_ns=self.timeout_ns)
 
-    def _peers(self, epoch: int) -> dict:
+    def _peers(self, epoch_word: int) -> dict:
         """The arguments every protocol kernel of one call takes."""
         return dict(peer_bases=self.sym.peer_bases, regions=self.regions_dev, rank=self.rank,
-                    num_ranks=self.num_ranks, epoch=epoch, num_sms=self.num_sms,
+                    num_ranks=self.num_ranks, epoch_word=epoch_word, num_sms=self.num_sms,
                     timeout_ns=self.timeout_ns, errors=self.status.errors)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -105,22 +104,23 @@ class NVLinkTransport(Transport):
         # One allocation for the layout (unless given) and every receive-side array.
         arena = dispatch_plan(num_tokens, num_topk, num_experts, num_ranks,
                               self.regions.max_tokens, layout is None).allocate(dev)
-        self.notify_epoch += 1
-        self.dispatch_epoch += 1
+        self.epochs.advance_dispatch()
+        self.host_epoch += 1
         is_sync = num_max_recv_rows is None
         if layout is None:
             layout = ops.layout(topk_idx, num_experts, num_ranks, self.rank, self.status.errors,
                                 timeout_ns=self.timeout_ns, arena=arena)
         ops.notify(peer_bases=self.sym.peer_bases, rank=self.rank, num_ranks=num_ranks,
-                   epoch=self.notify_epoch, lay=layout, num_local=num_local, hidden=x.shape[1],
-                   num_topk=num_topk, alignment=expert_alignment,
+                   epoch_word=self.epochs.notify, lay=layout, num_local=num_local,
+                   hidden=x.shape[1], num_topk=num_topk, alignment=expert_alignment,
                    max_recv_rows=-1 if is_sync else num_max_recv_rows, recv=arena,
                    host_info_ptr=self.status.host_info_ptr if is_sync else 0,
-                   timeout_ns=self.timeout_ns, errors=self.status.errors)
-        peers = self._peers(self.dispatch_epoch)
+                   host_epoch=self.host_epoch, timeout_ns=self.timeout_ns,
+                   errors=self.status.errors)
+        peers = self._peers(self.epochs.dispatch)
         ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, cached=False, fp8=fp8,
                           num_local=num_local, **peers)
-        num_rows = (self.status.wait_num_rows(self.notify_epoch) if is_sync
+        num_rows = (self.status.wait_num_rows(self.host_epoch) if is_sync
                     else num_max_recv_rows)
         recv_x, recv_scales = empty_recv(num_rows, x.shape[1], fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
@@ -168,8 +168,8 @@ class NVLinkTransport(Transport):
         self._adopt(handle)
         num_local = handle.num_local_experts
         topk_idx, arena = handle.transport_state
-        self.dispatch_epoch += 1
-        peers = self._peers(self.dispatch_epoch)
+        self.epochs.advance_cached_dispatch()
+        peers = self._peers(self.epochs.dispatch)
         ops.dispatch_send(x, x_scales, topk_idx, None, handle.layout, cached=True, fp8=fp8,
                           num_local=num_local, **peers)
         recv_x, recv_scales = empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
@@ -185,8 +185,8 @@ class NVLinkTransport(Transport):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         self.check_errors()
         self._adopt(handle)
-        self.combine_epoch += 1
-        peers = self._peers(self.combine_epoch)
+        self.epochs.advance_combine()
+        peers = self._peers(self.epochs.combine)
         ops.combine_send(y, handle, weighted, grad_row_weights, **peers)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         out_weights = (torch.empty(handle.num_tokens, handle.num_topk, dtype=torch.float32,

@@ -7,9 +7,9 @@ and compares: dispatch bit-exact (rows, weights, counts, row order), combine wit
 fp32-accumulation tolerance (the forwarder rounds its node's sum once more than the reference) and
 the routing-weight gradients exactly, the node layout against `node_layout.py`, cached dispatch,
 the no-sync mode, skewed/empty/uneven routing, -1 entries, top-k 1-16, back-to-back calls with
-changing shapes, autograd, fp16 and fp32 rows, FP8 dispatch in every wire format (the network
-carries e4m3 rows and scales), bad input, and a stalled peer that must raise naming rank and
-node.
+changing shapes, a no-sync dispatch + combine replayed from a CUDA graph (eager calls between
+replays), autograd, fp16 and fp32 rows, FP8 dispatch in every wire format (the network carries
+e4m3 rows and scales), bad input, and a stalled peer that must raise naming rank and node.
 """
 
 from __future__ import annotations
@@ -241,3 +241,26 @@ def test_internode_matches_reference(shape, monkeypatch, require_nvshmem):
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _worker, per_node, NUM_CALLS, backend="gloo",
                     timeout_s=1200, hard_exit=True)
+
+
+def _graph_worker(rank, world, per_node):
+    nvlink_gpu._init_device()
+    group = dist.group.WORLD
+    inter = Buffer(group, 64, 2048, 4, transport="internode", num_sms=8, timeout_s=20,
+                   num_ranks_per_node=per_node)
+    ref = Buffer(group, 64, 2048, 4, transport="reference")
+    nvlink_gpu._graph_replay(rank, world, inter, ref, exact_combine=False)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("shape", NODE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_internode_graph_replay(shape, monkeypatch, require_nvshmem):
+    """A no-sync dispatch + combine captured in a CUDA graph replays on new inputs, with eager
+    calls between replays (the epochs live on the device)."""
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    _link((4, None, None))  # once here, not in every rank
+    _link_combine((4, 0))
+    num_nodes, per_node = shape
+    run_distributed(num_nodes * per_node, _graph_worker, per_node, backend="gloo",
+                    timeout_s=300, hard_exit=True)

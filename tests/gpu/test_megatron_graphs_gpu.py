@@ -1,10 +1,11 @@
 """GPU tier: the deepep MoE layer under Megatron's own CUDA-graph machinery (issue 18, item 4).
 
-megatron-core 0.19.2, one process, EP = 1 (the local kernels: graphs around the dispatch need
-EP = 1, `options._check_sync_free`). Each case builds one Megatron transformer layer whose MLP is
-a `MoELayer` with `--moe-token-dispatcher-type deepep` twice, with the same weights: once with a
-CUDA-graph configuration, once without, and runs both for `STEPS` training steps on fresh
-inputs, driving the graphed one as Megatron's training loop drives its graph managers:
+megatron-core 0.19.2, one process, EP = 1 (the local kernels; the EP > 1 transports' graph
+replays are checked on their own by test_nvlink_gpu.py / test_internode_gpu.py). Each case builds
+one Megatron transformer layer whose MLP is a `MoELayer` with `--moe-token-dispatcher-type
+deepep` twice, with the same weights: once with a CUDA-graph configuration, once without, and
+runs both for `STEPS` training steps on fresh inputs, driving the graphed one as Megatron's
+training loop drives its graph managers:
 
 * `--cuda-graph-impl local` (`CudaGraphManager`): the first step records (eager); the schedule's
   `create_cudagraphs()` at the end of each step captures after that first one (each graph after

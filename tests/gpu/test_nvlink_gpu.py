@@ -4,6 +4,7 @@ Every process drives the NVLink Buffer on the GPU and the reference Buffer on CP
 same inputs (both over one gloo group), and compares: dispatch bit-exact (rows, weights, counts),
 combine bit-exact (same summation order and rounding by design), backward, cached dispatch, the
 no-sync mode, skewed/empty/uneven routing, -1 entries, back-to-back calls with changing shapes,
+a no-sync dispatch + combine captured in a CUDA graph and replayed (eager calls in between),
 bad input, and a stalled peer that must raise the timeout error instead of hanging.
 """
 
@@ -141,6 +142,69 @@ def _back_to_back(rank, world, nvl, num_calls):
     nvl.check_errors()
 
 
+def _graph_replay(rank, world, buf, ref, num_replays=6, exact_combine=True):
+    """A no-sync dispatch + combine captured in one CUDA graph, replayed on new inputs (copied
+    into the captured tensors) with eager calls between replays: the protocol's epochs live on
+    the device, so every replay and every eager call after it must match the reference.
+    `exact_combine`: bit-equal combine (NVLink), else within bf16 rounding (internode)."""
+    num_tokens, hidden, topk, per_rank = 48, 2048, 4, 2
+    experts = per_rank * world
+    bound = world * num_tokens * topk
+    dev = torch.device("cuda")
+
+    def inputs(seed):
+        xs, idxs, ws = make_inputs(seed, world, num_tokens, hidden, experts, topk, "random")
+        return xs[rank], idxs[rank], ws[rank]
+
+    x0, idx0, w0 = inputs(500 + world)
+    x_s, idx_s, w_s = x0.to(dev), idx0.to(dev), w0.to(dev)
+
+    def step():
+        recv_x, recv_w, handle, _ = buf.dispatch(x_s, idx_s, w_s, num_experts=experts,
+                                                 num_max_recv_rows=bound)
+        out, _, _ = buf.combine(recv_x, handle, weighted=True)
+        return recv_x, recv_w, handle, out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (allocations, kernels)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_x, recv_w, handle, out = step()
+
+    def check(tag, seed, run):
+        x, idx, w = inputs(seed)
+        x_s.copy_(x)
+        idx_s.copy_(idx)
+        w_s.copy_(w)
+        got_x, got_w, got_handle, got_out = run()
+        torch.cuda.synchronize()
+        exp = ref.dispatch(x, idx, w, num_experts=experts)
+        used = sum(exp[2].tokens_per_expert_list)
+        assert torch.equal(got_x[:used].cpu(), exp[0]), f"{tag}: dispatch rows differ"
+        assert torch.equal(got_w[:used].cpu(), exp[1]), f"{tag}: dispatch weights differ"
+        assert torch.equal(got_handle.tokens_per_expert.cpu(), exp[2].tokens_per_expert), tag
+        ref_out, _, _ = ref.combine(exp[0], exp[2], weighted=True)
+        if exact_combine:
+            assert torch.equal(got_out.cpu(), ref_out), f"{tag}: combine differs"
+        else:
+            torch.testing.assert_close(got_out.cpu().float(), ref_out.float(), rtol=1e-2,
+                                       atol=1e-2, msg=f"{tag}: combine differs")
+
+    def replay():
+        graph.replay()
+        return recv_x, recv_w, handle, out
+
+    for i in range(num_replays):
+        check(f"replay {i}", 600 + 10 * i + world, replay)
+        if i % 2:  # an eager call between replays advances the same device epochs
+            check(f"eager after replay {i}", 700 + 10 * i + world, step)
+    buf.check_errors()
+    del graph
+
+
 def _bad_input(rank, world, nvl):
     dev = torch.device("cuda")
     x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=dev)
@@ -253,3 +317,19 @@ def _worker(rank, world, num_calls):
 @pytest.mark.parametrize("num_procs", NUM_PROCS)
 def test_nvlink_matches_reference(num_procs):
     run_distributed(num_procs, _worker, NUM_CALLS, backend="gloo", timeout_s=1500)
+
+
+def _graph_worker(rank, world):
+    _init_device()
+    _warm(rank)
+    group = dist.group.WORLD
+    nvl = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=8, timeout_s=30)
+    ref = Buffer(group, 64, 2048, 4, transport="reference")
+    _graph_replay(rank, world, nvl, ref)
+    dist.barrier()
+    nvl.destroy()
+
+
+@pytest.mark.parametrize("num_procs", [n for n in NUM_PROCS if n > 1])
+def test_nvlink_graph_replay(num_procs):
+    run_distributed(num_procs, _graph_worker, backend="gloo", timeout_s=300)

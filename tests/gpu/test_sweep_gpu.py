@@ -22,6 +22,12 @@ def test_measurements_on_this_gpu():
     # Twice the rows per expert at 4096 rows each: compute-bound, so clearly longer.
     assert measured["experts"]["4,8"] > measured["experts"]["2,8"] * 1.2
     assert all(us > 0 for us in measured["experts"].values())
+    # The fitted per-call model holds every measured call (three token counts per setting).
+    constants = sweep.fit_constants(shape, 4096, measured)
+    assert len(measured["points"]) == 2 * 2 * 3 * 3  # top-k x SMs x token counts x phases
+    for point in measured["points"]:
+        assert 0.75 < point["us"] / sweep.fitted_us(constants, point) < 1.33, point
+    assert constants["gemm"]["tflops"] > 0
     rows = sweep.model(shape, 4096, measured, [1, 8, 16], sweep.Cluster())
     assert {r["ep"] for r in rows} == {1, 8}  # 16: no expert time measured, skipped
     for r in rows:

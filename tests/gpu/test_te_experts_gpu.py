@@ -1,5 +1,7 @@
 """GPU tier with Transformer Engine: the FP8 experts (`megatron.te_experts`) against TE's own.
 
+0. The wgrad's columnwise copy by `cuda_src/fp8_columnwise.cu` against TE's own `split_quantize`
+   of the dequantized rows (bit-exact), and `grouped_fp8_linear` with either (equal outputs).
 1. `grouped_fp8_linear` on wire rows against `te.GroupedLinear` quantizing the same bf16 rows,
    same weights, under `Float8BlockScaling`: forward and dgrad use the same FP8 operands (TE's
    input quantizer makes the wire bytes), wgrad differs by the columnwise copy made from the
@@ -149,6 +151,146 @@ def test_grouped_fp8_linear_inference_equals_te():
     assert _rel(y_ours, y_te) < TOL_SAME
 
 
+# ---- the wgrad's columnwise copy: the kernel against TE's split_quantize ------------------------
+
+
+def _call(splits, method, power_2_scale=True, amax_epsilon=0.0):
+    from megatron_deepep.megatron import te_experts
+
+    settings = dict(fp8_dtype="e4m3", amax_epsilon=amax_epsilon,
+                    force_pow_2_scales=power_2_scale, block_scaling_dim=1)
+    return te_experts._Call(splits=list(splits), settings={"input": settings},
+                            fmt=F.BLOCKWISE_1x128, out_dtype=torch.bfloat16, columnwise=method)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """How often the FP8 experts made the columnwise copy with the kernel."""
+    from megatron_deepep.megatron import te_experts
+
+    calls = []
+    original = te_experts._columnwise_by_kernel
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(te_experts, "_columnwise_by_kernel", counting)
+    return calls
+
+
+@pytest.mark.parametrize("hidden,splits,kind,power_2_scale", [
+    (2048, [64, 0, 272, 16, 128], "random", True),
+    (4096, [16, 512, 0, 0, 144, 1024, 32], "random", True),
+    (7168, [256, 48, 0, 400], "random", True),
+    (4096, [16, 512, 0, 0, 144, 1024, 32], "random", False),
+    (4096, [144, 0, 272], "nan_inf", True),
+    (4096, [144, 0, 272], "tiny", False),
+    (4096, [144, 0, 272], "huge", True),
+])
+def test_columnwise_kernel_equals_te_split_quantize(kernel_calls, hidden, splits, kind,
+                                                    power_2_scale):
+    """Per expert, the kernel's columnwise tensors equal TE's `split_quantize` of the
+    dequantized rows (the `dequantize` method): shapes, data bytes (a NaN only a NaN) and scale
+    bits; and both equal the pure-torch reference."""
+    from megatron_deepep.fp8 import columnwise as C
+    from megatron_deepep.megatron import te_experts
+    from tests.gpu.test_fp8_columnwise_gpu import make_rows
+    from tests.gpu.test_fp8_gpu import _assert_fp8_equal, _assert_scales_equal
+
+    x_fp8, scales = make_rows(kind, splits, hidden, seed=hidden + len(splits))
+    ours = te_experts.columnwise_operands(x_fp8.cuda(), scales.cuda(),
+                                          _call(splits, "kernel", power_2_scale))
+    theirs = te_experts.columnwise_operands(x_fp8.cuda(), scales.cuda(),
+                                            _call(splits, "dequantize", power_2_scale))
+    torch.cuda.synchronize()
+    assert len(kernel_calls) == 1, "the kernel path was not taken"
+    reference = C.reference(x_fp8, scales, splits, power_2_scale=power_2_scale)
+    for ours_e, theirs_e, (data_ref, scale_ref) in zip(ours, theirs, reference):
+        assert ours_e._rowwise_data is None and theirs_e._rowwise_data is None
+        assert ours_e._columnwise_data.shape == theirs_e._columnwise_data.shape
+        assert ours_e._columnwise_scale_inv.shape == theirs_e._columnwise_scale_inv.shape
+        _assert_fp8_equal(ours_e._columnwise_data, theirs_e._columnwise_data.cpu())
+        _assert_scales_equal(ours_e._columnwise_scale_inv,
+                             theirs_e._columnwise_scale_inv.cpu())
+        _assert_fp8_equal(ours_e._columnwise_data, data_ref)
+        _assert_scales_equal(ours_e._columnwise_scale_inv, scale_ref)
+
+
+@pytest.mark.parametrize("splits,h,out", [
+    ([64, 0, 128, 48], 2048, 1024),
+    ([256, 512, 16, 0, 1024, 32, 96, 64], 7168, 2048),
+])
+def test_grouped_fp8_linear_kernel_path_equals_dequantize_path(kernel_calls, splits, h, out):
+    """`grouped_fp8_linear` forward + backward with the columnwise copy by the kernel and by
+    dequantize + `split_quantize`: the GEMMs get the same operands, so the outputs agree (bit
+    for bit unless a GEMM changes its reduction order; printed)."""
+    from megatron_deepep.megatron import te_experts
+
+    gl = _grouped(len(splits), h, out)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(sum(splits), h, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(sum(splits), out, device="cuda", generator=gen).bfloat16()
+    results = {}
+    for method in ("kernel", "dequantize"):
+        gl.fp8_columnwise = method
+        xi = x.clone().requires_grad_(True)
+        with _autocast():
+            y = te_experts.grouped_fp8_linear(gl, _Wire.apply(xi), splits)
+        y.backward(dy)
+        results[method] = (y.detach(), xi.grad, [w.grad.clone() for w in _weights(gl)])
+        for w in _weights(gl):
+            w.grad = None
+    assert len(kernel_calls) == 1
+    (y1, dx1, w1), (y2, dx2, w2) = results["kernel"], results["dequantize"]
+    wgrad_equal = all(torch.equal(a, b) for a, b in zip(w1, w2))
+    print(f"\nsplits {splits} H {h}: kernel vs dequantize path: forward equal "
+          f"{torch.equal(y1, y2)}, dgrad equal {torch.equal(dx1, dx2)}, wgrad bit-equal "
+          f"{wgrad_equal}, max wgrad rel {max(_rel(a, b) for a, b in zip(w1, w2)):.1e}")
+    # Same operands (bit-equal: test_columnwise_kernel_equals_te_split_quantize); the GEMMs
+    # are not promised to be bitwise deterministic, so equal up to their reduction order.
+    for a, b in [(y1, y2), (dx1, dx2)] + list(zip(w1, w2)):
+        assert _rel(a, b) < 1e-6
+
+
+def test_columnwise_time_kernel_against_dequantize():
+    """The wgrad's columnwise copy at the bench shape (N 8192, top-6, 64 experts, H 4096):
+    the kernel against dequantize + TE's split_quantize, GPU time (CUDA events) and host time
+    per call, printed."""
+    import math
+
+    from megatron_deepep.fp8 import columnwise as C
+    from megatron_deepep.megatron import te_experts
+
+    hidden, num_experts = 4096, 64
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.multinomial(torch.ones(num_experts), 8192 * 6, replacement=True,
+                               generator=gen).bincount(minlength=num_experts)
+    splits = [16 * math.ceil(int(c) / 16) for c in counts]
+    rows, _ = C.layout(splits)
+    x = torch.randint(0, 0x7E, (rows[-1], hidden), dtype=torch.uint8, device="cuda")
+    x = x.view(torch.float8_e4m3fn)
+    s = torch.rand(rows[-1], hidden // 128, device="cuda")
+    for method in ("kernel", "dequantize"):
+        call = _call(splits, method)
+        te_experts.columnwise_operands(x, s, call)
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        gpu, host = [], []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start.record()
+            te_experts.columnwise_operands(x, s, call)
+            end.record()
+            host.append((time.perf_counter() - t0) * 1e6)
+            end.synchronize()
+            gpu.append(start.elapsed_time(end) * 1e3)
+        print(f"\ncolumnwise copy by {method:10s} (M {rows[-1]}, H {hidden}, E {num_experts}): "
+              f"GPU {sorted(gpu)[5]:7.1f} us, host {sorted(host)[5]:7.1f} us per call")
+
+
 # ---- Megatron MoELayer ---------------------------------------------------------------------------
 
 
@@ -181,8 +323,10 @@ def _run_layer(layer, x, grad):
 
 
 @pytest.mark.parametrize("hidden,ffn,num_experts,topk", [(1024, 512, 8, 2), (2048, 1024, 16, 6)])
-def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, hidden, ffn,
-                                                    num_experts, topk):
+def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, kernel_calls,
+                                                    hidden, ffn, num_experts, topk):
+    """`FP8GroupedMLP` (columnwise copy by the kernel) against `TEGroupedMLP` within the
+    tolerances above, and against itself with the two-step columnwise path (within 1e-5)."""
     from megatron_deepep.megatron import te_experts
 
     calls = []
@@ -220,6 +364,15 @@ def test_moe_layer_fp8_experts_match_te_grouped_mlp(megatron_env, monkeypatch, h
     for name in p1:
         tol = TOL_WGRAD if "linear_fc1" in name else 5e-2
         assert _rel(p1[name], p2[name]) < tol, name
+    assert len(kernel_calls) == 1, "the columnwise copy did not come from the kernel"
+    ours.zero_grad(set_to_none=True)
+    ours.experts.linear_fc1.fp8_columnwise = "dequantize"
+    o3, g3, p3 = _run_layer(ours, x, grad)
+    assert len(kernel_calls) == 1 and len(calls) == 2
+    worst = max(_rel(p1[name], p3[name]) for name in p1)
+    print(f"  kernel vs dequantize columnwise path: output rel {_rel(o1, o3):.1e}, input grad "
+          f"rel {_rel(g1, g3):.1e}, max grad rel {worst:.1e}")
+    assert _rel(o1, o3) < 1e-5 and _rel(g1, g3) < 1e-5 and worst < 1e-5
 
 
 def _step(layer, x, grad):
