@@ -11,9 +11,11 @@
 # /tmp/mdeep_cache) and runs tests/gpu/test_megatron_graphs_gpu.py: `--cuda-graph-impl local`
 # (CudaGraphManager; whole layer, moe, moe_router / moe_preprocess, attn) and
 # `transformer_engine` (TECudaGraphHelper; whole layer, moe, moe_router, moe_preprocess), each
-# against an eager twin over 5 steps. Prints one line per test and a count; full log and JUnit
-# XML in $OUT (default .graphs_out). Knobs: PYTEST_ARGS (e.g. -k local), TEST_TIMEOUT (default
-# 540 s). Exit status: pytest's. About 2 to 4 minutes on one H200 (kernel compiles first).
+# against an eager twin over 5 steps, at EP = 1, and whole-layer graphs of both impls at EP = 2
+# (two processes sharing the GPU, the NVLink kernels). Prints one line per test and a count;
+# full log and JUnit XML in $OUT (default .graphs_out). Knobs: PYTEST_ARGS (e.g. -k local, or
+# -k "not ep_2" to split the run), TEST_TIMEOUT (default 480 s). Exit status: pytest's. About
+# 3 to 5 minutes on one H200.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-/tmp/mdeep_cache}
@@ -53,10 +55,11 @@ except Exception as exc:  # the TE cases then skip: say why here
     line += f" | TE unavailable ({type(exc).__name__}: {str(exc)[:120]})"
 print("gpu_graphs:", line)
 EOF
-timeout 240 python3 -m megatron_deepep.precompile --topk 2 --row-dtype bf16 -q 2>&1 | tail -2
+timeout 240 python3 -m megatron_deepep.precompile --topk 2 --row-dtype bf16 --index-dtype int64 \
+  -q 2>&1 | tail -2
 t1=$(date +%s)
 # shellcheck disable=SC2086
-timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -m gpu tests/gpu/test_megatron_graphs_gpu.py \
+timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu tests/gpu/test_megatron_graphs_gpu.py \
   -q -rA -p no:cacheprovider --junitxml="$OUT/graphs.xml" ${PYTEST_ARGS:-} \
   > "$OUT/graphs.log" 2>&1
 rc=$?

@@ -1,11 +1,12 @@
 """GPU tier: the deepep MoE layer under Megatron's own CUDA-graph machinery (issue 18, item 4).
 
-megatron-core 0.19.2, one process, EP = 1 (the local kernels; the EP > 1 transports' graph
-replays are checked on their own by test_nvlink_gpu.py / test_internode_gpu.py). Each case builds
-one Megatron transformer layer whose MLP is a `MoELayer` with `--moe-token-dispatcher-type
-deepep` twice, with the same weights: once with a CUDA-graph configuration, once without, and
-runs both for `STEPS` training steps on fresh inputs, driving the graphed one as Megatron's
-training loop drives its graph managers:
+megatron-core 0.19.2, one process at EP = 1 (the local kernels), and whole-layer graphs at
+EP = 2 (two processes sharing the GPU, the NVLink kernels, whose protocol epochs live in device
+words). Each case builds one Megatron transformer layer whose MLP is a `MoELayer` with
+`--moe-token-dispatcher-type deepep` twice, with the same weights: once with a CUDA-graph
+configuration, once without, and runs both for `STEPS` training steps on fresh inputs (the
+eager twin's calls go through the same Buffer between the replays), driving the graphed one as
+Megatron's training loop drives its graph managers:
 
 * `--cuda-graph-impl local` (`CudaGraphManager`): the first step records (eager); the schedule's
   `create_cudagraphs()` at the end of each step captures after that first one (each graph after
@@ -138,11 +139,12 @@ def _graph_state(impl):
         model_parallel_cuda_manual_seed(123, force_reset_rng=True)
 
 
-def _config(impl, modules, mode, layer_kind):
+def _config(impl, modules, mode, layer_kind, ep=1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
         num_layers=1, hidden_size=H, ffn_hidden_size=2 * H, moe_ffn_hidden_size=2 * H,
+        expert_model_parallel_size=ep,
         num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
         moe_token_dispatcher_type="deepep", moe_router_load_balancing_type="none",
         moe_router_dtype="fp32", add_bias_linear=False, gradient_accumulation_fusion=False,
@@ -192,13 +194,13 @@ def _layer(config, mode, layer_kind):
     return cls(config, submodules, layer_number=1).cuda()
 
 
-def _twins(impl, modules, mode, layer_kind):
+def _twins(impl, modules, mode, layer_kind, ep=1):
     """`(graphed layer, eager layer with the same weights, the graphed layer's config)`."""
     from megatron_deepep.megatron import DeepEPTokenDispatcher
 
-    config = _config(impl, modules, mode, layer_kind)
+    config = _config(impl, modules, mode, layer_kind, ep)
     graphed = _layer(config, mode, layer_kind)
-    eager = _layer(_config("none", [], mode, layer_kind), mode, layer_kind)
+    eager = _layer(_config("none", [], mode, layer_kind, ep), mode, layer_kind)
     eager.load_state_dict(graphed.state_dict())
     for layer in (graphed, eager):
         assert isinstance(layer.mlp.token_dispatcher, DeepEPTokenDispatcher)
@@ -280,8 +282,8 @@ def _compare(got, want, step):
         _close(got[2][name], want[2][name], f"step {step}: grad {name}")
 
 
-def _inputs():
-    gen = torch.Generator(device="cuda").manual_seed(11)
+def _inputs(seed=11):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     return [(torch.randn(SEQ, MBS, H, device="cuda", generator=gen).bfloat16(),
              torch.randn(SEQ, MBS, H, device="cuda", generator=gen).bfloat16())
             for _ in range(STEPS)]
@@ -296,19 +298,23 @@ def _expected_python_calls(config):
     return int(not captured), int(not preprocess_in_graph)
 
 
-def _run(impl, modules, mode, layer_kind):
-    """Runs one case; returns the graphed layer's dispatcher."""
-    from megatron.core.transformer import cuda_graphs
-
-    from megatron_deepep.buffer import check_buffers
+def _grouped_mm_skip(mode, layer_kind):
     from megatron_deepep.layer_variants import grouped_mm_reason
 
     if mode == "rank" and layer_kind != "gpt_te":
         reason = grouped_mm_reason("cuda")
         if reason:
             pytest.skip(reason)
+
+
+def _run(impl, modules, mode, layer_kind, ep=1, seed=11):
+    """Runs one case; returns the graphed layer's dispatcher."""
+    from megatron.core.transformer import cuda_graphs
+
+    from megatron_deepep.buffer import check_buffers
+
     torch.manual_seed(3)
-    graphed, eager, config = _twins(impl, modules, mode, layer_kind)
+    graphed, eager, config = _twins(impl, modules, mode, layer_kind, ep)
     dispatcher = graphed.mlp.token_dispatcher
     if impl == "local":
         for p in graphed.parameters():
@@ -325,7 +331,7 @@ def _run(impl, modules, mode, layer_kind):
     want_dispatch, want_preprocess = _expected_python_calls(config)
     outputs = []
     try:
-        for step, (x, grad_out) in enumerate(_inputs()):
+        for step, (x, grad_out) in enumerate(_inputs(seed)):
             if impl == TE_IMPL and step == WARMUP_STEPS:  # as megatron.training's train()
                 helper.create_cudagraphs()
                 assert len(graphed.cuda_graphs) == 1
@@ -370,6 +376,7 @@ def _run(impl, modules, mode, layer_kind):
 @pytest.mark.parametrize("case", LOCAL_CASES, ids=_case_id)
 def test_local_cuda_graphs_replay_like_eager(megatron_env, case):
     modules, mode, layer_kind = case
+    _grouped_mm_skip(mode, layer_kind)
     with _graph_state("local"):
         _run("local", modules, mode, layer_kind)
 
@@ -381,5 +388,41 @@ def test_transformer_engine_cuda_graphs_replay_like_eager(megatron_env, case):
     if reason:
         pytest.skip(reason)
     modules, mode, layer_kind = case
+    _grouped_mm_skip(mode, layer_kind)
     with _graph_state(TE_IMPL):
         _run(TE_IMPL, modules, mode, layer_kind)
+
+
+def _ep_worker(rank, world, impl):
+    """One EP rank (all ranks share GPU 0; gloo is the control plane, the NVLink kernels move
+    the rows): a whole-layer graph with a rank capacity factor against its eager twin."""
+    import warnings
+
+    import megatron_deepep.megatron as mdm
+    from megatron.core import parallel_state as ps
+
+    from tests.test_parity_ep import _drop_buffers
+
+    warnings.filterwarnings("ignore")
+    torch.cuda.set_device(0)
+    mdm.register_deepep_dispatcher(transport="auto")
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    try:
+        with _graph_state(impl):
+            dispatcher = _run(impl, [], "rank", "gpt", ep=world, seed=11 + rank)
+        assert dispatcher._buffer.transport_name == "nvlink", dispatcher._buffer.transport_name
+    finally:
+        _drop_buffers()  # collective: every rank frees its NVLink buffer
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("impl", ["local", TE_IMPL])
+def test_whole_layer_graphs_at_ep_2(megatron_env, impl):
+    """Two processes sharing the GPU: the whole layer (dispatch and combine over the NVLink
+    kernels) captured by Megatron's manager, replayed with the eager twin's calls between."""
+    from tests.distributed import run_distributed
+
+    _grouped_mm_skip("rank", "gpt")
+    if impl == TE_IMPL and _te_reason():
+        pytest.skip(_te_reason())
+    run_distributed(2, _ep_worker, impl, timeout_s=300)
