@@ -243,6 +243,14 @@ def launch_on(stream):
         _launch.stream = previous
 
 
+def on_launch_stream():
+    """A context that makes `launch_on`'s stream torch's current one (a no-op outside
+    `launch_on`): torch ops the kernels depend on, such as the transports' epoch advance, must
+    run on the stream the kernels go to."""
+    stream = getattr(_launch, "stream", None)
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def _stream():
     """The stream kernels go to now: `launch_on`'s, else the current one as a raw handle
     (building a torch Stream object per launch costs tens of µs)."""

@@ -5,7 +5,7 @@ every writer first waits for its reader's flag of the previous epoch. An epoch p
 launch argument would be frozen into a captured graph: its replays would reuse the captured
 values and race with the flags they left. So each transport keeps three words on the device
 (notify, dispatch, combine), advances them in stream order before each call (one small torch
-kernel, captured with the call), and the kernels read their epoch from the word
+kernel on the stream the call's kernels go to, captured with them), and the kernels read their epoch from the word
 (`epoch_word` in `cuda_src/common/args.cuh`). Eager calls and graph replays then share one
 sequence per buffer.
 """
@@ -13,6 +13,8 @@ sequence per buffer.
 from __future__ import annotations
 
 import torch
+
+from megatron_deepep import ops
 
 _NOTIFY, _DISPATCH, _COMBINE = 0, 1, 2
 
@@ -40,15 +42,18 @@ class DeviceEpochs:
 
     def advance_dispatch(self) -> None:
         """Before a dispatch (notify and dispatch kernels), on the stream they run on."""
-        self._notify_and_dispatch.add_(1)
+        with ops.on_launch_stream():
+            self._notify_and_dispatch.add_(1)
 
     def advance_cached_dispatch(self) -> None:
-        """Before a cached dispatch (no notify)."""
-        self._dispatch.add_(1)
+        """Before a cached dispatch (no notify), on the stream its kernels run on."""
+        with ops.on_launch_stream():
+            self._dispatch.add_(1)
 
     def advance_combine(self) -> None:
-        """Before a combine."""
-        self._combine.add_(1)
+        """Before a combine, on the stream its kernels run on."""
+        with ops.on_launch_stream():
+            self._combine.add_(1)
 
     def read(self) -> dict:
         """The current epochs (synchronizes with the device; for tests and debugging)."""

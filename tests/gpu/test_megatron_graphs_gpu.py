@@ -191,7 +191,9 @@ def _layer(config, mode, layer_kind):
                 pre_mlp_layernorm=LocalSpecProvider().layer_norm(has_residual=True), mlp=mlp,
                 mlp_bda=get_bias_dropout_add)
     cls = MoETransformerLayer if layer_kind == "moe" else TransformerLayer
-    return cls(config, submodules, layer_number=1).cuda()
+    # bf16 parameters everywhere (the local LayerNorm builds fp32 ones), as Megatron's
+    # Float16Module casts the model in training.
+    return cls(config, submodules, layer_number=1).cuda().bfloat16()
 
 
 def _twins(impl, modules, mode, layer_kind, ep=1):

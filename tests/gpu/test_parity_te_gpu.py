@@ -3,9 +3,10 @@
 `tests/test_parity_matrix.py` lists them in `GPU_ONLY`: grouped GEMM experts (`TEGroupedMLP`),
 MoE latent projections (`--moe-latent-size`, TE linears) and `--recompute-modules moe_act`
 (grouped GEMM only), plus TE's `SequentialMLP`. For each, Megatron's MoELayer from its TE spec
-with `deepep` (EP = 1, our kernels) and with `alltoall`, same weights and inputs, bf16: outputs
-and the gradients of the input and of every parameter (router and experts) must agree within
-bf16 tolerance (the same rows reach the experts in the same order at EP = 1).
+with `deepep` (EP = 1, our kernels) and with `alltoall`, same weights and inputs (bf16, and fp32
+once): outputs and the gradients of the input and of every parameter (router and experts),
+compared by relative norm, must be within the dtype's rounding of `alltoall`'s, or no further
+from them than a second `alltoall` layer's run (TE's GEMMs need not be bit-reproducible).
 
 Needs megatron-core 0.19.2 and TE (`bash scripts/gpu_te.sh` installs both and runs this file).
 """
@@ -27,7 +28,6 @@ pytestmark = [
 
 H = 512
 NUM_EXPERTS = 8
-TOL = dict(rtol=2e-2, atol=2e-2)
 
 # name -> TransformerConfig overrides (on top of _config's)
 CASES = {
@@ -36,6 +36,7 @@ CASES = {
     "moe_latent_size": dict(moe_grouped_gemm=True, moe_latent_size=H // 2),
     "recompute_moe_act": dict(moe_grouped_gemm=True, recompute_granularity="selective",
                               recompute_modules=["moe_act"]),
+    "grouped_gemm_fp32": dict(moe_grouped_gemm=True, params_dtype=torch.float32, bf16=False),
     "grouped_gemm_topk4_sigmoid": dict(moe_grouped_gemm=True, moe_router_topk=4,
                                        moe_router_score_function="sigmoid",
                                        moe_router_enable_expert_bias=True,
@@ -93,22 +94,27 @@ def test_te_layer_deepep_matches_alltoall(megatron_env, case):
     overrides = CASES[case]
     ours = _layer("deepep", overrides)
     theirs = _layer("alltoall", overrides)
+    control = _layer("alltoall", overrides)  # alltoall against itself: the noise floor
     theirs.load_state_dict(ours.state_dict())
+    control.load_state_dict(ours.state_dict())
     assert isinstance(ours.token_dispatcher, DeepEPTokenDispatcher)
+    dtype = torch.float32 if overrides.get("params_dtype") == torch.float32 else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(256, 2, H, device="cuda", generator=gen).bfloat16()
-    grad = torch.randn(256, 2, H, device="cuda", generator=gen).bfloat16()
-    o1, g1, p1 = _run(ours, x, grad)
-    o2, g2, p2 = _run(theirs, x, grad)
-    worst = {"output": _rel(o1, o2), "input grad": _rel(g1, g2)}
-    assert p1.keys() == p2.keys() and p1, "the same parameters get gradients"
-    worst.update({name: _rel(p1[name], p2[name]) for name in p1})
-    print(f"\n        {case}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()
-                                             if k in ("output", "input grad") or v > 0))
-    torch.testing.assert_close(o1.float(), o2.float(), **TOL)
-    torch.testing.assert_close(g1.float(), g2.float(), **TOL)
-    for name in p1:
-        torch.testing.assert_close(p1[name].float(), p2[name].float(), **TOL, msg=name)
+    x = torch.randn(256, 2, H, device="cuda", generator=gen).to(dtype)
+    grad = torch.randn(256, 2, H, device="cuda", generator=gen).to(dtype)
+    runs = [_run(layer, x, grad) for layer in (ours, theirs, control)]
+    (o1, g1, p1), (o2, g2, p2), (o3, g3, p3) = runs
+    assert p1.keys() == p2.keys() == p3.keys() and p1, "the same parameters get gradients"
+    names = ["output", "input grad"] + list(p1)
+    ours_rel = dict(zip(names, [_rel(o1, o2), _rel(g1, g2)] + [_rel(p1[n], p2[n]) for n in p1]))
+    floor = dict(zip(names, [_rel(o3, o2), _rel(g3, g2)] + [_rel(p3[n], p2[n]) for n in p1]))
+    print(f"\n        {case}: rel. difference to alltoall (alltoall's own run-to-run in "
+          "brackets): " + ", ".join(f"{k} {ours_rel[k]:.1e} ({floor[k]:.1e})" for k in names
+                                    if k in ("output", "input grad", "router.weight")))
+    # Within the dtype's rounding of alltoall, or no further from it than alltoall run twice.
+    limit = 1e-5 if dtype == torch.float32 else 1e-2
+    for k in names:
+        assert ours_rel[k] <= max(limit, 2 * floor[k]), (k, ours_rel[k], floor[k])
     assert p1["router.weight"].abs().sum() > 0  # the router learns through the probs
     if overrides.get("moe_latent_size"):
         assert any("latent" in name for name in p1), "the latent projections are trained"
