@@ -72,9 +72,20 @@ def _layer(dispatcher: str, overrides: dict):
     return layer.cuda().train()
 
 
+def _no_fp8():
+    """FP8 off explicitly: the layers run in their dtype whatever an earlier test left in TE's
+    global FP8 state (a delayed-scaling history differs per layer instance)."""
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=False)
+    return te.fp8_autocast(enabled=False)
+
+
 def _run(layer, x, grad):
     xi = x.clone().requires_grad_(True)
-    out, _ = layer(xi)
+    with _no_fp8():
+        out, _ = layer(xi)
     (out.float() * grad.float()).sum().backward()
     return out.detach(), xi.grad, {n: p.grad.detach().clone() for n, p in layer.named_parameters()
                                    if p.grad is not None}
