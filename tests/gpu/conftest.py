@@ -7,6 +7,18 @@ import warnings
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _restore_dispatcher_defaults():
+    """Each test starts from the option defaults the one before it found: a test's
+    `set_default_options(...)` (e.g. FP8 dispatch) must not reach the next test's layers."""
+    from megatron_deepep.megatron import options
+
+    saved = dict(options._REGISTERED_OPTIONS)
+    yield
+    options._REGISTERED_OPTIONS.clear()
+    options._REGISTERED_OPTIONS.update(saved)
+
+
 @pytest.fixture(scope="module")
 def megatron_env():
     """One rank of Megatron on GPU 0 (NCCL, model parallel 1) with the deepep dispatcher
