@@ -422,6 +422,44 @@ def test_columnwise_method_rejects_unknown_values(monkeypatch):
     assert X.columnwise_method() == "kernel"
 
 
+def test_weights_are_quantized_once_per_step(fake_te_gemm, monkeypatch):
+    """As TE under Megatron: the first micro-batch of a step quantizes the weights, the others
+    reuse them; a new step (after the optimizer) quantizes again; None never caches."""
+    torch = fake_te_gemm
+    quantized = []
+    call = _FakeQuantizer.__call__
+    monkeypatch.setattr(_FakeQuantizer, "__call__",
+                        lambda self, t: quantized.append(t.data_ptr()) or call(self, t))
+    module = _Module(2, 32, 128)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(32, 128, generator=gen).bfloat16().requires_grad_(True)
+
+    def micro_batch():
+        y = X.grouped_fp8_linear(module, x, [16, 16])
+        y.float().sum().backward()
+        module.is_first_microbatch = False  # what FP8ColumnParallelGroupedLinear does after
+        return y.detach()
+
+    module.is_first_microbatch = True
+    first = [micro_batch() for _ in range(3)]
+    assert len(quantized) == 2, "one quantization per weight for the three micro-batches"
+    assert all(torch.equal(y, first[0]) for y in first)
+    with torch.no_grad():  # the optimizer step, then the schedule's next first micro-batch
+        for w in module.weights():
+            w.mul_(2)
+    module.is_first_microbatch = True
+    second = micro_batch()
+    assert len(quantized) == 4
+    torch.testing.assert_close(second.float(), 2 * first[0].float(), rtol=2e-2, atol=2e-2)
+    module.is_first_microbatch = None  # no caching (Megatron's disable_parameter_transpose_cache)
+    X.grouped_fp8_linear(module, x, [16, 16])
+    X.grouped_fp8_linear(module, x, [16, 16])
+    assert len(quantized) == 8
+    module.is_first_microbatch, module.disable_parameter_transpose_cache = False, True
+    X.grouped_fp8_linear(module, x, [16, 16])
+    assert len(quantized) == 10
+
+
 def test_grouped_fp8_linear_without_grad(fake_te_gemm):
     torch = fake_te_gemm
     module = _Module(2, 32, 128)

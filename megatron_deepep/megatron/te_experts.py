@@ -159,6 +159,7 @@ class _Call:
     fuse_wgrad_accumulation: bool = False
     grad_enabled: bool = True  # grad mode at the call (forward runs with it off)
     columnwise: str = COLUMNWISE_KERNEL  # `columnwise_method`
+    weights_fp8: Optional[List[Any]] = None  # quantized weights to reuse (`cached_weights_fp8`)
 
 
 class GroupedFP8Linear(torch.autograd.Function):
@@ -174,8 +175,10 @@ class GroupedFP8Linear(torch.autograd.Function):
                                          dtype=call.out_dtype)
         need_dgrad = call.grad_enabled and x.requires_grad
         need_wgrad = call.grad_enabled and any(w.requires_grad for w in weights)
-        wq = _quantizer(call.settings["weight"], rowwise=True, columnwise=need_dgrad)
-        weights_fp8 = _quantize_all([w.detach() for w in weights], wq)
+        weights_fp8 = call.weights_fp8
+        if weights_fp8 is None:
+            wq = _quantizer(call.settings["weight"], rowwise=True, columnwise=need_dgrad)
+            weights_fp8 = _quantize_all([w.detach() for w in weights], wq)
         out = torch.empty(x_fp8.shape[0], weights[0].shape[0], dtype=call.out_dtype,
                           device=x_fp8.device)
         general_grouped_gemm(weights_fp8, inputs, [out], [None] * len(weights), call.out_dtype,
@@ -183,6 +186,7 @@ class GroupedFP8Linear(torch.autograd.Function):
                              use_split_accumulator=True)
         if need_wgrad:
             ctx.save_for_backward(x_fp8, scales)
+        call.weights_fp8 = None  # the module's cache holds them, not the saved call
         ctx.call, ctx.weights_fp8 = call, (weights_fp8 if need_dgrad else None)
         ctx.weights = weights if call.fuse_wgrad_accumulation else None
         ctx.weight_shape, ctx.weight_dtype = tuple(weights[0].shape), weights[0].dtype
@@ -227,6 +231,38 @@ class GroupedFP8Linear(torch.autograd.Function):
                 wgrads = [_dummy_wgrad(w) for w in ctx.weights]
             ctx.weights = None
         return (dgrad, None, *wgrads)
+
+
+def cached_weights_fp8(module: Any, weights: List[torch.Tensor], settings: Dict[str, Any],
+                       columnwise: bool) -> Optional[List[Any]]:
+    """The weights quantized once per training step, as TE's modules do under Megatron.
+
+    Megatron's TE wrappers pass `is_first_microbatch` to TE (True at a step's first
+    micro-batch, set by the schedule; False after each forward; None where
+    `disable_parameter_transpose_cache` is set), and TE re-quantizes the weights only when it is
+    None or True: later micro-batches of the step reuse them (the optimizer has not run). The
+    same rule here: None when there is nothing to reuse (the caller quantizes), else the
+    quantized weights of this step, made now when `is_first_microbatch` is True.
+
+    Args:
+        module: the experts' fc1 (`is_first_microbatch`, `disable_parameter_transpose_cache`).
+        weights: `[out, H]` each, `module`'s weights.
+        settings: the recipe's weight quantizer settings (`quantizer_settings(...)["weight"]`).
+        columnwise: the weights are needed transposed too (dgrad).
+    """
+    first = getattr(module, "is_first_microbatch", None)
+    if getattr(module, "disable_parameter_transpose_cache", False) or first is None:
+        module.__dict__.pop("_mdeep_weights_fp8", None)
+        return None
+    key = (tuple((w.data_ptr(), tuple(w.shape), w.dtype) for w in weights),
+           tuple(sorted(settings.items())), columnwise)
+    cached = module.__dict__.get("_mdeep_weights_fp8")
+    if not first and cached is not None and cached[0] == key:
+        return cached[1]
+    wq = _quantizer(settings, rowwise=True, columnwise=columnwise)
+    weights_fp8 = _quantize_all([w.detach() for w in weights], wq)
+    module.__dict__["_mdeep_weights_fp8"] = (key, weights_fp8)
+    return weights_fp8
 
 
 def _quantize_all(tensors: List[torch.Tensor], quantizer) -> List[Any]:
@@ -331,11 +367,14 @@ def grouped_fp8_linear(module: Any, x: Any, splits: Sequence[int]) -> torch.Tens
     weights = [getattr(module, f"weight{i}") for i in range(module.num_gemms)]
     out_dtype = weights[0].dtype if weights[0].dtype in (torch.bfloat16, torch.float16) \
         else torch.bfloat16
-    call = _Call(splits=[int(m) for m in splits], settings=quantizer_settings(recipe),
+    settings = quantizer_settings(recipe)
+    need_dgrad = torch.is_grad_enabled() and getattr(x, "requires_grad", False)
+    call = _Call(splits=[int(m) for m in splits], settings=settings,
                  fmt=fmt or BLOCKWISE_1x128, out_dtype=out_dtype,
                  fuse_wgrad_accumulation=bool(getattr(module, "fuse_wgrad_accumulation", False)),
                  grad_enabled=torch.is_grad_enabled(),
-                 columnwise=columnwise_method(getattr(module, "fp8_columnwise", None)))
+                 columnwise=columnwise_method(getattr(module, "fp8_columnwise", None)),
+                 weights_fp8=cached_weights_fp8(module, weights, settings["weight"], need_dgrad))
     return GroupedFP8Linear.apply(x, call, *weights)
 
 
@@ -370,7 +409,9 @@ def fp8_expert_classes() -> Tuple[type, type]:
                     splits = _as_list(m_splits)
                     reason = fc1_reason(self, splits, te_bridge.active_recipe())
                     if not reason:
-                        return grouped_fp8_linear(self, x, splits), None
+                        out = grouped_fp8_linear(self, x, splits)
+                        self.is_first_microbatch = False  # as the TE wrapper after TE's call
+                        return out, None
                 log_once(logger, "megatron_deepep: FP8 experts dequantize the received rows: %s",
                          reason)
                 x = x.dequantize()
