@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_deepep.fp8 import te_bridge
+from tests.gpu.test_te_experts_gpu import _rel, _run_layer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,20 +83,6 @@ def _no_fp8():
     return te.fp8_autocast(enabled=False)
 
 
-def _run(layer, x, grad):
-    xi = x.clone().requires_grad_(True)
-    with _no_fp8():
-        out, _ = layer(xi)
-    (out.float() * grad.float()).sum().backward()
-    return out.detach(), xi.grad, {n: p.grad.detach().clone() for n, p in layer.named_parameters()
-                                   if p.grad is not None}
-
-
-def _rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_te_layer_deepep_matches_alltoall(megatron_env, case):
     from megatron_deepep.megatron import DeepEPTokenDispatcher
@@ -113,7 +100,7 @@ def test_te_layer_deepep_matches_alltoall(megatron_env, case):
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(256, 2, H, device="cuda", generator=gen).to(dtype)
     grad = torch.randn(256, 2, H, device="cuda", generator=gen).to(dtype)
-    runs = [_run(layer, x, grad) for layer in (ours, theirs, control)]
+    runs = [_run_layer(layer, x, grad, _no_fp8) for layer in (ours, theirs, control)]
     (o1, g1, p1), (o2, g2, p2), (o3, g3, p3) = runs
     assert p1.keys() == p2.keys() == p3.keys() and p1, "the same parameters get gradients"
     names = ["output", "input grad"] + list(p1)

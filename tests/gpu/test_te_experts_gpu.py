@@ -313,9 +313,11 @@ def _moe_layer(hidden, ffn, num_experts, topk, fp8_experts, fp8_dispatch):
     return layer.cuda()
 
 
-def _run_layer(layer, x, grad):
+def _run_layer(layer, x, grad, context=None):
+    """`(output, input grad, {parameter: grad})` of one forward (under `context()`, TE's
+    blockwise FP8 autocast by default) and backward of `sum(output * grad)`."""
     xi = x.clone().requires_grad_(True)
-    with _autocast():
+    with (context or _autocast)():
         out, _ = layer(xi)
     (out.float() * grad.float()).sum().backward()
     return out.detach(), xi.grad, {n: p.grad.detach().clone() for n, p in layer.named_parameters()
