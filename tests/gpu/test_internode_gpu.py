@@ -7,9 +7,10 @@ and compares: dispatch bit-exact (rows, weights, counts, row order), combine wit
 fp32-accumulation tolerance (the forwarder rounds its node's sum once more than the reference) and
 the routing-weight gradients exactly, the node layout against `node_layout.py`, cached dispatch,
 the no-sync mode, skewed/empty/uneven routing, -1 entries, top-k 1-16, back-to-back calls with
-changing shapes, a no-sync dispatch + combine replayed from a CUDA graph (eager calls between
-replays), autograd, fp16 and fp32 rows, FP8 dispatch in every wire format (the network carries
-e4m3 rows and scales), bad input, and a stalled peer that must raise naming rank and node.
+changing shapes, calls on the Buffer's comm stream, a no-sync dispatch + combine replayed from
+a CUDA graph (eager calls between replays), autograd, fp16 and fp32 rows, FP8 dispatch in every
+wire format (the network carries e4m3 rows and scales), bad input, and a stalled peer that must
+raise naming rank and node.
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ def _worker(rank, world, per_node, num_calls):
     _progress(rank, start, "autograd passed")
     nvlink_gpu._back_to_back(rank, world, inter, num_calls)
     _progress(rank, start, f"{num_calls} back-to-back calls passed")
+    nvlink_gpu._comm_stream_calls(rank, world, inter, ref, exact_combine=False)
+    _progress(rank, start, "calls on the comm stream (async_finish, previous_event) passed")
     _row_dtypes(rank, world, inter, ref, 77 + world)
     _progress(rank, start, "fp16 and fp32 rows passed")
     for i, case in enumerate(fp8_gpu.CASES):  # every wire format, fused and pre-quantized

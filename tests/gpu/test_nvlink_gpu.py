@@ -4,7 +4,8 @@ Every process drives the NVLink Buffer on the GPU and the reference Buffer on CP
 same inputs (both over one gloo group), and compares: dispatch bit-exact (rows, weights, counts),
 combine bit-exact (same summation order and rounding by design), backward, cached dispatch, the
 no-sync mode, skewed/empty/uneven routing, -1 entries, back-to-back calls with changing shapes,
-a no-sync dispatch + combine captured in a CUDA graph and replayed (eager calls in between),
+calls on the Buffer's comm stream (async_finish, previous_event), a no-sync dispatch + combine
+captured in a CUDA graph and replayed (eager calls in between),
 bad input, and a stalled peer that must raise the timeout error instead of hanging.
 """
 
@@ -205,6 +206,47 @@ def _graph_replay(rank, world, buf, ref, num_replays=6, exact_combine=True):
     del graph
 
 
+def _comm_stream_calls(rank, world, buf, ref, exact_combine=True):
+    """Dispatch, cached dispatch and combine on the Buffer's comm stream (`async_finish`,
+    `previous_event`), synchronous and no-sync, with the current stream busy meanwhile: every
+    result read after its event equals the reference (the epochs advance on the comm stream)."""
+    from megatron_deepep.events import EventHandle
+
+    num_tokens, hidden, topk, per_rank = 40, 2048, 4, 2
+    experts = per_rank * world
+    dev = torch.device("cuda")
+    busy = torch.randn(2048, 2048, device=dev)
+    for call, bound in enumerate([None, world * num_tokens * topk, None]):
+        xs, idxs, ws = make_inputs(800 + 10 * call + world, world, num_tokens, hidden, experts,
+                                   topk, "random")
+        x, idx, w = xs[rank], idxs[rank], ws[rank]
+        x_d, idx_d, w_d = x.to(dev), idx.to(dev), w.to(dev)
+        for _ in range(4):  # the current stream has queued work when the call is made
+            busy = busy @ busy * 1e-3
+        ready = EventHandle.capture()
+        recv_x, recv_w, handle, event = buf.dispatch(
+            x_d, idx_d, w_d, num_experts=experts, num_max_recv_rows=bound,
+            previous_event=ready, async_finish=True)
+        event.current_stream_wait()
+        again, _, _, event = buf.dispatch(x_d * 2, handle=handle, async_finish=True)
+        event.current_stream_wait()
+        out, _, event = buf.combine(recv_x, handle, weighted=True, async_finish=True)
+        event.current_stream_wait()
+        exp = ref.dispatch(x, idx, w, num_experts=experts)
+        used = sum(exp[2].tokens_per_expert_list)
+        tag = f"comm-stream call {call} ({'no-sync' if bound else 'sync'})"
+        assert torch.equal(recv_x[:used].cpu(), exp[0]), f"{tag}: dispatch rows"
+        assert torch.equal(recv_w[:used].cpu(), exp[1]), f"{tag}: dispatch weights"
+        assert torch.equal(again[:used].cpu(), ref.dispatch(x * 2, handle=exp[2])[0]), tag
+        ref_out, _, _ = ref.combine(exp[0], exp[2], weighted=True)
+        if exact_combine:
+            assert torch.equal(out.cpu(), ref_out), f"{tag}: combine"
+        else:
+            torch.testing.assert_close(out.cpu().float(), ref_out.float(), rtol=1e-2,
+                                       atol=1e-2, msg=f"{tag}: combine")
+    buf.check_errors()
+
+
 def _bad_input(rank, world, nvl):
     dev = torch.device("cuda")
     x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=dev)
@@ -301,6 +343,7 @@ def _worker(rank, world, num_calls):
     _autograd(rank, world, nvl, ref, 7 + world)
     _given_layout(rank, world, nvl, ref, 31 + world)
     _back_to_back(rank, world, nvl, num_calls)
+    _comm_stream_calls(rank, world, nvl, ref)
     nvl.destroy()
     dist.barrier()
     bad = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=4, timeout_s=30)
