@@ -357,6 +357,12 @@ def _relative_sse(model_us, points) -> float:
     return sum((model_us(p) / p["us"] - 1.0) ** 2 for p in points)
 
 
+#: The fastest rate a fitted EP = 1 kernel may have: no copy moves HBM bytes faster than the
+#: fastest HBM (B200's HBM3e, 8 TB/s). Host-bound calls of few bytes fit a flat line (rate
+#: near infinite); the cap keeps such a fit from predicting free bytes at larger shapes.
+MAX_FIT_GBPS = 8000.0
+
+
 def fit_kernel_cost(points: Sequence[dict], num_sms: int) -> KernelCost:
     """The `KernelCost` of one phase at one SM budget from its measured calls (`bytes`, `us`;
     any top-k and token count), least squares in relative error.
@@ -364,7 +370,8 @@ def fit_kernel_cost(points: Sequence[dict], num_sms: int) -> KernelCost:
     Sorted by bytes, the first j calls sit on the floor and the rest on the line
     `fixed + bytes / rate`; every j is tried and the best fit kept. A floor is fitted only where
     the plain line (j = 0) misses the calls by more than `FLOOR_MIN_RMS` (relative, root mean
-    square) and the floor halves its squared error: noise alone makes no floor.
+    square) and the floor halves its squared error: noise alone makes no floor. A rate above
+    `MAX_FIT_GBPS` (a flat, host-bound line) is capped there, the fixed cost refitted.
     """
     pts = sorted(points, key=lambda p: p["bytes"])
     fits = []  # (relative squared error, cost) with the first j calls on the floor
@@ -378,6 +385,10 @@ def fit_kernel_cost(points: Sequence[dict], num_sms: int) -> KernelCost:
             c, k = 0.0, 0.0
         floor_total = (sum(p["us"] for p in floor_pts) / len(floor_pts)) if floor_pts else 0.0
         rate = 1.0 / (k * 1e3) if k > 0 else float("inf")  # GB/s
+        if rate > MAX_FIT_GBPS and line_pts:  # flat: the bytes at the cap, the rest fixed
+            rate = MAX_FIT_GBPS
+            c = max(0.0, sum(p["us"] - p["bytes"] / (rate * 1e3) for p in line_pts)
+                    / len(line_pts))
         cost = KernelCost(fixed_us=c, floor_us=max(0.0, floor_total - c),
                           gbps_per_sm=rate / num_sms, cap_gbps=rate)
         fits.append((_relative_sse(lambda p, cost=cost: cost.us(p["bytes"], num_sms), pts),

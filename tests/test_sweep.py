@@ -187,3 +187,14 @@ def test_assumed_kernel_times_have_a_fixed_cost_and_a_floor():
     num_bytes = sweep.kernel_bytes("dispatch", "bf16", 4096, 8, 7168)
     bf16 = sweep.ASSUMED_KERNEL["dispatch_bf16"]
     assert many == pytest.approx(bf16.fixed_us + num_bytes / (bf16.gbps_per_sm * 24 * 1e3))
+
+
+def test_a_flat_fit_is_capped_at_the_fastest_hbm():
+    """Host-bound calls (time independent of the bytes) fit a fixed cost, not free bytes: the
+    rate is capped, so a shape with 100x the bytes costs more."""
+    points = [{"bytes": b, "us": 95.0 + d} for b, d in ((1e6, 0.5), (2e6, -0.4), (4e6, 0.2))]
+    cost = sweep.fit_kernel_cost(points, 132)
+    assert cost.cap_gbps == sweep.MAX_FIT_GBPS
+    for p in points:
+        assert 0.97 < cost.us(p["bytes"], 132) / p["us"] < 1.03
+    assert cost.us(4e8, 132) > cost.us(4e6, 132) + 40.0
