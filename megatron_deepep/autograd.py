@@ -82,7 +82,7 @@ class _Dispatch(torch.autograd.Function):
             expert_alignment=expert_alignment, num_max_recv_rows=num_max_recv_rows, fp8=fp8)
         if wrap_for_te:
             recv_x = _wrap_for_te(recv_x, fp8.fmt)
-        # NOTES: the handle keeps `topk_idx` for the backward. Saved here too, so Megatron's
+        # The handle keeps `topk_idx` for the backward. Saved here too, so Megatron's
         # local CUDA graphs (which watch save_for_backward) keep a graph output that is our
         # topk_idx (the `moe_preprocess` attributes) allocated until the backward has run.
         ctx.save_for_backward(topk_idx)
