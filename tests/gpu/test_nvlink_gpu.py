@@ -143,6 +143,23 @@ def _back_to_back(rank, world, nvl, num_calls):
     nvl.check_errors()
 
 
+def _check_no_sync_call(ref, inputs, experts, recv_x, recv_w, out, exact_combine, tag):
+    """A dispatch's used rows and weights bit-equal to the reference's, its weighted combine
+    bit-equal (or within bf16 rounding, `exact_combine` False); returns the reference's
+    dispatch. `inputs`: this rank's `(x, topk_idx, topk_weights)` on the CPU."""
+    exp = ref.dispatch(*inputs, num_experts=experts)
+    used = sum(exp[2].tokens_per_expert_list)
+    assert torch.equal(recv_x[:used].cpu(), exp[0]), f"{tag}: dispatch rows differ"
+    assert torch.equal(recv_w[:used].cpu(), exp[1]), f"{tag}: dispatch weights differ"
+    ref_out, _, _ = ref.combine(exp[0], exp[2], weighted=True)
+    if exact_combine:
+        assert torch.equal(out.cpu(), ref_out), f"{tag}: combine differs"
+    else:
+        torch.testing.assert_close(out.cpu().float(), ref_out.float(), rtol=1e-2, atol=1e-2,
+                                   msg=f"{tag}: combine differs")
+    return exp
+
+
 def _graph_replay(rank, world, buf, ref, num_replays=6, exact_combine=True):
     """A no-sync dispatch + combine captured in one CUDA graph, replayed on new inputs (copied
     into the captured tensors) with eager calls between replays: the protocol's epochs live on
@@ -182,17 +199,9 @@ def _graph_replay(rank, world, buf, ref, num_replays=6, exact_combine=True):
         w_s.copy_(w)
         got_x, got_w, got_handle, got_out = run()
         torch.cuda.synchronize()
-        exp = ref.dispatch(x, idx, w, num_experts=experts)
-        used = sum(exp[2].tokens_per_expert_list)
-        assert torch.equal(got_x[:used].cpu(), exp[0]), f"{tag}: dispatch rows differ"
-        assert torch.equal(got_w[:used].cpu(), exp[1]), f"{tag}: dispatch weights differ"
+        exp = _check_no_sync_call(ref, (x, idx, w), experts, got_x, got_w, got_out,
+                                  exact_combine, tag)
         assert torch.equal(got_handle.tokens_per_expert.cpu(), exp[2].tokens_per_expert), tag
-        ref_out, _, _ = ref.combine(exp[0], exp[2], weighted=True)
-        if exact_combine:
-            assert torch.equal(got_out.cpu(), ref_out), f"{tag}: combine differs"
-        else:
-            torch.testing.assert_close(got_out.cpu().float(), ref_out.float(), rtol=1e-2,
-                                       atol=1e-2, msg=f"{tag}: combine differs")
 
     def replay():
         graph.replay()
@@ -232,18 +241,11 @@ def _comm_stream_calls(rank, world, buf, ref, exact_combine=True):
         event.current_stream_wait()
         out, _, event = buf.combine(recv_x, handle, weighted=True, async_finish=True)
         event.current_stream_wait()
-        exp = ref.dispatch(x, idx, w, num_experts=experts)
-        used = sum(exp[2].tokens_per_expert_list)
         tag = f"comm-stream call {call} ({'no-sync' if bound else 'sync'})"
-        assert torch.equal(recv_x[:used].cpu(), exp[0]), f"{tag}: dispatch rows"
-        assert torch.equal(recv_w[:used].cpu(), exp[1]), f"{tag}: dispatch weights"
+        exp = _check_no_sync_call(ref, (x, idx, w), experts, recv_x, recv_w, out,
+                                  exact_combine, tag)
+        used = sum(exp[2].tokens_per_expert_list)
         assert torch.equal(again[:used].cpu(), ref.dispatch(x * 2, handle=exp[2])[0]), tag
-        ref_out, _, _ = ref.combine(exp[0], exp[2], weighted=True)
-        if exact_combine:
-            assert torch.equal(out.cpu(), ref_out), f"{tag}: combine"
-        else:
-            torch.testing.assert_close(out.cpu().float(), ref_out.float(), rtol=1e-2,
-                                       atol=1e-2, msg=f"{tag}: combine")
     buf.check_errors()
 
 
