@@ -30,31 +30,9 @@ if ! ls .whl/transformer_engine_torch-*.whl >/dev/null 2>&1; then
   echo "gpu_graphs: note: no TE wheels in .whl/ (copy ../shared/wheels/te-2.20.2-cp312-sm90/" \
     "*.whl there): the transformer_engine cases will skip"
 fi
-if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl; then
-  echo "gpu_graphs: FAIL pip could not install .whl/*.whl into /tmp/site"
-  exit 2
-fi
-export PYTHONPATH=/tmp/site:$PWD
-echo "gpu_graphs: wheels installed in $(( $(date +%s) - t0 )) s"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 - <<'EOF'
-import warnings
-warnings.filterwarnings("ignore")
-import torch
-line = f"torch {torch.__version__} cuda {torch.version.cuda}"
-try:
-    import megatron.core
-    line += f" | megatron-core {megatron.core.__version__}"
-except Exception as exc:
-    line += f" | megatron-core import FAILED ({type(exc).__name__}: {exc})"
-try:
-    import transformer_engine, transformer_engine.pytorch  # noqa: F401
-    line += f" | TE {transformer_engine.__version__}"
-except Exception as exc:  # the TE cases then skip: say why here
-    line += f" | TE unavailable ({type(exc).__name__}: {str(exc)[:120]})"
-print("gpu_graphs:", line)
-EOF
+source "$(dirname "${BASH_SOURCE[0]}")/wheels.sh"
+install_wheels gpu_graphs || exit 2
+print_versions gpu_graphs
 timeout 240 python3 -m megatron_deepep.precompile --topk 2 --row-dtype bf16 --index-dtype int64 \
   -q 2>&1 | tail -2
 t1=$(date +%s)

@@ -32,32 +32,9 @@ if ! ls .whl/*.whl >/dev/null 2>&1; then
     "../shared/wheels/te-2.20.2-cp312-sm90/*.whl into .whl/)"
   exit 2
 fi
-if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl; then
-  echo "gpu_layer: FAIL pip could not install .whl/*.whl into /tmp/site"
-  exit 2
-fi
-export PYTHONPATH=/tmp/site:$PWD
-echo "gpu_layer: wheels installed in $(( $(date +%s) - t0 )) s"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 - <<'PY'
-import warnings
-warnings.filterwarnings("ignore")
-import torch
-line = f"torch {torch.__version__} cuda {torch.version.cuda}"
-try:
-    import megatron.core
-    line += f" | megatron-core {megatron.core.__version__}"
-except Exception as exc:
-    line += f" | megatron-core missing ({type(exc).__name__})"
-try:
-    import transformer_engine
-    import transformer_engine.pytorch  # noqa: F401
-    line += f" | TE {transformer_engine.__version__}"
-except Exception as exc:  # table B then says why in its rows
-    line += f" | TE import FAILED: {type(exc).__name__}: {exc}"
-print("gpu_layer:", line)
-PY
+source "$(dirname "${BASH_SOURCE[0]}")/wheels.sh"
+install_wheels gpu_layer || exit 2
+print_versions gpu_layer
 timeout "${TIMEOUT_PRECOMPILE:-180}" python3 -m megatron_deepep.precompile --topk 6 8 \
   --row-dtype bf16 --fp8 blockwise_1x128 --index-dtype int64 -q 2>&1 | tail -2
 rc=0

@@ -28,32 +28,9 @@ if ! ls .whl/transformer_engine_torch-*.whl >/dev/null 2>&1; then
     "(copy ../shared/wheels/te-2.20.2-cp312-sm90/*.whl into .whl/)"
   exit 2
 fi
-if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl; then
-  echo "gpu_te: FAIL pip could not install .whl/*.whl into /tmp/site"
-  exit 2
-fi
-export PYTHONPATH=/tmp/site:$PWD
-echo "gpu_te: wheels installed in $(( $(date +%s) - t0 )) s"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 - <<'EOF'
-import warnings
-warnings.filterwarnings("ignore")
-import torch
-line = f"torch {torch.__version__} cuda {torch.version.cuda}"
-try:
-    import transformer_engine, transformer_engine.pytorch as te
-    ok = te.is_fp8_block_scaling_available(return_reason=True)
-    line += f" | TE {transformer_engine.__version__} block scaling {ok}"
-except Exception as exc:  # the tests then skip: say why here
-    line += f" | TE import FAILED: {type(exc).__name__}: {exc}"
-try:
-    import megatron.core
-    line += f" | megatron-core {megatron.core.__version__}"
-except Exception as exc:
-    line += f" | megatron-core missing ({type(exc).__name__})"
-print("gpu_te:", line)
-EOF
+source "$(dirname "${BASH_SOURCE[0]}")/wheels.sh"
+install_wheels gpu_te || exit 2
+print_versions gpu_te
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
 TESTS="tests/gpu/test_te_gpu.py tests/gpu/test_te_experts_gpu.py tests/gpu/test_parity_te_gpu.py

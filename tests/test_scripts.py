@@ -158,3 +158,23 @@ def test_time_limit_prints_the_python_stacks_of_a_stalled_piece(tmp_path):
     after = text[text.index("limit reached"):]
     assert "Fatal Python error: Aborted" in after
     assert "in stalled_in_a_worker" in after, after  # the worker's own stack
+
+
+def test_gpu_scripts_share_one_wheel_preamble(tmp_path):
+    """`scripts/wheels.sh`: a failed install names the script and returns 2; the versions line
+    names torch and what could not be imported; the scripts that source it parse."""
+    wheels = os.path.join(ROOT, "scripts", "wheels.sh")
+    (tmp_path / ".whl").mkdir()
+    proc = subprocess.run(
+        ["bash", "-c", f'source "{wheels}"; install_wheels gpu_x; echo "rc=$?"; '
+                       "print_versions gpu_x"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
+                 + os.environ.get("PATH", "")))  # python3: this interpreter, with torch
+    assert "gpu_x: FAIL pip could not install .whl/*.whl into /tmp/site" in proc.stdout
+    assert "rc=2" in proc.stdout
+    assert re.search(r"^gpu_x: torch \S+ cuda .* \| TE ", proc.stdout, re.M), proc.stdout
+    for name in ("gpu_te.sh", "gpu_layer.sh", "gpu_graphs.sh"):
+        script = os.path.join(ROOT, "scripts", name)
+        assert subprocess.run(["bash", "-n", script]).returncode == 0, name
+        assert 'source "$(dirname "${BASH_SOURCE[0]}")/wheels.sh"' in open(script).read(), name
