@@ -126,17 +126,28 @@ def test_bad_arguments_are_named():
         ops.columnwise_from_rowwise(x, s.cpu(), offsets, 1)
 
 
-def test_kernel_time():
-    """The kernel at the FP8 experts' bench shape (N 8192, top-6, 64 experts, H 4096), printed:
-    µs and GB/s (FP8 rows and scales read once, columnwise data and scales written once)."""
-    hidden, num_experts = 4096, 64
+BENCH_HIDDEN, BENCH_EXPERTS = 4096, 64
+
+
+def bench_rows():
+    """Received FP8 rows at the FP8 experts' bench shape (N 8192, top-6, 64 experts, H 4096;
+    random expert counts padded to 16): `(splits, rows, blocks, x [M, H] uint8 e4m3 codes,
+    scales [M, H / 128] fp32)` on the GPU (`rows`, `blocks`: `columnwise.layout(splits)`)."""
     gen = torch.Generator().manual_seed(11)
-    counts = torch.multinomial(torch.ones(num_experts), 8192 * 6, replacement=True,
-                               generator=gen).bincount(minlength=num_experts)
+    counts = torch.multinomial(torch.ones(BENCH_EXPERTS), 8192 * 6, replacement=True,
+                               generator=gen).bincount(minlength=BENCH_EXPERTS)
     splits = [16 * math.ceil(int(c) / 16) for c in counts]
     rows, blocks = C.layout(splits)
-    x = torch.randint(0, 0x7E, (rows[-1], hidden), dtype=torch.uint8, device="cuda")
-    s = torch.rand(rows[-1], hidden // 128, device="cuda")
+    x = torch.randint(0, 0x7E, (rows[-1], BENCH_HIDDEN), dtype=torch.uint8, device="cuda")
+    s = torch.rand(rows[-1], BENCH_HIDDEN // 128, device="cuda")
+    return splits, rows, blocks, x, s
+
+
+def test_kernel_time():
+    """The kernel at the FP8 experts' bench shape (`bench_rows`), printed: µs and GB/s (FP8
+    rows and scales read once, columnwise data and scales written once)."""
+    hidden, num_experts = BENCH_HIDDEN, BENCH_EXPERTS
+    _, rows, blocks, x, s = bench_rows()
     offsets = C.device_offsets(rows, "cuda")
 
     def call():

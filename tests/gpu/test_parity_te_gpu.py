@@ -16,16 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_deepep.fp8 import te_bridge
+from tests.gpu.marks import TE_GPU
 from tests.gpu.test_te_experts_gpu import _rel, _run_layer
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.te,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not te_bridge.te_available()[0],
-                       reason=f"needs Transformer Engine: {te_bridge.te_available()[1]}"),
-]
+pytestmark = TE_GPU
 
 H = 512
 NUM_EXPERTS = 8

@@ -21,14 +21,9 @@ import torch
 
 from megatron_deepep.fp8 import formats as F
 from megatron_deepep.fp8 import te_bridge
+from tests.gpu.marks import TE_GPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.te,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not te_bridge.te_available()[0],
-                       reason=f"needs Transformer Engine: {te_bridge.te_available()[1]}"),
-]
+pytestmark = TE_GPU
 
 #: Relative Frobenius-norm tolerances. Forward and dgrad see the operands TE sees (only the
 #: accumulation order may differ); the wgrad operand is quantized from dequantized rows.
@@ -257,20 +252,12 @@ def test_columnwise_time_kernel_against_dequantize():
     """The wgrad's columnwise copy at the bench shape (N 8192, top-6, 64 experts, H 4096):
     the kernel against dequantize + TE's split_quantize, GPU time (CUDA events) and host time
     per call, printed."""
-    import math
-
-    from megatron_deepep.fp8 import columnwise as C
     from megatron_deepep.megatron import te_experts
+    from tests.gpu.test_fp8_columnwise_gpu import BENCH_EXPERTS, BENCH_HIDDEN, bench_rows
 
-    hidden, num_experts = 4096, 64
-    gen = torch.Generator().manual_seed(11)
-    counts = torch.multinomial(torch.ones(num_experts), 8192 * 6, replacement=True,
-                               generator=gen).bincount(minlength=num_experts)
-    splits = [16 * math.ceil(int(c) / 16) for c in counts]
-    rows, _ = C.layout(splits)
-    x = torch.randint(0, 0x7E, (rows[-1], hidden), dtype=torch.uint8, device="cuda")
+    hidden, num_experts = BENCH_HIDDEN, BENCH_EXPERTS
+    splits, rows, _, x, s = bench_rows()
     x = x.view(torch.float8_e4m3fn)
-    s = torch.rand(rows[-1], hidden // 128, device="cuda")
     for method in ("kernel", "dequantize"):
         call = _call(splits, method)
         te_experts.columnwise_operands(x, s, call)

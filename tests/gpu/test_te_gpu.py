@@ -13,14 +13,9 @@ import torch
 
 from megatron_deepep.fp8 import formats as F
 from megatron_deepep.fp8 import te_bridge
+from tests.gpu.marks import TE_GPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.te,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not te_bridge.te_available()[0],
-                       reason=f"needs Transformer Engine: {te_bridge.te_available()[1]}"),
-]
+pytestmark = TE_GPU
 
 COINCIDING = [(4, 512), (56, 7168)]
 OTHER = [(13, 2048), (64, 2880), (256, 7168)]
