@@ -271,7 +271,8 @@ def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
         setup(0)
         row["syncs"] = count_syncs(fn)
         if profile_top and device == "cuda":
-            row["top_kernels"], row["kernel_us_per_call"] = top_kernels(fn, setup, profile_top)
+            row["top_kernels"], row["kernel_us_per_call"] = top_kernels(
+                fn, setup, profile_top, calls=max(iters, 3))
         if host_profile_top:
             row["top_host"] = top_host_functions(fn, setup, host_profile_top)
     finally:
@@ -466,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "receives exactly tokens x top-k)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also list each variant's N kernels with the most GPU time "
-                             "(torch profiler, 3 calls), the FP8 experts' columnwise-copy "
+                             "(torch profiler, --iters calls), the FP8 experts' columnwise-copy "
                              "kernels whatever their rank, and the total kernel time")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also list each variant's N functions with the most own host time "
