@@ -296,6 +296,41 @@ def test_buffer_capture_guards():
     run_distributed(1, _buffer_worker)
 
 
+def _kept_handle_worker(rank, world_size):
+    import gc
+    import weakref
+
+    from megatron_deepep.autograd import combine, dispatch
+    from megatron_deepep.buffer import Buffer
+
+    buf = Buffer(None, 8, 32, 2, transport="reference")  # fp32 rows of 16
+    x = torch.randn(4, 16, requires_grad=True)
+    probs = torch.rand(4, 2, requires_grad=True)
+    topk_idx = torch.tensor([[0, 1], [1, -1], [2, 3], [3, 0]])
+    recv_x, recv_w, handle = dispatch(buf, x, topk_idx, probs * 1, num_experts=4)
+    out = combine(buf, recv_x * recv_w.unsqueeze(1), handle)
+    node = weakref.ref(recv_w.grad_fn)
+    out.sum().backward()
+    gc_enabled = gc.isenabled()
+    gc.disable()  # as during Megatron's and TE's captures: only reference counts free it
+    try:
+        del recv_x, recv_w, out
+        assert node() is None, "the kept handle keeps the step's autograd graph alive"
+    finally:
+        if gc_enabled:
+            gc.enable()
+    assert not handle.recv_weights.requires_grad
+    assert x.grad is not None and probs.grad is not None
+
+
+def test_kept_handle_holds_no_autograd_graph():
+    """The dispatcher keeps the last handle past the step's backward: it must not keep that
+    step's autograd graph (its parameters' AccumulateGrad nodes carry the stream they were made
+    on; one made on the legacy default stream in an eager step fails a later capture with
+    "operation would make the legacy stream depend on a capturing blocking stream")."""
+    run_distributed(1, _kept_handle_worker)
+
+
 def test_which_transports_a_graph_can_replay():
     """The kernel transports keep their epochs on the device (`transport/epochs.py`); the
     reference one exchanges split sizes on the host."""
