@@ -353,3 +353,74 @@ def test_step_end_report_checks_buffer_errors(monkeypatch):
     monkeypatch.setattr(buffer_module, "check_buffers", broken)
     with pytest.raises(ValueError, match="num_max_recv_rows=4 is too small"):
         metrics._flush_collector([], (), {})
+
+
+# ----------------------------------------------------------------------------------------------
+# What the GPU graph tests rely on: their norm, and the stream our backward kernels go to.
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_norm_matches_torch_layer_norm(dtype):
+    from tests.graph_norm import SavedInputLayerNorm
+
+    torch.manual_seed(0)
+    ours, want = SavedInputLayerNorm(None, H, eps=1e-5), torch.nn.LayerNorm(H, eps=1e-5)
+    with torch.no_grad():
+        for module in (ours, want):
+            module.weight.copy_(torch.linspace(0.5, 1.5, H))
+            module.bias.copy_(torch.linspace(-0.1, 0.1, H))
+    ours, want = ours.to(dtype), want.to(dtype)
+    x, g = torch.randn(*SHAPE).to(dtype), torch.randn(*SHAPE).to(dtype)
+    results = []
+    for module in (ours, want):
+        xi = x.clone().requires_grad_(True)
+        out = module(xi)
+        out.backward(g)
+        results.append((out, xi.grad, module.weight.grad, module.bias.grad))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, expected, what in zip(results[0], results[1], ("out", "x", "weight", "bias")):
+        torch.testing.assert_close(got, expected, msg=what, **tol)
+
+
+@needs_019
+def test_graph_norm_input_is_kept_for_the_backward_capture():
+    """Megatron's local graphs keep an input buffer until the backward capture only when a
+    Python save_for_backward saw it (tests/graph_norm.py says why the GPU tests need that)."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    from tests.graph_norm import SavedInputLayerNorm
+
+    x = torch.randn(*SHAPE, requires_grad=True)
+    _CudagraphGlobalRecord._enable_saved_tensors_observer()
+    try:
+        SavedInputLayerNorm(None, H)(x)
+    finally:
+        _CudagraphGlobalRecord._disable_saved_tensors_observer()
+    assert x.cg_buffer_metadata.is_saved_for_backward
+
+
+def test_backward_thread_launches_on_its_own_current_stream(monkeypatch):
+    """Autograd runs a CUDA backward in its own thread, whose current torch stream it sets to
+    the forward's (the capture stream under a graph). Kernels launched there go on that
+    thread's current torch stream, not on a stream another thread picked with `ops.launch_on`
+    (thread-local) and not on the legacy default stream."""
+    import threading
+
+    from megatron_deepep import jit, ops
+
+    def current_raw_stream(device):  # torch's per-thread current stream, stood in
+        return 1000 + threading.get_ident() % 1000
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", current_raw_stream, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    seen = {}
+
+    def backward_thread():
+        seen["launch"] = ops._stream().cuda_stream
+        seen["want"] = current_raw_stream(0)
+
+    with ops.launch_on(jit.RawStream(7, 0)):  # the forward thread's comm stream
+        thread = threading.Thread(target=backward_thread)
+        thread.start()
+        thread.join()
+        assert ops._stream().cuda_stream == 7
+    assert seen["launch"] == seen["want"] != 0
