@@ -82,6 +82,11 @@ class _Dispatch(torch.autograd.Function):
             expert_alignment=expert_alignment, num_max_recv_rows=num_max_recv_rows, fp8=fp8)
         if wrap_for_te:
             recv_x = _wrap_for_te(recv_x, fp8.fmt)
+        # The handle outlives the step (the dispatcher keeps the last one; combine's context
+        # holds it), so it must not hold this node's output: that would keep the step's autograd
+        # graph alive, and with it the parameters' AccumulateGrad nodes and the stream they were
+        # made on (a later CUDA-graph capture fails when that is the legacy default stream).
+        handle.recv_weights = handle.recv_weights.detach()
         # The handle keeps `topk_idx` for the backward. Saved here too, so Megatron's
         # local CUDA graphs (which watch save_for_backward) keep a graph output that is our
         # topk_idx (the `moe_preprocess` attributes) allocated until the backward has run.

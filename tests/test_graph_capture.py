@@ -296,6 +296,41 @@ def test_buffer_capture_guards():
     run_distributed(1, _buffer_worker)
 
 
+def _kept_handle_worker(rank, world_size):
+    import gc
+    import weakref
+
+    from megatron_deepep.autograd import combine, dispatch
+    from megatron_deepep.buffer import Buffer
+
+    buf = Buffer(None, 8, 32, 2, transport="reference")  # fp32 rows of 16
+    x = torch.randn(4, 16, requires_grad=True)
+    probs = torch.rand(4, 2, requires_grad=True)
+    topk_idx = torch.tensor([[0, 1], [1, -1], [2, 3], [3, 0]])
+    recv_x, recv_w, handle = dispatch(buf, x, topk_idx, probs * 1, num_experts=4)
+    out = combine(buf, recv_x * recv_w.unsqueeze(1), handle)
+    node = weakref.ref(recv_w.grad_fn)
+    out.sum().backward()
+    gc_enabled = gc.isenabled()
+    gc.disable()  # as during Megatron's and TE's captures: only reference counts free it
+    try:
+        del recv_x, recv_w, out
+        assert node() is None, "the kept handle keeps the step's autograd graph alive"
+    finally:
+        if gc_enabled:
+            gc.enable()
+    assert not handle.recv_weights.requires_grad
+    assert x.grad is not None and probs.grad is not None
+
+
+def test_kept_handle_holds_no_autograd_graph():
+    """The dispatcher keeps the last handle past the step's backward: it must not keep that
+    step's autograd graph (its parameters' AccumulateGrad nodes carry the stream they were made
+    on; one made on the legacy default stream in an eager step fails a later capture with
+    "operation would make the legacy stream depend on a capturing blocking stream")."""
+    run_distributed(1, _kept_handle_worker)
+
+
 def test_which_transports_a_graph_can_replay():
     """The kernel transports keep their epochs on the device (`transport/epochs.py`); the
     reference one exchanges split sizes on the host."""
@@ -318,3 +353,74 @@ def test_step_end_report_checks_buffer_errors(monkeypatch):
     monkeypatch.setattr(buffer_module, "check_buffers", broken)
     with pytest.raises(ValueError, match="num_max_recv_rows=4 is too small"):
         metrics._flush_collector([], (), {})
+
+
+# ----------------------------------------------------------------------------------------------
+# What the GPU graph tests rely on: their norm, and the stream our backward kernels go to.
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_norm_matches_torch_layer_norm(dtype):
+    from tests.graph_norm import SavedInputLayerNorm
+
+    torch.manual_seed(0)
+    ours, want = SavedInputLayerNorm(None, H, eps=1e-5), torch.nn.LayerNorm(H, eps=1e-5)
+    with torch.no_grad():
+        for module in (ours, want):
+            module.weight.copy_(torch.linspace(0.5, 1.5, H))
+            module.bias.copy_(torch.linspace(-0.1, 0.1, H))
+    ours, want = ours.to(dtype), want.to(dtype)
+    x, g = torch.randn(*SHAPE).to(dtype), torch.randn(*SHAPE).to(dtype)
+    results = []
+    for module in (ours, want):
+        xi = x.clone().requires_grad_(True)
+        out = module(xi)
+        out.backward(g)
+        results.append((out, xi.grad, module.weight.grad, module.bias.grad))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, expected, what in zip(results[0], results[1], ("out", "x", "weight", "bias")):
+        torch.testing.assert_close(got, expected, msg=what, **tol)
+
+
+@needs_019
+def test_graph_norm_input_is_kept_for_the_backward_capture():
+    """Megatron's local graphs keep an input buffer until the backward capture only when a
+    Python save_for_backward saw it (tests/graph_norm.py says why the GPU tests need that)."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    from tests.graph_norm import SavedInputLayerNorm
+
+    x = torch.randn(*SHAPE, requires_grad=True)
+    _CudagraphGlobalRecord._enable_saved_tensors_observer()
+    try:
+        SavedInputLayerNorm(None, H)(x)
+    finally:
+        _CudagraphGlobalRecord._disable_saved_tensors_observer()
+    assert x.cg_buffer_metadata.is_saved_for_backward
+
+
+def test_backward_thread_launches_on_its_own_current_stream(monkeypatch):
+    """Autograd runs a CUDA backward in its own thread, whose current torch stream it sets to
+    the forward's (the capture stream under a graph). Kernels launched there go on that
+    thread's current torch stream, not on a stream another thread picked with `ops.launch_on`
+    (thread-local) and not on the legacy default stream."""
+    import threading
+
+    from megatron_deepep import jit, ops
+
+    def current_raw_stream(device):  # torch's per-thread current stream, stood in
+        return 1000 + threading.get_ident() % 1000
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", current_raw_stream, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    seen = {}
+
+    def backward_thread():
+        seen["launch"] = ops._stream().cuda_stream
+        seen["want"] = current_raw_stream(0)
+
+    with ops.launch_on(jit.RawStream(7, 0)):  # the forward thread's comm stream
+        thread = threading.Thread(target=backward_thread)
+        thread.start()
+        thread.join()
+        assert ops._stream().cuda_stream == 7
+    assert seen["launch"] == seen["want"] != 0

@@ -20,6 +20,12 @@ Megatron's training loop drives its graph managers:
   `make_graphed_callables`): `cuda_graph_warmup_steps` eager steps, `create_cudagraphs()`, then
   replays. Needs Transformer Engine (marked `te`; skipped without it).
 
+Every case runs on a side stream, as megatron.training runs graphed training (the eager
+steps' autograd nodes a capture reuses must not be on the legacy default stream), and builds its
+norms from `tests/graph_norm.py` (they save the layer input where the local graphs see it; with
+`torch.nn.LayerNorm` the local impl, TE installed, frees the graph's input buffer before the
+backward capture, and every replayed backward reads a clobbered input).
+
 Dispatch modes: "pad" (capacity factor 1, `--moe-pad-expert-input-to-capacity`, Megatron's
 SequentialMLP), "rank" (`--moe-expert-rank-capacity-factor 2`: sync-free with device counts, so
 the experts are `layer_variants.GroupedMMExperts`; SequentialMLP / TEGroupedMLP read the counts
@@ -114,13 +120,19 @@ def megatron_env(megatron_env):
 
 @contextlib.contextmanager
 def _graph_state(impl):
-    """Megatron's global graph state for one case: a graph-safe RNG tracker (what
-    megatron.training sets up for CUDA graphs), the micro-batch calculator TECudaGraphHelper
-    reads; everything reset afterwards."""
+    """Megatron's global graph state for one case: a side stream and a graph-safe RNG tracker
+    (what megatron.training sets up for CUDA graphs), the micro-batch calculator
+    TECudaGraphHelper reads; everything reset afterwards."""
     from megatron.core import num_microbatches_calculator as nmc
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import cuda_graphs
 
+    # A side stream, as megatron.training runs graphed training (initialize.py sets one for the
+    # transformer_engine impl, CudaGraphManager.__init__ for the local one): the eager steps'
+    # autograd nodes that a capture reuses (parameters' AccumulateGrad) must not be on the
+    # legacy default stream ("operation would make the legacy stream depend on a capturing
+    # blocking stream").
+    torch.cuda.set_stream(torch.cuda.Stream())
     model_parallel_cuda_manual_seed(123, te_rng_tracker=impl == TE_IMPL,
                                     use_cudagraphable_rng=impl == "local", force_reset_rng=True)
     if impl == TE_IMPL:
@@ -156,7 +168,6 @@ def _config(impl, modules, mode, layer_kind, ep=1):
 def _layer(config, mode, layer_kind):
     """The transformer layer of one case (see the module docstring), on the GPU."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -168,6 +179,7 @@ def _layer(config, mode, layer_kind):
     )
 
     from megatron_deepep.layer_variants import GroupedMMExperts
+    from tests.graph_norm import SavedInputLayerNorm
 
     if layer_kind == "gpt_te":
         from megatron.core.extensions.transformer_engine import TENorm
@@ -186,10 +198,13 @@ def _layer(config, mode, layer_kind):
 
             submodules = get_gpt_layer_local_submodules(num_experts=NUM_EXPERTS)
             submodules.mlp = mlp
+            # The local spec's norms, saving their input where the local graphs see it (the
+            # input norm reads the graph's input buffer in its backward; tests/graph_norm.py).
+            submodules.input_layernorm = SavedInputLayerNorm
+            submodules.pre_mlp_layernorm = SavedInputLayerNorm
         else:
             submodules = TransformerLayerSubmodules(
-                pre_mlp_layernorm=LocalSpecProvider().layer_norm(has_residual=True), mlp=mlp,
-                mlp_bda=get_bias_dropout_add)
+                pre_mlp_layernorm=SavedInputLayerNorm, mlp=mlp, mlp_bda=get_bias_dropout_add)
     cls = MoETransformerLayer if layer_kind == "moe" else TransformerLayer
     # bf16 parameters everywhere (the local LayerNorm builds fp32 ones), as Megatron's
     # Float16Module casts the model in training.
