@@ -7,6 +7,8 @@
 //     loads are issued before its destinations are read, as the expand does.
 //   fan_in_sum: the EP=1 combine's traffic: for each of N output rows, its `fan_in` rows of
 //     `src` (given by `src_rows`) summed in fp32 and written once in bf16.
+//   peer_copy: at EP > 1, the NVLink traffic alone: every rank writes a slot of bytes into each
+//     other rank's symmetric buffer, all ranks at once (bench_peers.py times it).
 #include "common/args.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
@@ -84,6 +86,41 @@ __global__ void __launch_bounds__(512) fan_in_sum(const __grid_constant__ FanInA
             for (int k = 0; k < kFanIn; ++k)
                 if (rows[k] >= 0) accumulate_bf16x8<false>(acc, v[k], 1.f);
             st_v4(dst + (i64)n * num_int4 + i, pack_bf16x8(acc));
+        }
+    }
+}
+
+// The NVLink ceiling at EP > 1: every rank writes `num_int4_per_peer` int4 to each other rank at
+// once, with nothing else (no layout, no flags, no expand). Blocks are spread over the peers,
+// each rank starting at its next rank so that no peer is written by all ranks in the same order;
+// with fewer blocks than peers a block serves several peers in turn. Within one peer's bytes
+// the blocks that serve it stride over them together, kUnroll 16-byte loads in flight per thread
+// before the stores (the HBM read latency would otherwise throttle the NVLink writes).
+__global__ void __launch_bounds__(512) peer_copy(const __grid_constant__ PeerCopyArgs args) {
+    const int num_ranks = args.num_ranks, rank = args.rank, num_peers = num_ranks - 1;
+    const i64 num_int4 = args.num_int4_per_peer;
+    constexpr int kUnroll = 4;
+    if (num_peers <= 0) return;
+    const int num_blocks = gridDim.x, block = blockIdx.x;
+    // This block's share of a peer: part `part` of `num_parts` blocks (all of them for one peer
+    // when there are at least as many blocks as peers, else the whole peer).
+    const bool spread = num_blocks >= num_peers;
+    for (int j = block % num_peers; j < num_peers; j += num_blocks) {
+        const int peer = (rank + 1 + j) % num_ranks;
+        const int num_parts = spread ? (num_blocks - j + num_peers - 1) / num_peers : 1;
+        const int part = spread ? block / num_peers : 0;
+        const int4* const src = args.src + (i64)peer * num_int4;
+        int4* const dst = reinterpret_cast<int4*>(args.peer_bases[peer]) + (i64)rank * num_int4;
+        const i64 stride = (i64)num_parts * blockDim.x;
+        for (i64 base = (i64)part * blockDim.x + threadIdx.x; base < num_int4;
+             base += stride * kUnroll) {
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (base + u * stride < num_int4) v[u] = ld_nc_v4(src + base + u * stride);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (base + u * stride < num_int4) st_v4(dst + base + u * stride, v[u]);
         }
     }
 }

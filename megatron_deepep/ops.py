@@ -157,6 +157,12 @@ class FanInArgs(KernelArgs):
                 ("num_int4", I32)]
 
 
+class PeerCopyArgs(KernelArgs):
+    c_name = "mdeep::PeerCopyArgs"
+    _fields_ = [("src", Ptr), ("peer_bases", Ptr), ("num_int4_per_peer", I64), ("rank", I32),
+                ("num_ranks", I32)]
+
+
 class LegArgs(KernelArgs):
     c_name = "mdeep::LegArgs"
     _fields_ = [("recv", Ptr), ("send", Ptr), ("signals", Ptr), ("bytes", I64),
@@ -212,7 +218,7 @@ KERNEL_ARGS = {
     ("fp8.cu", "dequantize_mxfp8"): DequantizeArgs,
     ("fp8_columnwise.cu", "columnwise_from_rowwise"): ColumnwiseArgs,
     ("ceiling.cu", "fill_kernel"): FillArgs, ("ceiling.cu", "fan_out_copy"): FanOutArgs,
-    ("ceiling.cu", "fan_in_sum"): FanInArgs,
+    ("ceiling.cu", "fan_in_sum"): FanInArgs, ("ceiling.cu", "peer_copy"): PeerCopyArgs,
     ("internode_leg.cu", "internode_leg_send"): LegArgs,
     ("internode_leg.cu", "internode_leg_wait"): LegArgs,
     **{("internode.cu", name): InternodeArgs for name in INTERNODE_KERNELS},
@@ -871,6 +877,26 @@ def fan_in_sum(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
                           dst=dst.data_ptr(), num_rows=src_rows.shape[0],
                           num_int4=src.shape[1] * src.element_size() // 16)
     jit.get_kernel("ceiling.cu", "fan_in_sum").launch(num_blocks, 512, args, _stream())
+
+
+PEER_COPY_THREADS = 512
+
+
+def peer_copy(src: torch.Tensor, peer_bases: torch.Tensor, rank: int, num_blocks: int) -> None:
+    """`peer_copy`: row d of `src [R, bytes_per_peer]` (uint8, contiguous, rows of 16-byte
+    multiples) written into slot `rank` of rank d's symmetric buffer, for every d != rank;
+    `peer_bases [R]` int64 on the device (`SymmetricBuffer.peer_bases`), each buffer at least
+    `R * bytes_per_peer` bytes. `num_blocks` blocks of 512 threads, spread over the peers."""
+    num_ranks, bytes_per_peer = src.shape
+    assert src.dtype == torch.uint8 and src.is_contiguous() and bytes_per_peer % 16 == 0, (
+        f"src must be contiguous uint8 rows of 16-byte multiples, got {src.dtype} "
+        f"{tuple(src.shape)}")
+    assert peer_bases.dtype == torch.int64 and peer_bases.numel() == num_ranks
+    args = PeerCopyArgs.fill(src=src.data_ptr(), peer_bases=peer_bases.data_ptr(),
+                             num_int4_per_peer=bytes_per_peer // 16, rank=rank,
+                             num_ranks=num_ranks)
+    jit.get_kernel("ceiling.cu", "peer_copy").launch(num_blocks, PEER_COPY_THREADS, args,
+                                                     _stream())
 
 
 # ---------------------------------------------------------------------------------------------

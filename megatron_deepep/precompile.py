@@ -29,7 +29,8 @@ from megatron_deepep import jit, knobs
 
 INDEX_TYPES = {"int64": "long long", "int32": "int"}
 FP8_OUTPUTS = {"fp8": "false", "bf16": "true"}  # the kernels' kDequant argument
-BENCH_KERNELS = [("ceiling.cu", e) for e in ("fill_kernel", "fan_out_copy", "fan_in_sum")]
+BENCH_KERNELS = [("ceiling.cu", e) for e in ("fill_kernel", "fan_out_copy", "fan_in_sum",
+                                             "peer_copy")]
 
 
 def _template_args(expr: str) -> List[str]:

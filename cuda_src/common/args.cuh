@@ -240,6 +240,16 @@ struct FanInArgs {
     int num_rows, num_int4;
 };
 
+// ceiling.cu: peer_copy. Rank `rank` writes row d of `src` ([num_ranks, num_int4_per_peer]
+// int4, local) into slot `rank` of rank d's symmetric buffer (peer_bases[d] + rank * row bytes),
+// for every d != rank.
+struct PeerCopyArgs {
+    const int4* src;
+    const i64* peer_bases;       // [num_ranks] device: every rank's buffer as this rank maps it
+    i64 num_int4_per_peer;
+    int rank, num_ranks;
+};
+
 // internode_leg.cu: internode_leg_send and internode_leg_wait (the network leg alone: the
 // GPU tier's smoke test and the per-byte cost the internode model takes).
 struct LegArgs {
