@@ -16,6 +16,15 @@ back to back with CUDA events; host µs/call is measured apart.
 Ceilings (bare kernels of `cuda_src/ceiling.cu`, same run): the write-only rate, and at EP=1 the
 expand's traffic (each row read once, written K times) and the combine's (K rows summed into
 one), with none of our bookkeeping.
+
+At EP > 1 a second table follows (`bench_peers.py` defines every figure): per rank and per
+direction, the NVLink bytes and GB/s of our dispatch and combine, beside NCCL's
+`all_to_all_single` of the same bytes and a bare peer-copy kernel's GB/s (the ceiling), with the
+issue-20 targets (>= 340 GB/s with <= 24 SMs; >= 1.1x NCCL) marked met / not met. On an 8-GPU
+node, everything in one call:
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        torchrun --standalone --nproc-per-node 8 -m megatron_deepep.bench --out .bench_ep8
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import ops
+from megatron_deepep import bench_peers, ops
 
 logger = logging.getLogger("megatron_deepep.bench")
 
@@ -316,6 +325,8 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
             entry[f"fp8_{spec.fmt.name}"] = {
                 "dispatch_bytes": fp8_bytes, "floor_us": fp8_bytes / bw * 1e6,
                 "wire_byte_ratio": spec.fmt.byte_ratio(hidden)}
+        if ep > 1:  # NVLink bytes and GB/s, NCCL's all-to-all, the peer-copy ceiling
+            entry["peers"] = bench_peers.measure(entry, idxs, fp8_specs, num_sms_list, time_cuda)
         if with_megatron:
             try:
                 entry["variants"]["megatron alltoall"] = bench_megatron(xs, idxs, ws,
@@ -395,6 +406,7 @@ def print_table(rows: List[dict]) -> None:
                         f"{e['fan_out_copy_us']:.1f} µs" if "fan_out_copy_us" in e else "")
                      + (f"; combine's traffic (read K, write 1; fan_in_sum): "
                         f"{e['fan_in_sum_us']:.1f} µs" if "fan_in_sum_us" in e else ""))
+    lines += bench_peers.format_table(rows)  # EP > 1 only: nothing at EP = 1
     sys.stdout.write("\n".join(lines) + "\n")
 
 

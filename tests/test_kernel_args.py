@@ -184,6 +184,9 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
     ops.fill(dst, 3)
     ops.fan_out_copy(src, rows, dst, 8, 2)
     ops.fan_in_sum(dst, rows.view(4, 8), src, 2)
+    slots = torch.zeros(3, 64, dtype=torch.uint8)
+    bases = torch.zeros(3, dtype=torch.int64)
+    ops.peer_copy(slots, bases, 1, 24)
     monkeypatch.setattr(ops, "_check_bf16_rows", lambda x: None)
     for fmt in (BLOCKWISE_1x128, MXFP8_1x32):
         q, scales = ops.quantize_rows(src, fmt)
@@ -195,6 +198,9 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
                                               fan_out=8)
     assert by_name["fan_in_sum"][2] == dict(src=dst.data_ptr(), src_rows=rows.data_ptr(),
                                             dst=src.data_ptr(), num_rows=4, num_int4=8)
+    assert by_name["peer_copy"] == (24, ops.PEER_COPY_THREADS, dict(
+        src=slots.data_ptr(), peer_bases=bases.data_ptr(), num_int4_per_peer=4, rank=1,
+        num_ranks=3))
     quantize = by_name["quantize_mxfp8"][2]
     assert quantize["x"] == src.data_ptr() and quantize["num_tokens"] == 4
     assert quantize["hidden"] == 64 and quantize["q"] != 0 and quantize["scales"] != 0

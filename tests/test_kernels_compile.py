@@ -48,7 +48,7 @@ def test_jobs_cover_every_instantiation():
 
 
 def test_one_program_holds_several_instantiations():
-    exprs = ["fill_kernel", "fan_out_copy", "fan_in_sum"]
+    exprs = ["fill_kernel", "fan_out_copy", "fan_in_sum", "peer_copy"]
     cubin, lowered = jit.compile_cubin("ceiling.cu", exprs, arch="sm_90",
                                        extra_options=compile_jobs.fast_options())
     assert cubin[:4] == b"\x7fELF" and set(lowered) == set(exprs)

@@ -67,6 +67,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.megatron.register": 7,
     "megatron_deepep.megatron.te_experts": 7,  # FP8 experts: wire rows into TE's grouped GEMM
     "megatron_deepep.bench": 8,
+    "megatron_deepep.bench_peers": 8,  # the bench at EP > 1: NVLink bytes, NCCL, peer copy
     "megatron_deepep.bench_layer": 8,  # one MoE layer forward + backward per dispatcher
     "megatron_deepep.layer_variants": 8,  # the MoE layers bench_layer compares
     "megatron_deepep.precompile": 8,  # the command that fills the kernel cache ahead of a job

@@ -1,0 +1,197 @@
+"""CPU tier: the EP > 1 bench's byte counting (against a per-token brute force) and its table.
+
+The peer-copy kernel compiles for sm_90 in `test_kernels_compile.py` (it is in
+`compile_jobs.CEILING_KERNELS`) and its argument struct in `test_kernel_args.py`; its bytes on a
+GPU are checked by `tests/gpu/test_bench_peers_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_deepep import bench_peers
+from tests.cases import make_inputs
+from tests.distributed import run_distributed
+
+# name, ranks, tokens per rank (an int, or one per rank), experts, top-k, routing kind
+ROUTINGS = [
+    ("random", 4, 37, 16, 4, "random"),
+    ("uneven, rank 0 has no tokens", 3, [0, 9, 41], 12, 3, "random"),
+    ("skewed", 4, 30, 8, 2, "skewed"),
+    ("dropped", 2, 25, 6, 5, "dropped"),
+    ("one expert per rank", 5, [3, 0, 7, 1, 12], 5, 2, "random"),
+    ("all dropped", 3, 6, 6, 2, "empty"),
+]
+
+
+def _brute_force_rows(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> list:
+    """Tokens sent to each rank, one token at a time: a token goes once to every rank that owns
+    at least one of its experts."""
+    per_rank = num_experts // num_ranks
+    rows = [0] * num_ranks
+    for token in topk_idx.tolist():
+        for r in {e // per_rank for e in token if e >= 0}:
+            rows[r] += 1
+    return rows
+
+
+def _inputs(seed, num_ranks, num_tokens, num_experts, num_topk, kind):
+    _, idxs, _ = make_inputs(seed, num_ranks, num_tokens, 16, num_experts, num_topk, kind)
+    return idxs
+
+
+@pytest.mark.parametrize("case", ROUTINGS, ids=[r[0] for r in ROUTINGS])
+def test_rows_and_bytes_match_a_brute_force_count(case):
+    _, num_ranks, num_tokens, num_experts, num_topk, kind = case
+    hidden, fp8_row_bytes = 7168, 7168 + 56 * 4  # blockwise 1x128: 56 fp32 scales
+    inputs = [_inputs(seed, num_ranks, num_tokens, num_experts, num_topk, kind)
+              for seed in (3, 4, 5)]  # the bench's three rotating inputs
+    matrices, brute = [], []
+    for idxs in inputs:
+        rows = [bench_peers.rows_per_destination(idx, num_experts, num_ranks) for idx in idxs]
+        assert all(r.dtype == torch.int64 for r in rows)
+        matrices.append(torch.stack(rows))
+        brute.append([_brute_force_rows(idx, num_experts, num_ranks) for idx in idxs])
+        assert matrices[-1].tolist() == brute[-1]
+    for rank in range(num_ranks):
+        sent = [sum(m[rank][d] for d in range(num_ranks) if d != rank) for m in brute]
+        received = [sum(m[s][rank] for s in range(num_ranks) if s != rank) for m in brute]
+        got = bench_peers.nvlink_bytes(matrices, rank, fp8_row_bytes, 2 * hidden)
+        assert got == pytest.approx({
+            "dispatch_send": sum(sent) / 3 * fp8_row_bytes,
+            "dispatch_recv": sum(received) / 3 * fp8_row_bytes,
+            "combine_send": sum(received) / 3 * 2 * hidden,
+            "combine_recv": sum(sent) / 3 * 2 * hidden})
+        if kind == "empty" or (isinstance(num_tokens, list) and num_tokens[rank] == 0):
+            assert got["dispatch_send"] == 0 == got["combine_recv"]
+    # Every byte one rank sends over NVLink another receives.
+    every = [bench_peers.nvlink_bytes(matrices, r, 10, 10) for r in range(num_ranks)]
+    assert sum(b["dispatch_send"] for b in every) == pytest.approx(
+        sum(b["dispatch_recv"] for b in every))
+
+
+def _gather_worker(rank, world, case, seed):
+    _, _, num_tokens, num_experts, num_topk, kind = case
+    idxs = _inputs(seed, world, num_tokens, num_experts, num_topk, kind)
+    matrix = bench_peers.gather_rows_matrix(idxs[rank], num_experts)
+    assert matrix.tolist() == [_brute_force_rows(idx, num_experts, world) for idx in idxs]
+    reason = bench_peers.nccl_skip_reason()
+    assert reason is not None and "gloo" in reason
+    assert dist.get_backend() == "gloo"
+
+
+@pytest.mark.parametrize("case", [ROUTINGS[1], ROUTINGS[4]], ids=["uneven", "five ranks"])
+def test_rows_matrix_is_gathered_over_gloo(case):
+    run_distributed(case[1], _gather_worker, case, 11, backend="gloo", timeout_s=120)
+
+
+def test_peer_pattern_differs_per_source_destination_and_call():
+    base = bench_peers.peer_pattern(1, 2, 1, 64, device="cpu")
+    assert base.dtype == torch.uint8 and base.shape == (64,)
+    for other in ((2, 1, 1), (1, 3, 1), (1, 2, 2), (0, 2, 1)):
+        assert not torch.equal(base, bench_peers.peer_pattern(*other, 64, device="cpu")), other
+    assert torch.equal(base, bench_peers.peer_pattern(1, 2, 1, 64, device="cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary and the table, from fake per-rank figures (2 ranks).
+
+MB = 1e6
+# bf16: rank 0 sends 80 MB and receives 100 MB over NVLink; rank 1 sends 100, receives 80.
+BF16_BYTES = [{"dispatch_send": 80 * MB, "dispatch_recv": 100 * MB, "combine_send": 100 * MB,
+               "combine_recv": 80 * MB},
+              {"dispatch_send": 100 * MB, "dispatch_recv": 80 * MB, "combine_send": 80 * MB,
+               "combine_recv": 100 * MB}]
+FP8_BYTES = [{k: v / 2 for k, v in b.items()} for b in BF16_BYTES]
+
+
+def _per_rank(with_nccl: bool):
+    """Rank r: ours 24 SMs sync dispatch 250 µs (rank 1: 320), combine 280; 132 SMs: 200 µs;
+    FP8 dispatch 150 µs; NCCL 300 / 330 µs; ceiling 200 µs at 24 SMs, 150 at 132."""
+    out = []
+    for r in range(2):
+        nccl = {"bf16": {"dispatch_us": 300.0, "combine_us": 330.0},
+                "blockwise_1x128": {"dispatch_us": 180.0}} if with_nccl else {}
+        out.append({
+            "ours": {"ours 24 SMs sync": {"dispatch": 250.0 + 70 * r, "combine": 280.0},
+                     "ours 132 SMs sync": {"dispatch": 200.0, "combine": 200.0},
+                     "ours 24 SMs fp8 blockwise_1x128 cached": {"dispatch": 150.0}},
+            "nccl": nccl, "ceiling": {24: 200.0, 132: 150.0}})
+    return out
+
+
+WIRES = {"ours 24 SMs sync": "bf16", "ours 132 SMs sync": "bf16",
+         "ours 24 SMs fp8 blockwise_1x128 cached": "blockwise_1x128"}
+BYTES = {"bf16": BF16_BYTES, "blockwise_1x128": FP8_BYTES}
+SKIPPED = "backend is gloo, not nccl: gloo cannot all-to-all CUDA tensors"
+
+
+def test_summary_figures_and_targets():
+    peers = bench_peers.summarize(_per_rank(True), BYTES, 50 * MB, None, WIRES)
+    # The ceiling: 50 MB to 1 peer in 200 µs = 250 GB/s.
+    assert peers["ceiling"]["by_sms"]["24"]["GBps_worst"] == pytest.approx(250.0)
+    sync = peers["variants"]["ours 24 SMs sync"]
+    # Busier direction 100 MB on both ranks: rank 0 in 250 µs = 400 GB/s, rank 1 in 320 = 312.5.
+    assert sync["dispatch"]["GBps"] == pytest.approx([400.0, 312.5])
+    assert sync["dispatch"]["GBps_worst"] == pytest.approx(312.5)
+    assert sync["dispatch"]["us_slowest"] == 320.0
+    assert sync["dispatch"]["x_nccl"] == pytest.approx(300 / 320)
+    assert sync["dispatch"]["x_ceiling"] == pytest.approx(312.5 / 250)
+    assert sync["dispatch"]["target_GBps_met"] is False
+    assert sync["dispatch"]["target_nccl_met"] is False
+    assert sync["combine"]["GBps_worst"] == pytest.approx(100 * MB / 280 / 1e3)
+    assert sync["combine"]["target_GBps_met"] is True  # 357 GB/s
+    assert sync["combine"]["target_nccl_met"] is True  # 330 / 280 = 1.18
+    wide = peers["variants"]["ours 132 SMs sync"]
+    assert wide["dispatch"]["target_GBps_met"] is None  # above 24 SMs: not judged
+    assert wide["dispatch"]["target_nccl_met"] is True  # 300 / 200
+    fp8 = peers["variants"]["ours 24 SMs fp8 blockwise_1x128 cached"]
+    assert fp8["wire"] == "blockwise_1x128" and "combine" not in fp8
+    assert fp8["dispatch"]["GBps_worst"] == pytest.approx(50 * MB / 150 / 1e3)
+    assert fp8["dispatch"]["x_nccl"] == pytest.approx(180 / 150)  # against FP8 bytes
+    assert peers["nccl"]["bf16"]["combine"]["us"] == [330.0, 330.0]
+    assert peers["nccl"]["bf16"]["dispatch"]["GBps_worst"] == pytest.approx(100 * MB / 300 / 1e3)
+    assert peers["nccl"]["blockwise_1x128"]["dispatch"]["GBps_worst"] == pytest.approx(
+        50 * MB / 180 / 1e3)
+
+
+def _row(peers):
+    return {"shape": [4096, 7168, 256, 8], "ep": 2, "variants": {}, "peers": peers}
+
+
+def test_table_marks_met_and_not_met():
+    peers = bench_peers.summarize(_per_rank(True), BYTES, 50 * MB, None, WIRES)
+    lines = bench_peers.format_table([_row(peers)])
+    text = "\n".join(lines)
+    assert lines[1].startswith("shape (N,H,E,K) | variant | dispatch µs | NVLink GB/s")
+    (sync,) = [line for line in lines if "| ours 24 SMs sync |" in line]
+    assert "| 320.0 | 312 | 0.94 | 1.25 |" in sync
+    assert "dispatch: 340 GB/s NOT met, 1.1x NCCL NOT met" in sync
+    assert "combine: 340 GB/s met, 1.1x NCCL met" in sync
+    (wide,) = [line for line in lines if "| ours 132 SMs sync |" in line]
+    assert "340 GB/s n/a (> 24 SMs), 1.1x NCCL met" in wide
+    assert "NCCL all_to_all_single, same bytes" in text
+    assert "bf16 dispatch 300.0 µs (333 GB/s); bf16 combine 330.0 µs (303 GB/s)" in text
+    assert "blockwise_1x128 dispatch 180.0 µs (278 GB/s)" in text
+    assert "peer_copy ceiling, 50.0 MB to each of 1 peers (worst rank): 24 SMs 250 GB/s" in text
+    assert "bf16 dispatch send 90.0 (max 100.0) / recv 90.0 (max 100.0)" in text
+    columns = len(lines[1].split(" | "))
+    assert columns == 11
+    assert all(len(line.split(" | ")) == columns for line in lines if "| ours " in line)
+
+
+def test_table_says_why_nccl_was_skipped():
+    peers = bench_peers.summarize(_per_rank(False), BYTES, 50 * MB, SKIPPED, WIRES)
+    assert peers["nccl"] == {"skipped": SKIPPED}
+    sync = peers["variants"]["ours 24 SMs sync"]["dispatch"]
+    assert sync["x_nccl"] is None and sync["target_nccl_met"] is None
+    text = "\n".join(bench_peers.format_table([_row(peers)]))
+    assert f"NCCL all-to-all: skipped: {SKIPPED}" in text
+    assert "1.1x NCCL skipped (no NCCL)" in text
+    assert "| 320.0 | 312 | - | 1.25 |" in text
+
+
+def test_no_table_at_ep_1():
+    assert bench_peers.format_table([{"shape": [1, 2, 3, 4], "ep": 1, "variants": {}}]) == []
