@@ -23,7 +23,7 @@ direction, the NVLink bytes and GB/s of our dispatch and combine, beside NCCL's
 issue-20 targets (>= 340 GB/s with <= 24 SMs; >= 1.1x NCCL) marked met / not met. On an 8-GPU
 node, everything in one call:
 
-    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --standalone --nproc-per-node 8 -m megatron_deepep.bench --out .bench_ep8
 """
 

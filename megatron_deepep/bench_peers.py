@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_deepep import ops
 from megatron_deepep.layout import compute_layout
+from megatron_deepep.transport.ipc import SymmetricBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,11 @@ def nccl_all_to_all_us(rows_matrices: Sequence[torch.Tensor], row_bytes: int, ti
     return timer(run, setup)
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _align(group, token: torch.Tensor) -> None:
     """Every rank's stream reaches this point together, so that the next copies overlap: with
     NCCL a one-element all-reduce the stream waits for (device side), else a host barrier after
@@ -184,7 +190,7 @@ def _align(group, token: torch.Tensor) -> None:
     if str(dist.get_backend(group)) == "nccl":
         dist.all_reduce(token, group=group)
     else:
-        torch.cuda.synchronize()
+        _synchronize(token.device)
         dist.barrier(group=group)
 
 
@@ -206,8 +212,13 @@ class _DeviceBytes:
                                          "data": (ptr, False), "version": 3, "strides": None}
 
 
+def _own_bytes(buffer: SymmetricBuffer, num_bytes: int) -> torch.Tensor:
+    """`[num_bytes]` torch.uint8: this rank's symmetric buffer as a tensor (a view, no copy)."""
+    return torch.as_tensor(_DeviceBytes(buffer.ptr, num_bytes), device=buffer.device)
+
+
 def peer_copy_ceiling(bytes_per_peer: int, num_sms_list: Sequence[int], timer: Callable,
-                      group=None) -> Dict[int, float]:
+                      group=None, device: Optional[torch.device] = None) -> Dict[int, float]:
     """µs of `peer_copy` (ceiling.cu) on this rank per SM budget, all ranks copying at once.
 
     Args:
@@ -215,6 +226,8 @@ def peer_copy_ceiling(bytes_per_peer: int, num_sms_list: Sequence[int], timer: C
         num_sms_list: block counts to run (one block per SM).
         timer: `bench.time_cuda` (its `setup` aligns the ranks before every call).
         group: the EP group (any backend; the buffer travels by CUDA IPC).
+        device: where the pattern rows live (the current CUDA device by default; the CPU tier
+            runs this with a fake buffer and copy on the CPU).
 
     Returns:
         `{num_sms: µs on this rank}`.
@@ -223,25 +236,26 @@ def peer_copy_ceiling(bytes_per_peer: int, num_sms_list: Sequence[int], timer: C
         RuntimeError: on every rank, if any rank found a wrong byte in its buffer after a budget's
             calls (the ceiling would not be valid).
     """
-    from megatron_deepep.transport.ipc import SymmetricBuffer
-
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     bytes_per_peer = max(16, -(-int(bytes_per_peer) // 16) * 16)
     buffer = SymmetricBuffer(group, num_ranks * bytes_per_peer)
-    token = torch.zeros(1, device="cuda")
-    mine = torch.as_tensor(_DeviceBytes(buffer.ptr, num_ranks * bytes_per_peer), device="cuda")
+    token = torch.zeros(1, device=device)
+    mine = _own_bytes(buffer, num_ranks * bytes_per_peer)
     out = {}
     try:
         for salt, num_sms in enumerate(num_sms_list, start=1):
-            src = torch.stack([peer_pattern(rank, d, salt, bytes_per_peer)
+            src = torch.stack([peer_pattern(rank, d, salt, bytes_per_peer, device)
                                for d in range(num_ranks)])
             out[num_sms] = timer(lambda: ops.peer_copy(src, buffer.peer_bases, rank, num_sms),
                                  lambda i: _align(group, token), iters=20)
-            torch.cuda.synchronize()
+            logger.debug("rank %d: peer_copy, %d blocks, %d bytes to each of %d peers: %.1f µs",
+                         rank, num_sms, bytes_per_peer, num_ranks - 1, out[num_sms])
+            _synchronize(device)
             dist.barrier(group=group)  # every peer's last copy has landed
             wrong = [s for s in range(num_ranks) if s != rank and not torch.equal(
                 mine[s * bytes_per_peer:(s + 1) * bytes_per_peer],
-                peer_pattern(s, rank, salt, bytes_per_peer))]
+                peer_pattern(s, rank, salt, bytes_per_peer, device))]
             failures = [(r, bad) for r, bad in enumerate(_gather(wrong, group)) if bad]
             if failures:
                 raise RuntimeError(
@@ -256,7 +270,7 @@ def peer_copy_ceiling(bytes_per_peer: int, num_sms_list: Sequence[int], timer: C
 
 
 def measure(entry: dict, idxs: Sequence[torch.Tensor], fp8_specs, num_sms_list: Sequence[int],
-            timer: Callable, group=None) -> dict:
+            timer: Callable, group=None, device: Optional[torch.device] = None) -> dict:
     """The EP > 1 figures of one bench shape (collective).
 
     Args:
@@ -266,6 +280,7 @@ def measure(entry: dict, idxs: Sequence[torch.Tensor], fp8_specs, num_sms_list: 
         num_sms_list: the SM budgets the bench ran.
         timer: `bench.time_cuda`.
         group: the EP group.
+        device: the ceiling's device (see `peer_copy_ceiling`).
 
     Returns:
         The `peers` part of the row (JSON-able; every rank gets the same), see `summarize`.
@@ -287,7 +302,7 @@ def measure(entry: dict, idxs: Sequence[torch.Tensor], fp8_specs, num_sms_list: 
                                                       group=group)
     busiest_send = max(b["dispatch_send"] for b in bytes_by_wire[BF16])
     bytes_per_peer = max(16, -(-int(busiest_send / (num_ranks - 1)) // 16) * 16)
-    ceiling = peer_copy_ceiling(bytes_per_peer, num_sms_list, timer, group)
+    ceiling = peer_copy_ceiling(bytes_per_peer, num_sms_list, timer, group, device)
 
     ours = {key: {op: res[f"{op}_us"] for op in ("dispatch", "combine") if f"{op}_us" in res}
             for key, res in entry["variants"].items() if key.startswith("ours")}

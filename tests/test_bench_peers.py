@@ -195,3 +195,115 @@ def test_table_says_why_nccl_was_skipped():
 
 def test_no_table_at_ep_1():
     assert bench_peers.format_table([{"shape": [1, 2, 3, 4], "ep": 1, "variants": {}}]) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# `measure` end to end over gloo, the GPU parts faked on the CPU: the symmetric buffer is a
+# file every rank maps (shared memory), the peer copy a torch copy into the peers' files.
+
+class _FakeSymmetricBuffer:
+    """Each rank's "buffer" is a shared file; peer_bases holds rank numbers."""
+
+    folder = None
+    mapped = {}
+
+    def __init__(self, group, num_bytes):
+        self.group, self.rank = group, dist.get_rank(group)
+        world = dist.get_world_size(group)
+        path = f"{self.folder}/rank{self.rank}"
+        self.mine = torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
+        self.mine.zero_()
+        dist.barrier(group=group)
+        for r in range(world):
+            _FakeSymmetricBuffer.mapped[r] = torch.from_file(
+                f"{self.folder}/rank{r}", shared=True, size=num_bytes, dtype=torch.uint8)
+        self.peer_bases = torch.arange(world, dtype=torch.int64)
+        self.device = torch.device("cpu")
+
+    def destroy(self):
+        dist.barrier(group=self.group)
+
+
+class _FakeOps:
+    """`ops.peer_copy` on the CPU (`broken`: the slot of the last peer is left alone)."""
+
+    broken = False
+
+    @classmethod
+    def peer_copy(cls, src, peer_bases, rank, num_blocks):
+        num_ranks, bytes_per_peer = src.shape
+        for d in peer_bases.tolist():
+            if d == rank or (cls.broken and d == num_ranks - 1):
+                continue
+            _FakeSymmetricBuffer.mapped[d][rank * bytes_per_peer:(rank + 1) * bytes_per_peer] \
+                .copy_(src[d])
+
+
+def _fake_timer(fn, setup=None, iters=30, warmup=5):
+    for i in range(2):
+        if setup is not None:
+            setup(i)
+        fn()
+    return 100.0
+
+
+def _measure_worker(rank, world, folder, broken):
+    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+
+    _FakeSymmetricBuffer.folder = folder
+    bench_peers.SymmetricBuffer = _FakeSymmetricBuffer
+    bench_peers._own_bytes = lambda buffer, num_bytes: buffer.mine
+    _FakeOps.broken = broken
+    bench_peers.ops = _FakeOps
+    num_tokens, hidden, num_experts, num_topk = 40, 256, 3 * world, 4
+    inputs = [_inputs(seed, world, num_tokens, num_experts, num_topk, "random")
+              for seed in (7, 8, 9)]
+    idxs = [per_rank[rank] for per_rank in inputs]
+    spec = as_fp8_dispatch("blockwise", "fp8")
+    entry = {"shape": [num_tokens, hidden, num_experts, num_topk], "ep": world, "variants": {
+        "ours 24 SMs sync": {"dispatch_us": 50.0 + rank, "combine_us": 60.0},
+        "ours 24 SMs fp8 blockwise_1x128 sync": {"dispatch_us": 30.0, "fp8": spec.fmt.name},
+        "megatron alltoall": {"dispatch_us": 500.0, "combine_us": 600.0}}}
+    if broken:
+        with pytest.raises(RuntimeError, match=f"{world - 1}: \\[0, 1\\]: its ceiling is not"):
+            bench_peers.measure(entry, idxs, [spec], [4, 24], _fake_timer,
+                                device=torch.device("cpu"))
+        return
+    peers = bench_peers.measure(entry, idxs, [spec], [4, 24], _fake_timer,
+                                device=torch.device("cpu"))
+    assert set(peers["variants"]) == {"ours 24 SMs sync", "ours 24 SMs fp8 blockwise_1x128 sync"}
+    assert "gloo" in peers["nccl"]["skipped"]
+    matrices = [torch.tensor([_brute_force_rows(idx, num_experts, world) for idx in per_rank])
+                for per_rank in inputs]
+    for r in range(world):
+        assert peers["bytes"]["bf16"][r] == bench_peers.nvlink_bytes(matrices, r, 2 * hidden,
+                                                                     2 * hidden)
+    sync = peers["variants"]["ours 24 SMs sync"]
+    assert sync["dispatch"]["us"] == [50.0 + r for r in range(world)]  # every rank's own
+    busiest = max(max(b["dispatch_send"], b["dispatch_recv"]) for b in peers["bytes"]["bf16"])
+    assert peers["ceiling"]["bytes_per_peer"] % 16 == 0
+    assert peers["ceiling"]["bytes_per_peer"] * (world - 1) >= max(
+        b["dispatch_send"] for b in peers["bytes"]["bf16"])
+    assert max(sync["dispatch"]["nvlink_bytes"]) == busiest
+    assert set(peers["ceiling"]["by_sms"]) == {"4", "24"}
+    text = "\n".join(bench_peers.format_table([dict(entry, peers=peers)]))
+    assert "NCCL all-to-all: skipped: backend is gloo" in text
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["right bytes", "a slot never written"])
+def test_measure_end_to_end_with_a_fake_peer_copy(tmp_path, broken):
+    run_distributed(3, _measure_worker, str(tmp_path), broken, backend="gloo", timeout_s=120)
+
+
+def test_the_8_gpu_command_is_the_same_in_the_docs():
+    """The bench docstrings and the README give one torchrun command, with NVLS/multicast off."""
+    import pathlib
+
+    from megatron_deepep import bench
+
+    command = ("NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\\n"
+               "    torchrun --standalone --nproc-per-node 8 -m megatron_deepep.bench")
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert command in readme
+    for doc in (bench.__doc__, bench_peers.__doc__):
+        assert command.replace("\n", "\n    ") in doc
