@@ -16,7 +16,7 @@ forward and expand are separate kernels.
 from __future__ import annotations
 
 import random
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ from megatron_deepep import knobs, ops
 from megatron_deepep.layout import compute_layout
 from megatron_deepep.transport import errors
 from megatron_deepep.transport.internode import InternodeTransport, node_plan
-from megatron_deepep.transport.internode_regions import (InternodeRegions, staging_config)
+from megatron_deepep.transport.internode_regions import InternodeRegions, staging_config
 from megatron_deepep.transport.recv import regrow_slots
 from megatron_deepep.transport.regions import PAGE
 
