@@ -63,8 +63,9 @@ class Knob:
         default: the value when unset or empty (None: decided by the code that reads it).
         shown_default: the default as the README shows it.
         doc: what it does, for the README.
-        group: "dispatcher" (the Megatron dispatcher's options), "jit" (kernel compilation and
-            launch) or "tests" (the GPU tier).
+        group: "dispatcher" (the Megatron dispatcher's options), "transport" (read when a
+            transport is built), "jit" (kernel compilation and launch) or "tests" (the GPU
+            tier).
     """
 
     name: str
@@ -121,6 +122,13 @@ _TABLE = (
          "`layer_variants.GroupedMMExperts` (two `torch._grouped_mm` calls); where "
          "`torch._grouped_mm` fails a one-call check it keeps `SequentialMLP` and logs why "
          "(`examples/configs/` proxies: on)", "dispatcher"),
+    # Transports (read when one is built, so every rank of the EP group must agree).
+    Knob("INTERNODE_STAGING", "str", "full", "full", "the internode transport's node staging: "
+         "`full` (receive regions for every source rank's N_max tokens, ~N_max (4 M + L M + R) "
+         "rows per rank) or `ring` (L rings of `MDEEP_INTERNODE_RING_SLOTS` slots per rank, "
+         "~4 M N_max + 2 L C rows; `docs/internode.md`, \"Ring staging\")", "transport"),
+    Knob("INTERNODE_RING_SLOTS", "int", 512, "512", "slots C of each ring (one per pair of "
+         "ranks of a node, each way) with `MDEEP_INTERNODE_STAGING=ring`", "transport"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),

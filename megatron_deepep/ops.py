@@ -193,7 +193,8 @@ class InternodeArgs(KernelArgs):
         ("x", Ptr),
         ("recv_x", Ptr), ("recv_weights", Ptr), ("max_rows", I32), ("y", Ptr), ("out", Ptr),
         ("out_weights", Ptr), ("grad_row_weights", Ptr), ("x_scales", Ptr),
-        ("recv_scales", Ptr), ("amax_epsilon", F32), ("wire_bytes", I64)]
+        ("recv_scales", Ptr), ("amax_epsilon", F32), ("wire_bytes", I64),
+        ("ring_words", I64), ("ring_seen", Ptr), ("ring_base", Ptr), ("ring_slots", I32)]
 
 
 # Sources whose kernels call NVSHMEM's device API: nvshmem_link builds them (tests/
@@ -203,6 +204,10 @@ NVSHMEM_SOURCES = ("internode_leg.cu", "internode.cu")
 INTERNODE_KERNELS = ("internode_node_layout", "internode_notify", "internode_dispatch_send",
                      "internode_forward", "internode_dispatch_recv", "internode_combine_send",
                      "internode_combine_forward", "internode_combine_reduce")
+# Ring staging (MDEEP_INTERNODE_STAGING=ring) adds these; it shares node layout, notify, send and
+# reduce with the full staging's kernels.
+INTERNODE_RING_KERNELS = ("internode_ring_count", "internode_ring_dispatch",
+                          "internode_ring_combine")
 
 # Every kernel's argument struct (checked against the CUDA kernels by the CPU tests).
 KERNEL_ARGS = {
@@ -221,7 +226,8 @@ KERNEL_ARGS = {
     ("ceiling.cu", "fan_in_sum"): FanInArgs, ("ceiling.cu", "peer_copy"): PeerCopyArgs,
     ("internode_leg.cu", "internode_leg_send"): LegArgs,
     ("internode_leg.cu", "internode_leg_wait"): LegArgs,
-    **{("internode.cu", name): InternodeArgs for name in INTERNODE_KERNELS},
+    **{("internode.cu", name): InternodeArgs
+       for name in INTERNODE_KERNELS + INTERNODE_RING_KERNELS},
 }
 
 
@@ -959,6 +965,26 @@ def internode_combine_expressions(num_topk: int, row_dtype: int) -> Tuple[str, .
             + tuple(f"internode_combine_reduce<{k}, {g}, {dt}>" for g in both))
 
 
+def internode_ring_expressions(num_topk: int, index_type: str, fp8=None) -> Tuple[str, ...]:
+    """The dispatch kernels of ring staging for one top-k, index type and wire format: node
+    layout, notify and send as with full staging, then the ring count and the one kernel that
+    forwards and expands (one linked module)."""
+    fmt, dequant, _ = _wire(fp8)
+    k, idx, both = num_topk, index_type, ("false", "true")
+    dq = jit.render_template_arg(dequant)
+    return (("internode_node_layout", "internode_notify", f"internode_ring_count<{k}>")
+            + tuple(f"internode_dispatch_send<{k}, {c}, {idx}, {fmt}>" for c in both)
+            + tuple(f"internode_ring_dispatch<{k}, {c}, {fmt}, {dq}>" for c in both))
+
+
+def internode_ring_combine_expressions(num_topk: int, row_dtype: int) -> Tuple[str, ...]:
+    """The combine kernels of ring staging for one top-k and row dtype code: the one kernel that
+    sends the partials and sums them on the forwarder, then reduce as with full staging."""
+    k, dt, both = num_topk, row_dtype, ("false", "true")
+    return (tuple(f"internode_ring_combine<{k}, {w}, {g}, {dt}>" for w in both for g in both)
+            + tuple(f"internode_combine_reduce<{k}, {g}, {dt}>" for g in both))
+
+
 def _internode(family: Tuple[str, ...], name: str, template_args: tuple, num_blocks: int,
                threads: int, fields: dict) -> None:
     expr = name
@@ -968,12 +994,15 @@ def _internode(family: Tuple[str, ...], name: str, template_args: tuple, num_blo
     kernel.launch(num_blocks, threads, InternodeArgs.fill(**fields), _stream())
 
 
-def _dispatch_family(topk_idx: torch.Tensor, fp8) -> Tuple[str, ...]:
-    return internode_expressions(topk_idx.shape[1], _index_type(topk_idx), fp8)
+def _dispatch_family(topk_idx: torch.Tensor, fp8, ring: bool = False) -> Tuple[str, ...]:
+    expressions = internode_ring_expressions if ring else internode_expressions
+    return expressions(topk_idx.shape[1], _index_type(topk_idx), fp8)
 
 
-def _combine_family(topk_idx: torch.Tensor, y: torch.Tensor) -> Tuple[str, ...]:
-    return internode_combine_expressions(topk_idx.shape[1], row_dtype_code(y))
+def _combine_family(topk_idx: torch.Tensor, y: torch.Tensor,
+                    ring: bool = False) -> Tuple[str, ...]:
+    expressions = internode_ring_combine_expressions if ring else internode_combine_expressions
+    return expressions(topk_idx.shape[1], row_dtype_code(y))
 
 
 def internode_wire(fp8, hidden: int) -> dict:
@@ -984,23 +1013,24 @@ def internode_wire(fp8, hidden: int) -> dict:
     return dict(wire_bytes=wire_bytes, amax_epsilon=amax_epsilon)
 
 
-def internode_node_layout(topk_idx: torch.Tensor, fp8, num_nodes: int, fields: dict) -> None:
+def internode_node_layout(topk_idx: torch.Tensor, fp8, num_nodes: int, fields: dict,
+                          ring: bool = False) -> None:
     """Node-level layout (token_slot_in_node, node_slot_token, num_tokens_per_node) from
-    is_token_in_rank: one block per node."""
-    _internode(_dispatch_family(topk_idx, fp8), "internode_node_layout", (), num_nodes,
+    is_token_in_rank: one block per node. `ring`: from ring staging's module."""
+    _internode(_dispatch_family(topk_idx, fp8, ring), "internode_node_layout", (), num_nodes,
                INTERNODE_THREADS, fields)
 
 
-def internode_notify(topk_idx: torch.Tensor, fp8, fields: dict) -> None:
+def internode_notify(topk_idx: torch.Tensor, fp8, fields: dict, ring: bool = False) -> None:
     """Counts to every PE, then this rank's receive layout and forwarding counts."""
-    _internode(_dispatch_family(topk_idx, fp8), "internode_notify", (), 1,
+    _internode(_dispatch_family(topk_idx, fp8, ring), "internode_notify", (), 1,
                INTERNODE_NOTIFY_THREADS, fields)
 
 
 def internode_dispatch_send(topk_idx: torch.Tensor, cached: bool, fp8, num_sms: int,
-                            fields: dict) -> None:
+                            fields: dict, ring: bool = False) -> None:
     """Packs (quantizes, for `fp8`) and puts every token once per destination node."""
-    _internode(_dispatch_family(topk_idx, fp8), "internode_dispatch_send",
+    _internode(_dispatch_family(topk_idx, fp8, ring), "internode_dispatch_send",
                (topk_idx.shape[1], cached, _index_type(topk_idx), _wire(fp8)[0]), num_sms,
                INTERNODE_THREADS, fields)
 
@@ -1038,8 +1068,33 @@ def internode_combine_forward(topk_idx: torch.Tensor, y: torch.Tensor, with_weig
 
 
 def internode_combine_reduce(topk_idx: torch.Tensor, y: torch.Tensor, with_weights: bool,
-                             num_sms: int, fields: dict) -> None:
+                             num_sms: int, fields: dict, ring: bool = False) -> None:
     """Sums each token's partials over its destination nodes, in node order."""
-    _internode(_combine_family(topk_idx, y), "internode_combine_reduce",
+    _internode(_combine_family(topk_idx, y, ring), "internode_combine_reduce",
                (topk_idx.shape[1], with_weights, row_dtype_code(y)), num_sms, INTERNODE_THREADS,
                fields)
+
+
+def internode_ring_count(topk_idx: torch.Tensor, fp8, num_nodes: int, fields: dict) -> None:
+    """Ring staging, on the forwarder: waits for its rail peers' rows, then counts them per
+    (node rank, source node) into the handle's `ring_base`: one block per source node."""
+    _internode(_dispatch_family(topk_idx, fp8, True), "internode_ring_count",
+               (topk_idx.shape[1],), num_nodes, INTERNODE_THREADS, fields)
+
+
+def internode_ring_dispatch(topk_idx: torch.Tensor, cached: bool, fp8, num_blocks: int,
+                            fields: dict) -> None:
+    """Ring staging: forwards the received rows through the node's rings and expands the rows
+    the rings bring into recv_x, in one kernel of `num_blocks` co-resident blocks."""
+    fmt, dequant, _ = _wire(fp8)
+    _internode(_dispatch_family(topk_idx, fp8, True), "internode_ring_dispatch",
+               (topk_idx.shape[1], cached, fmt, dequant), num_blocks, INTERNODE_THREADS, fields)
+
+
+def internode_ring_combine(topk_idx: torch.Tensor, y: torch.Tensor, weighted: bool,
+                           with_weights: bool, num_blocks: int, fields: dict) -> None:
+    """Ring staging: sends the partials through the node's rings and sums the forwarded tokens'
+    partials, putting them back by chunks, in one kernel of `num_blocks` co-resident blocks."""
+    _internode(_combine_family(topk_idx, y, True), "internode_ring_combine",
+               (topk_idx.shape[1], weighted, with_weights, row_dtype_code(y)), num_blocks,
+               INTERNODE_THREADS, fields)

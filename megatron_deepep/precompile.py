@@ -11,7 +11,8 @@ the job's GPU (`--arch`, sm_90 for H100/H200). With a blockwise `--fp8` format a
 it also builds the FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise.cu`).
 `--internode` also links the internode transport's kernels (NVRTC + nvJitLink against the
 nvidia-nvshmem wheel's device library), one module per (top-k, index type, wire format) for
-dispatch and per (top-k, row dtype) for combine.
+dispatch and per (top-k, row dtype) for combine, for the node staging `MDEEP_INTERNODE_STAGING`
+selects (the job must set the same).
 """
 
 from __future__ import annotations
@@ -125,11 +126,19 @@ def columnwise_kernels(fp8_formats: Sequence[str]) -> List[Tuple[str, str]]:
 def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
                            fp8_outputs: Sequence[str] = ("fp8", "bf16"),
                            index_dtypes: Sequence[str] = ("int64", "int32"), bf16: bool = True,
-                           row_dtypes: Sequence[str] = ("bf16",)) -> List[Tuple[str, ...]]:
+                           row_dtypes: Sequence[str] = ("bf16",),
+                           staging: Optional[str] = None) -> List[Tuple[str, ...]]:
     """The internode transport's linked modules for the same choices as `kernels_for`: each a
-    tuple of name expressions, exactly as the transport links them at run time."""
+    tuple of name expressions, exactly as the transport links them at run time with `staging`
+    ("full" or "ring"; None: the knob `MDEEP_INTERNODE_STAGING`)."""
     from megatron_deepep import ops
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.transport.internode_regions import staging_config
+
+    ring = staging_config(staging)[0] == "ring"
+    dispatch = ops.internode_ring_expressions if ring else ops.internode_expressions
+    combine = (ops.internode_ring_combine_expressions if ring
+               else ops.internode_combine_expressions)
 
     wires = [None] if bf16 else []
     wires += [as_fp8_dispatch(name, output) for name in fp8_formats for output in fp8_outputs]
@@ -137,9 +146,9 @@ def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = ()
     for k in sorted(set(int(k) for k in topks)):
         for index_dtype in index_dtypes:
             for wire in wires:
-                out[ops.internode_expressions(k, INDEX_TYPES[index_dtype], wire)] = None
+                out[dispatch(k, INDEX_TYPES[index_dtype], wire)] = None
         for row_dtype in row_dtypes:
-            out[ops.internode_combine_expressions(
+            out[combine(
                 k, ops.ROW_DTYPE_CODES[ops.ROW_DTYPE_NAMES[row_dtype]])] = None
     return list(out)
 

@@ -16,8 +16,9 @@ Two sweeps:
 Together ~60 CPU-seconds (a one-program-per-source sweep at -O3 took ~370). `python -m
 megatron_deepep.precompile --topk $(seq 16) --fp8 ...` compiles the lot at -O3.
 
-`link_jobs` adds the NVSHMEM link of `internode.cu` (NVRTC -rdc + nvJitLink, ~10 CPU-seconds,
-into a fresh cache), which `test_nvshmem_link.py` collects the same way.
+`link_jobs` adds the NVSHMEM links of `internode.cu` (NVRTC -rdc + nvJitLink, ~10 CPU-seconds
+each, into a fresh cache), one per node staging (full, ring), which `test_nvshmem_link.py`
+collects the same way.
 """
 
 from __future__ import annotations
@@ -107,26 +108,41 @@ def jobs() -> Dict[str, Job]:
     return out
 
 
-def internode_link_expressions() -> Tuple[str, ...]:
+def internode_link_expressions(ring: bool = False) -> Tuple[str, ...]:
     """Every instantiation kind the internode transport launches: dispatch for bf16 rows and
-    two FP8 wire formats, both index types; combine for the three row dtypes."""
+    two FP8 wire formats, both index types; combine for the three row dtypes. `ring`: the
+    kernel families of ring staging (MDEEP_INTERNODE_STAGING=ring), same coverage."""
     from megatron_deepep import ops
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    dispatch = ops.internode_ring_expressions if ring else ops.internode_expressions
+    combine = (ops.internode_ring_combine_expressions if ring
+               else ops.internode_combine_expressions)
     expressions = set()
     for num_topk, index_type, fp8 in ((8, "long long", None),
                                       (1, "int", as_fp8_dispatch("blockwise", "bf16")),
                                       (4, "long long", as_fp8_dispatch("mxfp8", "fp8"))):
-        expressions.update(ops.internode_expressions(num_topk, index_type, fp8))
+        expressions.update(dispatch(num_topk, index_type, fp8))
     for row_dtype in ops.ROW_DTYPE_CODES.values():
-        expressions.update(ops.internode_combine_expressions(8, row_dtype))
+        expressions.update(combine(8, row_dtype))
     return tuple(sorted(expressions))
+
+
+def link_kernels(job_id: str) -> Tuple[str, ...]:
+    """The kernels (names without template arguments) a link job must hold."""
+    from megatron_deepep import ops
+    if job_id.endswith("-ring"):
+        return ("internode_node_layout", "internode_notify", "internode_dispatch_send",
+                "internode_combine_reduce") + ops.INTERNODE_RING_KERNELS
+    return ops.INTERNODE_KERNELS
 
 
 @functools.lru_cache(maxsize=None)
 def link_jobs() -> Dict[str, Job]:
     """Job id -> NVSHMEM link job (one compile, one link)."""
     return {"link-internode.cu": Job("internode.cu", internode_link_expressions(), False, 10.0,
-                                     link=True)}
+                                     link=True),
+            "link-internode.cu-ring": Job("internode.cu", internode_link_expressions(True),
+                                          False, 10.0, link=True)}
 
 
 def _table() -> Dict[str, Job]:

@@ -112,7 +112,8 @@ def test_every_nvshmem_kernel_is_linked_here():
     from megatron_deepep import ops
     nvshmem_kernels = {k for k in ops.KERNEL_ARGS if k[0] in ops.NVSHMEM_SOURCES}
     assert nvshmem_kernels == ({("internode_leg.cu", name) for name in LEG_KERNELS}
-                               | {("internode.cu", name) for name in ops.INTERNODE_KERNELS})
+                               | {("internode.cu", name) for name in ops.INTERNODE_KERNELS
+                                  + ops.INTERNODE_RING_KERNELS})
 
 
 @needs_wheel
@@ -120,12 +121,12 @@ def test_every_nvshmem_kernel_is_linked_here():
 @pytest.mark.parametrize("job", sorted(compile_jobs.link_jobs()))
 def test_internode_kernels_link(job):
     """Every instantiation kind the internode transport launches (dispatch for bf16 rows and two
-    FP8 wire formats, both index types; combine for the three row dtypes) compiles and links
-    against the wheel's device library for sm_90 without a GPU, into a fresh cache: one compile,
-    one link (run in the background by `compile_jobs`, collected here)."""
-    from megatron_deepep import ops
+    FP8 wire formats, both index types; combine for the three row dtypes), with full and with
+    ring staging, compiles and links against the wheel's device library for sm_90 without a
+    GPU, into a fresh cache: one compile, one link per staging (run in the background by
+    `compile_jobs`, collected here)."""
     expressions = compile_jobs.link_jobs()[job].exprs
     magic, size, lowered = compile_jobs.result(job)
     assert lowered == sorted(expressions)
     assert magic == b"\x7fELF" and size > 0
-    assert {expr.split("<")[0] for expr in expressions} == set(ops.INTERNODE_KERNELS)
+    assert {expr.split("<")[0] for expr in expressions} == set(compile_jobs.link_kernels(job))

@@ -325,6 +325,13 @@ struct InternodeArgs {
     u8* recv_scales;             // [max_rows, scale bytes] when the rows stay in FP8
     float amax_epsilon;
     i64 wire_bytes;              // bytes of one wire row (2 H for bf16)
+    // Ring staging (MDEEP_INTERNODE_STAGING=ring; internode/ring.cuh): stage_rows / stage_meta
+    // then hold [L][ring_slots] slots by forwarder, comb_stage [L][ring_slots] by expert rank.
+    // Zero in the full layout, whose kernels read none of these.
+    i64 ring_words;              // u64 [4][L][ring_slots]: dispatch ready, freed; combine same
+    u64* ring_seen;              // local [4][8]: positions so far per ring (see internode.cu)
+    int* ring_base;              // [L][M + 1]: per node rank, first position per source node
+    int ring_slots;              // C
 };
 
 }  // namespace mdeep

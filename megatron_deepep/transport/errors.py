@@ -18,7 +18,18 @@ PHASES = {0: "layout", 1: "notify", 2: "dispatch send (waiting for the peer to c
           "receive (waiting for this node's forwarders)", 11: "internode combine send (waiting "
           "for this node's forwarders to consume the previous combine)", 12: "internode combine "
           "forward (waiting for this node's partials or the source's acknowledgement)",
-          13: "internode combine reduce (waiting for the rail peers' rows)"}
+          13: "internode combine reduce (waiting for the rail peers' rows)",
+          14: "internode ring count (waiting for the rail peer's rows)",
+          15: "internode ring forward (waiting for ring space: the node peer has not consumed the "
+          "rows this forwarder put ring_slots positions earlier)",
+          16: "internode ring expand (waiting for the forwarder's next rows in its ring)",
+          17: "internode ring combine send (waiting for ring space: the forwarder has not "
+          "consumed the partials this rank put ring_slots positions earlier)",
+          18: "internode ring combine forward (waiting for the node peer's next partials in its "
+          "ring)", 19: "internode ring combine forward (waiting for the rail peer to acknowledge "
+          "the previous combine)"}
+# Phases whose waits are on ring positions (cuda_src/internode/ring.cuh), not epochs.
+RING_PHASES = (15, 16, 17, 18)
 HEADER_FIELDS = {1: "hidden", 2: "top-k", 3: "num_experts", 4: "expert_alignment"}
 
 
@@ -49,9 +60,11 @@ def error_from_record(words: np.ndarray, timeout_s: float,
             f"token chunk {detail} never published its counts (waited for {expected}, saw "
             f"{seen}); another layout on the same stream workspace, or a scheduling fault")
     if code == CODE_TIMEOUT:
+        # A ring wait waits for a word that counts ring positions (+ 1); the others for epochs.
+        what = "ring word" if phase in RING_PHASES else "epoch"
         return PeerTimeoutError(
             f"megatron_deepep: rank {rank} timed out after {timeout_s:g}s in {where}: peer {peer}"
-            f" stalled (waited for epoch {expected}, saw {seen}). Every rank of the EP group must"
+            f" stalled (waited for {what} {expected}, saw {seen}). Every rank of the EP group must"
             " call the same operations in the same order."
             + (f" [rank {rank} is {locate(rank)}; peer {peer} is {locate(peer)}]"
                if locate is not None and peer >= 0 else ""))

@@ -13,6 +13,12 @@ the caller gave a row bound] -> receive (expand). Per combine: send -> forward -
 Epochs live in device words (`epochs.DeviceEpochs`), signals count on the device
 (`chunks_seen`): with a row bound, the calls can be captured in a CUDA graph and replayed.
 
+Ring staging (`MDEEP_INTERNODE_STAGING=ring`, docs/internode.md "Ring staging") bounds the node's
+staging to L rings of C slots per rank: dispatch runs ... send -> ring count -> [host wait] ->
+one kernel that forwards and expands at once; combine runs one kernel that sends the partials
+and sums them on the forwarder at once -> reduce. The ring positions run on in device words
+(`ring_seen`), so graphs replay these too.
+
 The network leg runs on NVSHMEM's device API; node peers are reached by load/store through
 `nvshmem_ptr` (NVLink inside a node, or processes sharing one GPU). Everything lives in one block
 of NVSHMEM's symmetric heap (`internode_regions.py`), allocated through torch's symmetric
@@ -34,7 +40,8 @@ from megatron_deepep.handle import DispatchHandle, RecvLayout
 from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
 from megatron_deepep.transport.epochs import DeviceEpochs
-from megatron_deepep.transport.internode_regions import MAX_NODES, InternodeRegions
+from megatron_deepep.transport.internode_regions import (MAX_NODES, InternodeRegions,
+                                                         staging_config)
 from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit
 from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
                                             empty_recv, regrow_slots)
@@ -53,14 +60,18 @@ _CLAIM_WORD = 8
 
 @functools.lru_cache(maxsize=256)
 def node_plan(num_tokens: int, num_nodes: int, max_tokens: int,
-              ranks_per_node: int) -> ArenaPlan:
+              ranks_per_node: int, ring: bool = False) -> ArenaPlan:
     """The node-level arrays of one dispatch: the sender's node layout and the forwarder's
-    state that combine replays."""
-    return ArenaPlan([("num_tokens_per_node", (num_nodes,), torch.int32),
-                      ("token_slot_in_node", (num_tokens, num_nodes), torch.int32),
-                      ("node_slot_token", (num_nodes, num_tokens), torch.int32),
-                      ("fwd_count", (num_nodes,), torch.int32),
-                      ("fwd_slots", (num_nodes, max_tokens, ranks_per_node), torch.int32)])
+    state that combine replays; with `ring` staging also `ring_base [L, M + 1]` int32 (per node
+    rank, where each source node's rows begin in the ring to it)."""
+    fields = [("num_tokens_per_node", (num_nodes,), torch.int32),
+              ("token_slot_in_node", (num_tokens, num_nodes), torch.int32),
+              ("node_slot_token", (num_nodes, num_tokens), torch.int32),
+              ("fwd_count", (num_nodes,), torch.int32),
+              ("fwd_slots", (num_nodes, max_tokens, ranks_per_node), torch.int32)]
+    if ring:
+        fields.append(("ring_base", (ranks_per_node, num_nodes + 1), torch.int32))
+    return ArenaPlan(fields)
 
 
 class InternodeTransport(Transport):
@@ -75,12 +86,15 @@ class InternodeTransport(Transport):
         timeout_s: limit of every cross-GPU wait.
         num_ranks_per_node: declares nodes of this many contiguous ranks (virtual nodes); by
             default the nodes are found from the ranks' host names.
+        staging: "full" or "ring" (None: the knob `MDEEP_INTERNODE_STAGING`, "full" by
+            default); every rank must pass the same.
+        ring_slots: C, the slots of each ring with "ring" (None: `MDEEP_INTERNODE_RING_SLOTS`).
 
     Raises:
         NvshmemUnavailable: NVSHMEM cannot start here (the message says what to install, and
             that transport='reference' works without it).
         ValueError: a topology it does not serve (1 node, more than 32, more than 8 ranks per
-            node, uneven nodes).
+            node, uneven nodes), a bad staging setting, or ranks that disagree on it.
     """
 
     name = "internode"
@@ -89,22 +103,27 @@ class InternodeTransport(Transport):
     row_dtypes = tuple(ops.ROW_DTYPE_CODES)  # dispatch copies bytes; combine sums in fp32
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
-                 num_sms: int, timeout_s: float, num_ranks_per_node: Optional[int] = None):
+                 num_sms: int, timeout_s: float, num_ranks_per_node: Optional[int] = None,
+                 staging: Optional[str] = None, ring_slots: Optional[int] = None):
+        self.staging, self.ring_slots = staging_config(staging, ring_slots)
+        self.is_ring = self.staging == "ring"
         self.topology = detect_topology(group, num_ranks_per_node)
         self.topology.check_internode()
         topo = self.topology
         self.rank, self.num_ranks = topo.rank, topo.num_ranks
         self.ranks_per_node, self.num_nodes = topo.num_ranks_per_node, topo.num_nodes
+        _check_same_staging(group, self.staging, self.ring_slots)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.regions = InternodeRegions(self.num_ranks, self.ranks_per_node,
-                                        num_max_tokens_per_rank, hidden, num_topk)
+                                        num_max_tokens_per_rank, hidden, num_topk,
+                                        self.staging, self.ring_slots)
         limit = heap_limit()
         if self.regions.num_bytes > limit:
             raise ValueError(
                 f"the internode transport needs {self.regions.num_bytes} bytes of NVSHMEM "
                 f"symmetric heap per rank for num_max_tokens_per_rank={num_max_tokens_per_rank}, "
                 f"hidden={hidden}, num_topk={num_topk} on {self.num_nodes} nodes x "
-                f"{self.ranks_per_node} (about N_max (4 M + L M + R) rows), more than the heap "
+                f"{self.ranks_per_node} ({self.regions.formula()}), more than the heap "
                 f"NVSHMEM gives ({limit} bytes): export NVSHMEM_SYMMETRIC_SIZE >= "
                 f"{self.regions.num_bytes + (64 << 20)} before the first symmetric allocation "
                 "(`Buffer.size_hint(..., transport='internode')` computes it), or lower "
@@ -119,6 +138,13 @@ class InternodeTransport(Transport):
         self.workspace = torch.zeros(_WORKSPACE_WORDS, dtype=torch.int32, device=self.device)
         self.chunks_seen = torch.zeros(2 * self.num_nodes, dtype=torch.int64, device=self.device)
         self.num_sms = num_sms
+        # The ring kernels' grid must be co-resident (their warps wait for each other): at
+        # most one block of 512 threads per SM.
+        self.ring_blocks = max(1, min(num_sms, torch.cuda.get_device_properties(
+            self.device).multi_processor_count))
+        # Ring positions so far (u64 [4][8], internode.cu "ring staging"), advanced by the
+        # ring kernels themselves, so graph replays advance them too.
+        self.ring_seen = torch.zeros(32, dtype=torch.int64, device=self.device)
         self.timeout_ns = int(timeout_s * 1e9)
         self.status = KernelStatus(self.workspace.data_ptr() + 4 * _CLAIM_WORD, self.rank,
                                    timeout_s, locate=self.locate)
@@ -129,17 +155,21 @@ class InternodeTransport(Transport):
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
         logger.info("megatron_deepep internode: rank %d = node %d local %d of %d nodes x %d, "
-                    "%d bytes of symmetric heap", self.rank, topo.node, topo.local_rank,
-                    self.num_nodes, self.ranks_per_node, self.num_bytes)
+                    "%d bytes of symmetric heap, %s staging", self.rank, topo.node,
+                    topo.local_rank, self.num_nodes, self.ranks_per_node, self.num_bytes,
+                    self.staging if not self.is_ring else f"ring ({self.ring_slots} slots)")
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
-                  num_ranks_per_node: int = MAX_RANKS_PER_NODE) -> int:
+                  num_ranks_per_node: int = MAX_RANKS_PER_NODE, *,
+                  staging: Optional[str] = None, ring_slots: Optional[int] = None) -> int:
         """Bytes of symmetric heap one rank holds (nodes of `num_ranks_per_node` ranks, 8 by
-        default, fewer when the group is smaller)."""
+        default, fewer when the group is smaller), for `staging` and `ring_slots` (None: the
+        knobs `MDEEP_INTERNODE_STAGING` and `MDEEP_INTERNODE_RING_SLOTS`)."""
         per_node = min(num_ranks_per_node, num_ranks)
+        mode, slots = staging_config(staging, ring_slots)
         return InternodeRegions(num_ranks, per_node, num_max_tokens_per_rank, hidden,
-                                num_topk).num_bytes
+                                num_topk, mode, slots).num_bytes
 
     def check_errors(self) -> None:
         self.status.check_errors()
@@ -160,6 +190,8 @@ class InternodeTransport(Transport):
                       timeout_ns=self.timeout_ns, error_claim=self.status.errors.claim,
                       error_record=self.status.errors.record, block_counters=ws,
                       chunks_seen=self.chunks_seen.data_ptr(), max_recv_rows=-1, alignment=1)
+        if self.is_ring:
+            fields.update(ring_seen=self.ring_seen.data_ptr())
         return fields
 
     def _fields(self, epoch_word: int, topk_idx: torch.Tensor, num_experts: int,
@@ -181,6 +213,11 @@ class InternodeTransport(Transport):
             tokens_per_expert=a("tokens_per_expert"), expert_row_start=a("expert_row_start"),
             src_expert_offset=a("src_expert_offset"), fwd_count=n("fwd_count"),
             fwd_slots=n("fwd_slots"), slot_rows=a("slot_rows"))
+        if self.is_ring:
+            if "ring_base" not in nodes.plan.fields:
+                raise ValueError("this handle comes from a dispatch with full internode staging; "
+                                 "a buffer with MDEEP_INTERNODE_STAGING=ring cannot replay it")
+            fields.update(ring_base=n("ring_base"))
         return fields
 
     # ------------------------------------------------------------------ dispatch
@@ -204,7 +241,7 @@ class InternodeTransport(Transport):
         arena = dispatch_plan(num_tokens, num_topk, num_experts, num_ranks,
                               self.regions.max_tokens, layout is None).allocate(dev)
         nodes = node_plan(num_tokens, self.num_nodes, self.regions.max_tokens,
-                          self.ranks_per_node).allocate(dev)
+                          self.ranks_per_node, self.is_ring).allocate(dev)
         self.epochs.advance_dispatch()
         self.host_epoch += 1
         is_sync = num_max_recv_rows is None
@@ -215,21 +252,28 @@ class InternodeTransport(Transport):
                               hidden)
         fields.update(x=x.data_ptr(), topk_weights=topk_weights.data_ptr(),
                       x_scales=ops.addr(x_scales), **ops.internode_wire(fp8, hidden))
-        ops.internode_node_layout(topk_idx, fp8, self.num_nodes, fields)
+        ring = self.is_ring
+        ops.internode_node_layout(topk_idx, fp8, self.num_nodes, fields, ring=ring)
         notify = dict(fields, epoch_word=self.epochs.notify, alignment=expert_alignment,
                       max_recv_rows=-1 if is_sync else num_max_recv_rows,
                       host_info=self.status.host_info_ptr if is_sync else 0,
                       host_epoch=self.host_epoch & 0xFFFFFFFF)
-        ops.internode_notify(topk_idx, fp8, notify)
-        ops.internode_dispatch_send(topk_idx, False, fp8, self.num_sms, fields)
-        ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
+        ops.internode_notify(topk_idx, fp8, notify, ring=ring)
+        ops.internode_dispatch_send(topk_idx, False, fp8, self.num_sms, fields, ring=ring)
+        if ring:
+            ops.internode_ring_count(topk_idx, fp8, self.num_nodes, fields)
+        else:
+            ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
         num_rows = (self.status.wait_num_rows(self.host_epoch) if is_sync
                     else num_max_recv_rows)
         recv_x, recv_scales = empty_recv(num_rows, hidden, fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
         fields.update(recv_x=recv_x.data_ptr(), recv_scales=ops.addr(recv_scales),
                       recv_weights=recv_weights.data_ptr(), max_rows=num_rows)
-        ops.internode_dispatch_recv(topk_idx, False, fp8, self.num_sms, fields)
+        if ring:
+            ops.internode_ring_dispatch(topk_idx, False, fp8, self.ring_blocks, fields)
+        else:
+            ops.internode_dispatch_recv(topk_idx, False, fp8, self.num_sms, fields)
         num_local = num_experts // num_ranks
         handle = DispatchHandle.from_arena(
             arena, layout=layout, recv=RecvLayout.from_arena(arena), recv_weights=recv_weights,
@@ -254,8 +298,8 @@ class InternodeTransport(Transport):
                                                 self.num_ranks, max_tokens, False),
                            ("slot_rows",), self.device)
         new_nodes = regrow_slots(nodes, node_plan(num_tokens, self.num_nodes, max_tokens,
-                                                  self.ranks_per_node), ("fwd_slots",),
-                                 self.device)
+                                                  self.ranks_per_node, self.is_ring),
+                                 ("fwd_slots",), self.device)
         for name in new.plan.fields:  # drop views of the old arena
             handle.__dict__.pop(name, None)
         handle.__dict__["_arena"] = new
@@ -278,9 +322,14 @@ class InternodeTransport(Transport):
         fields.update(x=x.data_ptr(), x_scales=ops.addr(x_scales), recv_x=recv_x.data_ptr(),
                       recv_scales=ops.addr(recv_scales), max_rows=handle.num_recv_rows,
                       **ops.internode_wire(fp8, hidden))
-        ops.internode_dispatch_send(topk_idx, True, fp8, self.num_sms, fields)
-        ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
-        ops.internode_dispatch_recv(topk_idx, True, fp8, self.num_sms, fields)
+        if self.is_ring:  # the count runs again (same rows): it also waits for the network
+            ops.internode_dispatch_send(topk_idx, True, fp8, self.num_sms, fields, ring=True)
+            ops.internode_ring_count(topk_idx, fp8, self.num_nodes, fields)
+            ops.internode_ring_dispatch(topk_idx, True, fp8, self.ring_blocks, fields)
+        else:
+            ops.internode_dispatch_send(topk_idx, True, fp8, self.num_sms, fields)
+            ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
+            ops.internode_dispatch_recv(topk_idx, True, fp8, self.num_sms, fields)
         if fp8 is None:
             recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales)
@@ -301,9 +350,15 @@ class InternodeTransport(Transport):
         fields.update(y=y.data_ptr(), out=out.data_ptr(), out_weights=ops.addr(out_weights),
                       recv_weights=handle.recv_weights.data_ptr(),
                       grad_row_weights=ops.addr(grad_row_weights))
-        ops.internode_combine_send(topk_idx, y, weighted, with_weights, self.num_sms, fields)
-        ops.internode_combine_forward(topk_idx, y, with_weights, self.num_sms, fields)
-        ops.internode_combine_reduce(topk_idx, y, with_weights, self.num_sms, fields)
+        if self.is_ring:
+            ops.internode_ring_combine(topk_idx, y, weighted, with_weights, self.ring_blocks,
+                                       fields)
+            ops.internode_combine_reduce(topk_idx, y, with_weights, self.num_sms, fields,
+                                         ring=True)
+        else:
+            ops.internode_combine_send(topk_idx, y, weighted, with_weights, self.num_sms, fields)
+            ops.internode_combine_forward(topk_idx, y, with_weights, self.num_sms, fields)
+            ops.internode_combine_reduce(topk_idx, y, with_weights, self.num_sms, fields)
         return out, out_weights
 
     def destroy(self) -> None:
@@ -314,6 +369,21 @@ class InternodeTransport(Transport):
         self.block = None
         self.status.destroy()
         self.status = None
+
+
+def _check_same_staging(group, staging: str, ring_slots: int) -> None:
+    """Every rank must build the same symmetric layout and run the same kernels: compares the
+    staging settings over the group (set-up only; any backend).
+
+    Raises:
+        ValueError: naming the ranks' settings when they differ.
+    """
+    settings = [None] * dist.get_world_size(group)
+    dist.all_gather_object(settings, (staging, ring_slots), group=group)
+    if len(set(settings)) > 1:
+        seen = ", ".join(f"rank {r}: {s}" for r, s in enumerate(settings))
+        raise ValueError(f"ranks disagree on the internode staging (MDEEP_INTERNODE_STAGING, "
+                         f"MDEEP_INTERNODE_RING_SLOTS as (staging, ring slots)): {seen}")
 
 
 __all__ = ["CHUNK_TOKENS", "InternodeTransport", "MAX_NODES", "node_plan"]

@@ -2,6 +2,7 @@
 `InternodeArgs` offsets of `cuda_src/common/args.cuh` and the structs of `cuda_src/internode.cu`).
 
 R ranks, L ranks per node, M = R / L nodes, N_max slots, H the widest row, K the largest top-k.
+Full staging (`MDEEP_INTERNODE_STAGING=full`, the default):
 
     notify receive   [2][R] count rows (header + per-expert counts; two halves by epoch parity)
     notify send      [R] count rows (the source of the puts)
@@ -17,30 +18,83 @@ R ranks, L ranks per node, M = R / L nodes, N_max slots, H the widest row, K the
     combine receive  [M][N_max] summed rows + weights from each node
 
 The staging regions are the first version's fixed regions: `num_bytes` grows as R * N_max rows,
-so `size_hint` reports it and `InternodeRegions.check_bound` refuses what exceeds the bound.
+so `size_hint` reports it and the transport refuses what exceeds the heap.
+
+Ring staging (`MDEEP_INTERNODE_STAGING=ring`, C = `MDEEP_INTERNODE_RING_SLOTS`; docs/internode.md,
+"Ring staging"): the same regions, except
+
+    ring words       u64 [4][L][C]: dispatch ready, dispatch freed, combine ready, combine freed
+                     (zeroed at start with the counts; positions never repeat, so never again)
+    staging rows     [L][C] rows: the ring from each forwarder of this node
+    staging metadata [L][C] SlotMeta records
+    combine staging  [L][C] partial rows + K weights: the ring from each rank of this node
+
+so the block is about 4 M N_max + 2 L C slots, independent of R for the staging.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional, Tuple
 
+from megatron_deepep import knobs
 from megatron_deepep.transport import regions
 from megatron_deepep.transport.regions import COUNT_STRIDE, PAGE, _align
 
 MAX_RANKS_PER_NODE = 8   # kMaxRanksPerNode
 MAX_NODES = 32           # kMaxNodes
 NUM_NODE_FLAGS = 4 * MAX_RANKS_PER_NODE  # struct NodeFlags
+STAGING_MODES = ("full", "ring")
+MAX_RING_SLOTS = 1 << 20  # beyond any N_max x nodes a ring could need per call
+RING_WORDS = 4            # ready and freed words, for dispatch and for combine
+
+
+def staging_config(staging: Optional[str] = None,
+                   ring_slots: Optional[int] = None) -> Tuple[str, int]:
+    """The internode staging mode and ring slots: the arguments, else the knobs
+    `MDEEP_INTERNODE_STAGING` and `MDEEP_INTERNODE_RING_SLOTS`.
+
+    Returns:
+        `(staging, ring_slots)`: "full" with 0 slots, or "ring" with C >= 1.
+
+    Raises:
+        ValueError: an unknown mode or a slot count outside [1, 2**20] (the message names the
+            knob).
+    """
+    mode = staging if staging is not None else knobs.get("INTERNODE_STAGING")
+    if mode not in STAGING_MODES:
+        raise ValueError(f"staging / {knobs.PREFIX}INTERNODE_STAGING={mode!r}: choose one of "
+                         f"{', '.join(STAGING_MODES)}")
+    if mode == "full":
+        return mode, 0
+    slots = ring_slots if ring_slots is not None else knobs.get("INTERNODE_RING_SLOTS")
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_RING_SLOTS:
+        raise ValueError(f"ring_slots / {knobs.PREFIX}INTERNODE_RING_SLOTS={slots!r}: expected an "
+                         f"integer in [1, {MAX_RING_SLOTS}] (slots per ring)")
+    return mode, slots
 
 
 @dataclasses.dataclass(frozen=True)
 class InternodeRegions:
-    """Offsets and strides of the symmetric block for (R, L, N_max, H, K)."""
+    """Offsets and strides of the symmetric block for (R, L, N_max, H, K), full or ring staging
+    (`ring_slots` C > 0 exactly for "ring")."""
 
     num_ranks: int
     ranks_per_node: int
     max_tokens: int
     hidden: int
     num_topk: int
+    staging: str = "full"
+    ring_slots: int = 0
+
+    def __post_init__(self):
+        if (self.staging, self.ring_slots) != staging_config(self.staging, self.ring_slots):
+            raise ValueError(f"staging={self.staging!r} takes ring_slots=0, got "
+                             f"{self.ring_slots}")
+
+    @property
+    def is_ring(self) -> bool:
+        return self.staging == "ring"
 
     @property
     def num_nodes(self) -> int:
@@ -64,6 +118,8 @@ class InternodeRegions:
         return regions.weight_stride(self.num_topk)
 
     def _sizes(self):
+        if self.is_ring:
+            return self._ring_sizes()
         R, M, N = self.num_ranks, self.num_nodes, self.max_tokens
         net_slot = self.row_stride + self.record_stride
         comb_slot = self.row_stride + self.weight_stride
@@ -72,6 +128,19 @@ class InternodeRegions:
                 ("net_send", M * N * net_slot), ("net_recv", M * N * net_slot),
                 ("stage_rows", R * N * self.row_stride), ("stage_meta", R * N * self.meta_stride),
                 ("comb_stage", self.ranks_per_node * M * N * comb_slot),
+                ("comb_send", M * N * comb_slot), ("comb_recv", M * N * comb_slot)]
+
+    def _ring_sizes(self):
+        R, L, M, N, C = (self.num_ranks, self.ranks_per_node, self.num_nodes, self.max_tokens,
+                         self.ring_slots)
+        net_slot = self.row_stride + self.record_stride
+        comb_slot = self.row_stride + self.weight_stride
+        return [("notify_recv", 2 * R * COUNT_STRIDE * 4), ("notify_send", R * COUNT_STRIDE * 4),
+                ("signals", (2 * R + 4 * M) * 8), ("flags", NUM_NODE_FLAGS * 4),
+                ("ring_words", RING_WORDS * L * C * 8),
+                ("net_send", M * N * net_slot), ("net_recv", M * N * net_slot),
+                ("stage_rows", L * C * self.row_stride), ("stage_meta", L * C * self.meta_stride),
+                ("comb_stage", L * C * comb_slot),
                 ("comb_send", M * N * comb_slot), ("comb_recv", M * N * comb_slot)]
 
     @property
@@ -86,12 +155,21 @@ class InternodeRegions:
     @property
     def num_bytes(self) -> int:
         """The whole block, rounded to 2 MiB: about N_max (4 M + L M + R) (2 H + 16 K)
-        bytes, the R N_max staging rows dominating at scale."""
+        bytes with full staging, the R N_max staging rows dominating at scale; about
+        (4 M N_max + 2 L C) (2 H + 16 K) with ring staging."""
         name, size = self._sizes()[-1]
         return _align(self.offsets[name] + size, 2 << 20)
 
+    def formula(self) -> str:
+        """The block's size formula in words, for messages."""
+        if self.is_ring:
+            return (f"about (4 M N_max + 2 L C) rows, C = {self.ring_slots} ring slots "
+                    "(ring staging)")
+        return "about N_max (4 M + L M + R) rows"
+
     def control_bytes(self) -> int:
-        """Bytes before the network regions (counts, signals, flags): zeroed at start."""
+        """Bytes before the network regions (counts, signals, flags, ring words): zeroed at
+        start."""
         return self.offsets["net_send"]
 
     def as_args(self) -> dict:
@@ -100,4 +178,6 @@ class InternodeRegions:
         fields.update(row_stride=self.row_stride, record_stride=self.record_stride,
                       meta_stride=self.meta_stride, weight_stride=self.weight_stride,
                       max_tokens=self.max_tokens)
+        if self.is_ring:
+            fields["ring_slots"] = self.ring_slots
         return fields

@@ -11,6 +11,13 @@ changing shapes, calls on the Buffer's comm stream, a no-sync dispatch + combine
 a CUDA graph (eager calls between replays), autograd, fp16 and fp32 rows, FP8 dispatch in every
 wire format (the network carries e4m3 rows and scales), bad input, and a stalled peer that must
 raise naming rank and node.
+
+Staging: the whole matrix runs with the node staging `MDEEP_INTERNODE_STAGING` selects (`full`
+by default; `ring` with `MDEEP_INTERNODE_RING_SLOTS` slots per ring, docs/internode.md "Ring
+staging"). `test_internode_small_ring` always runs ring staging with 4 slots per ring, fewer
+than any ring carries per call, so every ring wraps many times per call and producers wait for
+consumers in other processes (progress then comes from the GPU time-slicing the processes); it
+also checks that ring staging's results equal full staging's bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from megatron_deepep import knobs
 from megatron_deepep.buffer import Buffer
 from megatron_deepep.node_layout import compute_node_layout
 from megatron_deepep.transport.errors import PeerTimeoutError
+from megatron_deepep.transport.internode_regions import staging_config
 from megatron_deepep.transport.topology import Topology
 from tests.cases import expert_scale, make_inputs
 from tests.gpu import test_fp8_dispatch_gpu as fp8_gpu
@@ -40,6 +48,10 @@ NODE_SHAPES = [tuple(int(v) for v in s.split("x")) for s in knobs.get("TEST_NODE
 NUM_CALLS = knobs.get("TEST_CALLS")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_SYMMETRIC_SIZE": "2G"}
+# test_internode_small_ring: slots per ring (a ring carries up to nodes x tokens per rank rows
+# per call) and back-to-back calls (each wrap may wait for a time slice of another process).
+SMALL_RING_SLOTS = 4
+SMALL_RING_CALLS = 20
 
 # kind, tokens per rank, hidden, experts per rank, top-k, alignment
 CASES = [
@@ -172,8 +184,10 @@ def _worker(rank, world, per_node, num_calls):
     inter = Buffer(group, 256, 7168, 16, transport="internode", num_sms=8, timeout_s=20,
                    num_ranks_per_node=per_node)
     assert inter.transport_name == "internode"
+    staging = inter._transport.staging
+    assert staging == staging_config()[0]
     ref = Buffer(group, 256, 7168, 16, transport="reference")
-    _progress(rank, start, "buffers built")
+    _progress(rank, start, f"buffers built ({staging} staging)")
     for i, case in enumerate(CASES):
         _case(rank, world, per_node, inter, ref, 1000 * world + i, *case)
         _progress(rank, start, f"case {case} passed")
@@ -200,21 +214,27 @@ def _worker(rank, world, per_node, num_calls):
     # No NVSHMEM teardown calls: limited mode forbids host collectives at teardown.
 
 
+def _is_ring() -> bool:
+    return staging_config()[0] == "ring"
+
+
 def _link(family) -> None:
     from megatron_deepep import jit, nvshmem_link, ops
     from megatron_deepep.fp8.dispatch import Fp8Dispatch
     topk, fmt, output = family
     fp8 = None if fmt is None else Fp8Dispatch(fp8_gpu.FORMATS[fmt], output)
-    nvshmem_link.link_cubin("internode.cu",
-                            list(ops.internode_expressions(topk, "long long", fp8)),
+    expressions = ops.internode_ring_expressions if _is_ring() else ops.internode_expressions
+    nvshmem_link.link_cubin("internode.cu", list(expressions(topk, "long long", fp8)),
                             jit.device_arch())
 
 
 def _link_combine(family) -> None:
     from megatron_deepep import jit, nvshmem_link, ops
     topk, row_dtype = family
-    expressions = ops.internode_combine_expressions(topk, row_dtype)
-    nvshmem_link.link_cubin("internode.cu", list(expressions), jit.device_arch())
+    expressions = (ops.internode_ring_combine_expressions if _is_ring()
+                   else ops.internode_combine_expressions)
+    nvshmem_link.link_cubin("internode.cu", list(expressions(topk, row_dtype)),
+                            jit.device_arch())
 
 
 def _link_once():
@@ -267,3 +287,70 @@ def test_internode_graph_replay(shape, monkeypatch, require_nvshmem):
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _graph_worker, per_node, backend="gloo",
                     timeout_s=300, hard_exit=True)
+
+
+def _same_results(rank, world, full, ring, seed):
+    """Ring staging moves the same bytes and sums the node's partials in the same order as
+    full staging: dispatch and combine (weighted, with routing-weight gradients) bit-equal."""
+    dev = torch.device("cuda")
+    experts = 2 * world
+    xs, idxs, ws = make_inputs(seed, world, 40, 2048, experts, 8, "random")
+    got = []
+    for buf in (full, ring):
+        recv_x, recv_w, handle, _ = buf.dispatch(xs[rank].to(dev), idxs[rank].to(dev),
+                                                 ws[rank].to(dev), num_experts=experts)
+        y = expert_scale(recv_x.cpu(), handle.tokens_per_expert_list).to(dev)
+        grad = torch.linspace(0, 1, y.shape[0], device=dev)
+        out, out_w, _ = buf.combine(y, handle, weighted=True, grad_row_weights=grad)
+        got.append((recv_x.cpu(), recv_w.cpu(), out.cpu(), out_w.cpu()))
+    for name, a, b in zip(("rows", "weights", "combine", "weight gradients"), *got):
+        assert torch.equal(a, b), f"ring staging's {name} differ from full staging's"
+
+
+def _small_ring_worker(rank, world, per_node, num_calls):
+    os.environ.update(ENV)
+    start = time.monotonic()
+    torch.cuda.set_device(0)
+    group = dist.group.WORLD
+    os.environ["MDEEP_INTERNODE_STAGING"] = "full"
+    full = Buffer(group, 64, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
+                  num_ranks_per_node=per_node)
+    os.environ["MDEEP_INTERNODE_STAGING"] = "ring"
+    inter = Buffer(group, 256, 7168, 16, transport="internode", num_sms=8, timeout_s=60,
+                   num_ranks_per_node=per_node)
+    assert (inter._transport.staging, inter._transport.ring_slots) == ("ring", SMALL_RING_SLOTS)
+    ring = Buffer(group, 64, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
+                  num_ranks_per_node=per_node)
+    ref = Buffer(group, 256, 7168, 16, transport="reference")
+    _progress(rank, start, f"buffers built (ring staging, {SMALL_RING_SLOTS} slots per ring)")
+    _same_results(rank, world, full, ring, 41 + world)
+    _progress(rank, start, "ring staging equals full staging bit for bit")
+    for i in (0, 2, 5):  # top-8 at H 7168; dropped entries; uneven ranks at top-16
+        _case(rank, world, per_node, inter, ref, 3000 * world + i, *CASES[i])
+        _progress(rank, start, f"case {CASES[i]} passed")
+    nvlink_gpu._back_to_back(rank, world, inter, num_calls)
+    _progress(rank, start, f"{num_calls} back-to-back calls passed")
+    nvlink_gpu._graph_replay(rank, world, ring, ref, exact_combine=False)
+    _progress(rank, start, "graph replays passed")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("shape", NODE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_internode_small_ring(shape, monkeypatch, require_nvshmem):
+    """Ring staging with 4 slots per ring: cases, back-to-back calls and graph replays against
+    the reference, and against full staging bit for bit."""
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MDEEP_INTERNODE_RING_SLOTS", str(SMALL_RING_SLOTS))
+    start = time.monotonic()
+    for staging in ("full", "ring"):
+        monkeypatch.setenv("MDEEP_INTERNODE_STAGING", staging)
+        _link((8, None, None))
+        _link_combine((8, 0))
+    for k in sorted({CASES[i][4] for i in (0, 2, 5)} | {2, 4}):  # + back-to-back, graphs
+        _link((k, None, None))
+        _link_combine((k, 0))
+    print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    num_nodes, per_node = shape
+    run_distributed(num_nodes * per_node, _small_ring_worker, per_node, SMALL_RING_CALLS,
+                    backend="gloo", timeout_s=1200, hard_exit=True)
