@@ -165,11 +165,15 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
     const i64 row_bytes = sizes.out_row, in_row_bytes = sizes.in_row;
     const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
 
-    // Padding rows (no wait needed: the layout is known from notify); one expert per warp.
-    for (int e = warp; e < num_local; e += num_warps)
-        zero_padding_rows<kFp8Out, kCached>(e, recv_x, recv_scales, recv_weights, row_bytes,
-                                            scale_bytes, max_rows, num_recv_tokens_per_expert,
-                                            expert_row_start, lane);
+    // Padding rows (no wait needed: the layout is known from notify, unless notify gave up on an
+    // error: then there is no layout to read); one expert per warp.
+    if (!has_error(err)) {
+        for (int e = warp; e < num_local; e += num_warps)
+            zero_padding_rows<kFp8Out, kCached>(e, recv_x, recv_scales, recv_weights, row_bytes,
+                                                scale_bytes, max_rows,
+                                                num_recv_tokens_per_expert, expert_row_start,
+                                                lane);
+    }
 
     __shared__ int slot_start[kMaxRanks + 1];
     if (threadIdx.x == 0) {

@@ -159,7 +159,9 @@ def bench_ours(buf, xs, idxs, ws, num_experts: int, fp8=None) -> Dict[str, dict]
     upper bound), cached (the handle replayed), and combine; FP8 dispatch when `fp8` is given.
     """
     state = {"i": 0}
-    bound = xs[0].shape[0] * idxs[0].shape[1]
+    # A true bound at any EP size: every rank's every row (tokens x top-k, from each rank) could
+    # land here; tokens x top-k alone overflows whenever a rank receives more than it sends.
+    bound = buf.num_ranks * xs[0].shape[0] * idxs[0].shape[1]
 
     def setup(i):
         state["i"] = i % len(xs)

@@ -8,7 +8,11 @@
 namespace mdeep {
 
 // Thread p waits until flags[p] (written by peer p) reaches `epoch`. Returns, in every thread of
-// the block, whether all waits succeeded (a failed wait has recorded which peer stalled).
+// the block, whether all waits succeeded and no error is recorded on this rank (a failed wait has
+// recorded which peer stalled). After an error the Buffer is broken (the host raises at its next
+// call), but calls queued before the host saw it still run: their kernels must not read what a
+// failed earlier kernel never wrote (e.g. the receive layout of a notify that gave up), so
+// "ok" is false for them even where the peers' flags are already there.
 __device__ __forceinline__ bool block_wait_peers(const u32* flags, u32 epoch, int num_ranks,
                                                  int rank, bool include_self, u64 timeout_ns,
                                                  const ErrorState& err, int phase) {
@@ -19,6 +23,8 @@ __device__ __forceinline__ bool block_wait_peers(const u32* flags, u32 epoch, in
     if (peer < num_ranks && (include_self || peer != rank) &&
         !wait_epoch(&flags[peer], epoch, timeout_ns, err, rank, peer, phase))
         failed = 1;
+    __syncthreads();
+    if (threadIdx.x == 0 && has_error(err)) failed = 1;  // one reader: the answer is uniform
     __syncthreads();
     return failed == 0;
 }

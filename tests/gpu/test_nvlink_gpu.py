@@ -378,3 +378,41 @@ def _graph_worker(rank, world):
 @pytest.mark.parametrize("num_procs", [n for n in NUM_PROCS if n > 1])
 def test_nvlink_graph_replay(num_procs):
     run_distributed(num_procs, _graph_worker, backend="gloo", timeout_s=300)
+
+
+def _calls_after_overflow_worker(rank, world):
+    """No-sync dispatches queued back to back after one overflowed its row bound (the host sees
+    the error only at a later call): every rank must end with a clear error from the Buffer and
+    a healthy CUDA context, never an illegal address from a kernel that read the receive layout
+    a notify gave up on (the EP = 2 bench once crashed that way: its bound, tokens x top-k,
+    is too small when a rank receives more rows than it sends)."""
+    _init_device()
+    _warm(rank)
+    experts, topk, num_tokens = 4 * world, 4, 256
+    xs, idxs, ws = make_inputs(71 + world, world, num_tokens, 1024, experts, topk, "random")
+    dev = torch.device("cuda")
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    buf = Buffer(dist.group.WORLD, num_tokens, 1024, topk, transport="nvlink", num_sms=4,
+                 timeout_s=3)
+    raised = None
+    for _ in range(6):
+        try:
+            buf.dispatch(x, idx, w, num_experts=experts, num_max_recv_rows=1)
+        except (ValueError, RuntimeError) as exc:
+            raised = exc
+            break
+    torch.cuda.synchronize()  # a kernel fault would surface here (sticky CUDA error)
+    if raised is None:  # every call was queued before the first error reached the host
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            buf.dispatch(x, idx, w, num_experts=experts, num_max_recv_rows=1)
+        raised = info.value
+    assert "CUDA error" not in str(raised) and "illegal" not in str(raised), raised
+    assert "num_max_recv_rows=1 is too small" in str(raised) or isinstance(
+        raised, PeerTimeoutError) or "failed earlier" in str(raised), raised
+    dist.barrier()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("num_procs", [n for n in NUM_PROCS if n > 1])
+def test_nvlink_calls_after_an_overflow_raise_cleanly(num_procs):
+    run_distributed(num_procs, _calls_after_overflow_worker, backend="gloo", timeout_s=300)
