@@ -24,6 +24,10 @@
 // Ring staging (MDEEP_INTERNODE_STAGING=ring, the section at the end): the node's staging becomes
 // L rings of ring_slots slots per rank; forward + expand and combine send + forward then run as
 // one persistent kernel each (internode_ring_dispatch, internode_ring_combine).
+// Network ring (MDEEP_INTERNODE_NET_RING_CHUNKS, with ring staging; the last section): the
+// network regions become K chunk slots per rail peer; send + forward + expand and partials +
+// sums + reduce then run as one persistent kernel each (internode_net_dispatch,
+// internode_net_combine), and notify also gives each forwarder its ring positions.
 // FP8 dispatch (kFmt != bf16): the send quantizes each row once (or copies a pre-quantized
 // row), the network and the NVLink staging carry the wire row (e4m3 data, then its scales), and
 // the expand dequantizes it or hands data and scales on.
@@ -35,6 +39,7 @@
 #include "common/row_dtype.cuh"
 #include "common/warp.cuh"
 #include "internode/net.cuh"
+#include "internode/net_ring.cuh"
 #include "internode/ring.cuh"
 
 using namespace mdeep;
@@ -216,6 +221,75 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_node_layout(
 
 // ------------------------------------------------------------------------------------ notify
 
+// Network ring only (net_chunks > 0, docs/internode.md "Network ring"): the rail counts. The
+// forwarder must know its ring positions (ring_base) before the rows stream in, so every
+// source also tells its rail peer on each node how many tokens it sends to each rank there.
+// Region rail_counts: u64 signals [2][M], int received [2][M][8] (by epoch parity, then
+// source node), int sent [M][8] (the source of the puts).
+constexpr int kPhaseInNetNotify = 20;
+
+struct RailCounts {
+    u64* signals;
+    int (*received)[kMaxRanksPerNode];
+    int (*sent)[kMaxRanksPerNode];
+    __device__ explicit RailCounts(const InternodeArgs& a) {
+        const int M = a.num_nodes;
+        signals = reinterpret_cast<u64*>(a.heap + a.rail_counts);
+        received = reinterpret_cast<int(*)[kMaxRanksPerNode]>(signals + 2 * M);
+        sent = received + 2 * M;
+    }
+};
+
+// The whole block: my token counts for the ranks of every node, put to my rail peer there
+// with a signal carrying the notify epoch (my own node's straight into my half), into the half
+// of the epoch's parity (as the count rows: a source is at most one call ahead).
+__device__ __forceinline__ void put_rail_counts(const InternodeArgs& a, int parity) {
+    const int L = a.ranks_per_node, M = a.num_nodes, node = a.rank / L, local = a.rank % L;
+    const RailCounts rc(a);
+    for (int i = threadIdx.x; i < M * kMaxRanksPerNode; i += blockDim.x) {
+        const int n = i / kMaxRanksPerNode, t = i % kMaxRanksPerNode;
+        const int value = t < L ? a.num_tokens_per_rank[n * L + t] : 0;
+        rc.sent[n][t] = value;
+        if (n == node) rc.received[parity * M + node][t] = value;
+    }
+    __threadfence_system();  // the network engine reads `sent` from outside the SMs
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    for (int n = warp; n < M; n += num_warps)
+        if (n != node)
+            net::put_signal_warp(rc.received[parity * M + node], rc.sent[n],
+                                 kMaxRanksPerNode * sizeof(int), rc.signals + parity * M + node,
+                                 epoch_of(a), a.pe_of_rank[n * L + local], net::Signal::kSet);
+    __syncwarp();
+    if (lane == 0) net::quiet();
+}
+
+// The whole block: waits for every rail peer's counts of this call (the timeout names it),
+// then ring_base[t][n + 1] = ring_base[t][n] + the tokens rail source (node n, my local)
+// sends node rank t: the forwarder's first ring position per (rank t, source node n), as
+// internode_ring_count counts them from the landed rows with ring staging alone.
+__device__ __forceinline__ void rail_ring_base(const InternodeArgs& a, int parity,
+                                               const ErrorState& err) {
+    const int L = a.ranks_per_node, M = a.num_nodes, node = a.rank / L, local = a.rank % L;
+    const RailCounts rc(a);
+    __shared__ int rail_failed;
+    if (threadIdx.x == 0) rail_failed = 0;
+    __syncthreads();
+    for (int n = threadIdx.x; n < M; n += blockDim.x)
+        if (n != node && !net::wait_signal_ge(rc.signals + parity * M + n, epoch_of(a),
+                                              a.timeout_ns, err, a.rank, n * L + local,
+                                              kPhaseInNetNotify))
+            rail_failed = 1;
+    __syncthreads();
+    if (rail_failed) return;
+    const volatile int(*received)[kMaxRanksPerNode] = rc.received + parity * M;
+    if (threadIdx.x < L) {
+        int* base = a.ring_base + threadIdx.x * (M + 1);
+        base[0] = 0;
+        for (int n = 0; n < M; ++n) base[n + 1] = base[n] + received[n][threadIdx.x];
+    }
+}
+
 // One block. Every source puts to every PE its header and its counts for that PE's local
 // experts (with a signal carrying the epoch), into a region of two halves by epoch parity (a
 // source can be one call ahead of a reader, never two: its own notify waits for everyone's).
@@ -255,6 +329,7 @@ __global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
                                  signals + me, epoch_of(a), a.pe_of_rank[d], net::Signal::kSet);
     __syncwarp();
     if (lane == 0) net::quiet();
+    if (a.net_chunks > 0) put_rail_counts(a, parity);
     // 2. Everyone's row.
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
@@ -302,6 +377,7 @@ __global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
                          num_rows);
         if (a.host_info != nullptr) publish_host_info(a.host_info, num_rows, a.host_epoch);
     }
+    if (a.net_chunks > 0) rail_ring_base(a, parity, err);
 }
 
 // ------------------------------------------------------------------------------------ dispatch
@@ -329,14 +405,32 @@ __device__ __forceinline__ void write_wire_row(const InternodeArgs& a, int i, u8
     }
 }
 
+// Packs node slot j of destination node m (token node_slot_token[m][j]) into the network slot
+// `slot`: the wire row, then its NetRecord (the whole warp takes part).
+template <int kTopk, bool kCached, typename IdxT, int kFmt>
+__device__ __forceinline__ void pack_net_slot(const InternodeArgs& a, int m, int j, u8* slot,
+                                              int lane) {
+    const int R = a.num_ranks, L = a.ranks_per_node;
+    const IdxT* const topk_idx = static_cast<const IdxT*>(a.topk_idx);
+    const int i = a.node_slot_token[(i64)m * a.num_tokens + j];
+    write_wire_row<kFmt>(a, i, slot, lane);
+    NetRecord<kTopk>* rec = reinterpret_cast<NetRecord<kTopk>*>(slot + a.row_stride);
+    if (lane == 0) rec->token = i;
+    if (lane < kMaxRanksPerNode)
+        rec->slot_in_rank[lane] = lane < L ? a.token_slot_in_rank[(i64)i * R + m * L + lane] : -1;
+    if (lane < kTopk) {
+        rec->expert[lane] = (int)topk_idx[(i64)i * kTopk + lane];
+        rec->pos[lane] = a.pos_in_expert[(i64)i * kTopk + lane];
+        rec->weight[lane] = kCached ? 0.f : a.topk_weights[(i64)i * kTopk + lane];
+    }
+}
+
 template <int kTopk, bool kCached, typename IdxT, int kFmt>
 __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
     const auto [R, L, M, C, N_max, node, local] = Shape(a);
-    const int N = a.num_tokens;
     const i64 slot_stride = a.row_stride + a.record_stride;
-    const IdxT* const topk_idx = static_cast<const IdxT*>(a.topk_idx);
     const Signals sig(a);
     __shared__ int chunk_start[kMaxNodes + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_tokens_per_node, M, C, chunk_start);
@@ -353,21 +447,9 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
         const bool own = m == node;
         u8* const region = a.heap + (own ? a.net_recv + (i64)node * N_max * slot_stride
                                          : a.net_send + (i64)m * N_max * slot_stride);
-        for (int j = first + warp; j < last; j += num_warps) {
-            const int i = a.node_slot_token[(i64)m * N + j];
-            u8* const slot = region + (i64)j * slot_stride;
-            write_wire_row<kFmt>(a, i, slot, lane);
-            NetRecord<kTopk>* rec = reinterpret_cast<NetRecord<kTopk>*>(slot + a.row_stride);
-            if (lane == 0) rec->token = i;
-            if (lane < kMaxRanksPerNode)
-                rec->slot_in_rank[lane] =
-                    lane < L ? a.token_slot_in_rank[(i64)i * R + m * L + lane] : -1;
-            if (lane < kTopk) {
-                rec->expert[lane] = (int)topk_idx[(i64)i * kTopk + lane];
-                rec->pos[lane] = a.pos_in_expert[(i64)i * kTopk + lane];
-                rec->weight[lane] = kCached ? 0.f : a.topk_weights[(i64)i * kTopk + lane];
-            }
-        }
+        for (int j = first + warp; j < last; j += num_warps)
+            pack_net_slot<kTopk, kCached, IdxT, kFmt>(a, m, j, region + (i64)j * slot_stride,
+                                                      lane);
         __threadfence_system();  // the network engine reads the chunk from outside the SMs
         __syncthreads();
         if (!own)
@@ -828,6 +910,33 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_ring_count(
     }
 }
 
+// Writes the network slot `slot` (a wire row, then its NetRecord) into slot pos % S of node
+// rank t's ring from me (t's block: `peer`): the row and its SlotMeta as internode_forward
+// writes them into the full staging. The whole warp takes part.
+template <int kTopk>
+__device__ __forceinline__ void ring_write_row(const InternodeArgs& a, int t, const u8* slot,
+                                               u64 pos, u8* peer, int lane) {
+    const int L = a.ranks_per_node, local = a.rank % L, num_local = a.num_local;
+    const int d = (a.rank / L) * L + t;
+    const int num_int4 = (int)((a.wire_bytes + 15) / 16);  // within row_stride
+    const i64 c = (i64)local * a.ring_slots + (i64)(pos % (u64)a.ring_slots);
+    const volatile NetRecord<kTopk>* rec =
+        reinterpret_cast<const volatile NetRecord<kTopk>*>(slot + a.row_stride);
+    SlotMeta<kTopk>* meta =
+        reinterpret_cast<SlotMeta<kTopk>*>(peer + a.stage_meta + c * a.meta_stride);
+    if (lane < kTopk) {
+        const int id = rec->expert[lane];
+        const bool here = id >= 0 && id / num_local == d;
+        meta->local_expert[lane] = here ? id - d * num_local : -1;
+        meta->pos[lane] = here ? rec->pos[lane] : -1;
+        meta->weight[lane] = rec->weight[lane];
+    } else if (lane == kTopk) {
+        meta->token = rec->token;
+    }
+    int4* dst[1] = {reinterpret_cast<int4*>(peer + a.stage_rows + c * a.row_stride)};
+    warp_copy_row<1, true>(reinterpret_cast<const int4*>(slot), dst, 1, num_int4, lane);
+}
+
 // Producer warp `index` of `per_group` of ring (me -> t): every record whose token goes to t,
 // in record order (so in position order), batches of 32 records strided over the group; each
 // row and its SlotMeta (as internode_forward writes them) into slot pos % S of t's ring [me],
@@ -838,14 +947,11 @@ __device__ __forceinline__ void ring_forward_rows(const InternodeArgs& a, int t,
                                                   const int* tok_start, const ErrorState& err,
                                                   int lane) {
     const auto [R, L, M, C, N_max, node, local] = Shape(a);
-    const int S = a.ring_slots, num_local = a.num_local, total = tok_start[M];
+    const int S = a.ring_slots, total = tok_start[M];
     const i64 slot_stride = a.row_stride + a.record_stride;
-    const int num_int4 = (int)((a.wire_bytes + 15) / 16);  // within row_stride
     const u64 first_pos = *ring_seen(a, kSeenDispSent, t);
     const int* base = a.ring_base + t * (M + 1);
     const int d = node * L + t;
-    u8* const rows = peers[t] + a.stage_rows + (i64)local * S * a.row_stride;
-    u8* const metas = peers[t] + a.stage_meta + (i64)local * S * a.meta_stride;
     ring::PendingWords pending;
     for (int first = index * 32; first < total; first += per_group * 32) {
         const int i = first + lane;
@@ -871,21 +977,7 @@ __device__ __forceinline__ void ring_forward_rows(const InternodeArgs& a, int t,
                                       a.rank, d, kPhaseInRingForward, lane))
                 return;
             const u8* slot = a.heap + a.net_recv + ((i64)rn * N_max + rj) * slot_stride;
-            const volatile NetRecord<kTopk>* rec =
-                reinterpret_cast<const volatile NetRecord<kTopk>*>(slot + a.row_stride);
-            const i64 c = (i64)(pos % (u64)S);
-            SlotMeta<kTopk>* meta = reinterpret_cast<SlotMeta<kTopk>*>(metas + c * a.meta_stride);
-            if (lane < kTopk) {
-                const int id = rec->expert[lane];
-                const bool here = id >= 0 && id / num_local == d;
-                meta->local_expert[lane] = here ? id - d * num_local : -1;
-                meta->pos[lane] = here ? rec->pos[lane] : -1;
-                meta->weight[lane] = rec->weight[lane];
-            } else if (lane == kTopk) {
-                meta->token = rec->token;
-            }
-            int4* dst[1] = {reinterpret_cast<int4*>(rows + c * a.row_stride)};
-            warp_copy_row<1, true>(reinterpret_cast<const int4*>(slot), dst, 1, num_int4, lane);
+            ring_write_row<kTopk>(a, t, slot, pos, peers[t], lane);
             pending.add(ring_word(peers[t], a, kRingDispReady, local, pos), pos + 1, lane);
         }
     }
@@ -1060,6 +1152,44 @@ __device__ __forceinline__ void ring_partials(const InternodeArgs& a, int u, int
     pending.flush(lane);
 }
 
+// Forwarded token (source node n, slot j): this node's partials of it from their rings
+// (ascending local rank, as internode_combine_forward sums them) summed into `dst` (the row,
+// then the K weight sums), their ring slots freed (pending). The whole warp takes part; false
+// after a failed wait.
+template <int kTopk, bool kWithWeights, int kDtype>
+__device__ __forceinline__ bool ring_sum_token(const InternodeArgs& a, int n, int j, u8* dst,
+                                               u8* const* peers, ring::PendingWords& pending,
+                                               const ErrorState& err, int lane) {
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int S = a.ring_slots, num_int4 = a.hidden * 2 / 16;
+    const i64 comb_stride = a.row_stride + a.weight_stride;
+    const int* slots = a.fwd_slots + ((i64)n * N_max + j) * L;
+    const u8* src[kMaxRanksPerNode];
+    u64 src_pos[kMaxRanksPerNode];
+    int src_rank[kMaxRanksPerNode];
+    int num_src = 0;
+    for (int t = 0; t < L; ++t) {
+        if (slots[t] < 0) continue;
+        const u64 pos = *ring_seen(a, kSeenCombRecv, t) +
+                        (u64)(a.ring_base[t * (M + 1) + n] + slots[t]);
+        if (!ring::warp_wait_word(ring_word(a.heap, a, kRingCombReady, t, pos), pos + 1, pending,
+                                  a.timeout_ns, err, a.rank, node * L + t,
+                                  kPhaseInRingCombineForward, lane))
+            return false;
+        src[num_src] = a.heap + a.comb_stage + ((i64)t * S + (i64)(pos % (u64)S)) * comb_stride;
+        src_pos[num_src] = pos;
+        src_rank[num_src++] = t;
+    }
+    warp_sum_partials<kTopk, kWithWeights, kDtype>(src, num_src, a.row_stride,
+                                                   reinterpret_cast<int4*>(dst),
+                                                   reinterpret_cast<float*>(dst + a.row_stride),
+                                                   num_int4, lane);
+    for (int k = 0; k < num_src; ++k)
+        pending.add(ring_word(peers[src_rank[k]], a, kRingCombFreed, local, src_pos[k]),
+                    src_pos[k] + 1, lane);
+    return true;
+}
+
 // Consumer warp `index` of `num_consumers` (the forwarder's sums): whole network chunks of
 // forwarded tokens, strided, in token order; per token the partials of this node's ranks from
 // their rings (ascending local rank, as internode_combine_forward sums them), the sum into the
@@ -1070,7 +1200,6 @@ __device__ __forceinline__ void ring_node_sums(const InternodeArgs& a, int index
                                                const int* chunk_start, const ErrorState& err,
                                                int lane) {
     const auto [R, L, M, C, N_max, node, local] = Shape(a);
-    const int S = a.ring_slots, num_int4 = a.hidden * 2 / 16;
     const i64 comb_stride = a.row_stride + a.weight_stride;
     const Signals sig(a);
     // Rail peers consumed the previous combine's rows (comb_send and their comb_recv).
@@ -1086,34 +1215,10 @@ __device__ __forceinline__ void ring_node_sums(const InternodeArgs& a, int index
         const bool own = n == node;
         u8* const region = a.heap + (own ? a.comb_recv + (i64)node * N_max * comb_stride
                                          : a.comb_send + (i64)n * N_max * comb_stride);
-        for (int j = first; j < last; ++j) {
-            const int* slots = a.fwd_slots + ((i64)n * N_max + j) * L;
-            const u8* src[kMaxRanksPerNode];
-            u64 src_pos[kMaxRanksPerNode];
-            int src_rank[kMaxRanksPerNode];
-            int num_src = 0;
-            for (int t = 0; t < L; ++t) {
-                if (slots[t] < 0) continue;
-                const u64 pos = *ring_seen(a, kSeenCombRecv, t) +
-                                (u64)(a.ring_base[t * (M + 1) + n] + slots[t]);
-                if (!ring::warp_wait_word(ring_word(a.heap, a, kRingCombReady, t, pos), pos + 1,
-                                          pending, a.timeout_ns, err, a.rank, node * L + t,
-                                          kPhaseInRingCombineForward, lane))
-                    return;
-                src[num_src] = a.heap + a.comb_stage +
-                               ((i64)t * S + (i64)(pos % (u64)S)) * comb_stride;
-                src_pos[num_src] = pos;
-                src_rank[num_src++] = t;
-            }
-            u8* const dst = region + (i64)j * comb_stride;
-            warp_sum_partials<kTopk, kWithWeights, kDtype>(src, num_src, a.row_stride,
-                                                   reinterpret_cast<int4*>(dst),
-                                                   reinterpret_cast<float*>(dst + a.row_stride),
-                                                   num_int4, lane);
-            for (int k = 0; k < num_src; ++k)
-                pending.add(ring_word(peers[src_rank[k]], a, kRingCombFreed, local, src_pos[k]),
-                            src_pos[k] + 1, lane);
-        }
+        for (int j = first; j < last; ++j)
+            if (!ring_sum_token<kTopk, kWithWeights, kDtype>(
+                    a, n, j, region + (i64)j * comb_stride, peers, pending, err, lane))
+                return;
         __threadfence_system();  // the network engine reads the chunk from outside the SMs
         __syncwarp();
         if (!own && last > first)
@@ -1157,6 +1262,354 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_ring_combine(
         for (int t = 0; t < L; ++t) {
             *ring_seen(a, kSeenCombSent, t) += (u64)src_start[t][M];
             *ring_seen(a, kSeenCombRecv, t) += (u64)a.ring_base[t * (M + 1) + M];
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------- network ring
+//
+// MDEEP_INTERNODE_NET_RING_CHUNKS = K > 0, with ring staging (docs/internode.md, "Network
+// ring"): net_send / net_recv (dispatch) and comb_send / comb_recv (combine) hold [M][K] chunk
+// slots of C = chunk_tokens network slots each, whatever N_max (internode/net_ring.cuh: chunk
+// numbers, ready and credit words). Dispatch streams: me -> my rail peer on each node m (chunk
+// c of the call: my node slots [c C, c C + C) for m); combine streams: forwarder -> source (the
+// forwarded tokens' sums, chunked as dispatch chunked them). Each includes the stream to my own
+// node (local words, packed in place). Chunk totals: net_sent (local u64 [2][M], sent to each
+// node) and chunks_seen (received from each node), advanced by each kernel's last block.
+// Kernels (node layout and notify as before; notify also fills ring_base from the rail counts):
+//   internode_net_dispatch  senders + ring forward + ring expand in one persistent kernel: a
+//                           sender may wait for a credit that only its rail peer's forwarder of
+//                           the same call returns, while that rank's own sender may be waiting
+//                           for this rank's forwarder
+//   internode_net_combine   ring partials + the forwarder's sums (one put per chunk) + the
+//                           source's reduce, likewise
+// Roles: 3 L groups of warps (warp w in group w mod 3L): kind = group / L (0: senders or, in
+// combine, partial producers; 1: ring forward or node sums; 2: ring expand or reduce), sub =
+// group mod L (the ring's node rank where a ring is meant).
+
+constexpr int kPhaseInNetSend = 21, kPhaseInNetForward = 22, kPhaseInNetCombineSend = 23,
+              kPhaseInNetReduce = 24;
+// net_words [4][M][K]: which word, then the rail peer's node, then the slot.
+constexpr int kNetDispReady = 0, kNetDispCredit = 1, kNetCombReady = 2, kNetCombCredit = 3;
+constexpr int kNetGroupsPerRank = 3;  // ops.NET_ROLE_GROUPS_PER_RANK
+
+// Word `which` of the stream between this rank and its rail peer on node `node`, for chunk
+// `g`, in the symmetric block `block` (a signal's symmetric address is this rank's).
+__device__ __forceinline__ u64* net_word(u8* block, const InternodeArgs& a, int which, int node,
+                                         u64 g) {
+    return reinterpret_cast<u64*>(block + a.net_words) +
+           ((i64)which * a.num_nodes + node) * a.net_chunks + (i64)(g % (u64)a.net_chunks);
+}
+
+// Consumers done with received chunk g from node `node` (local u32 [2][M][K]; 0: dispatch,
+// counting forward groups, 1: combine, counting reduced rows).
+__device__ __forceinline__ u32* net_counter(const InternodeArgs& a, int which, int node, u64 g) {
+    return reinterpret_cast<u32*>(a.heap + a.net_counters) +
+           ((i64)which * a.num_nodes + node) * a.net_chunks + (i64)(g % (u64)a.net_chunks);
+}
+
+// First slot of chunk g's slot for node `node` in the region at `offset` (slots of `stride`).
+__device__ __forceinline__ u8* net_chunk(u8* block, i64 offset, const InternodeArgs& a,
+                                         int node, u64 g, i64 stride) {
+    const i64 slot = (i64)node * a.net_chunks + (i64)(g % (u64)a.net_chunks);
+    return block + offset + slot * a.chunk_tokens * stride;
+}
+
+struct NetRoles {
+    int kind, sub, index, per_group;
+    __device__ explicit NetRoles(int L) {
+        const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+        const int num_warps = (gridDim.x * blockDim.x) >> 5;
+        const int groups = kNetGroupsPerRank * L, group = warp % groups;
+        kind = group / L;
+        sub = group % L;
+        index = warp / groups;
+        per_group = num_warps / groups;
+    }
+};
+
+// Sender warp `member` of `members`: my chunks for every node, chunk-major (item c M + m is
+// chunk c of node m; strided over the senders, so every rail peer's stream advances at once
+// and each warp takes its chunks in increasing (c, m), which the deadlock argument needs).
+// Each chunk is packed (as internode_dispatch_send packs) into its send slot once chunk g - K
+// was consumed, then put with its ready word; my own node's straight into my receive slot.
+template <int kTopk, bool kCached, typename IdxT, int kFmt>
+__device__ __forceinline__ void net_send_chunks(const InternodeArgs& a, int member, int members,
+                                                const ErrorState& err, int lane) {
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int K = a.net_chunks;
+    const i64 slot_stride = a.row_stride + a.record_stride;
+    const int lane_chunks = lane < M ? num_chunks(a.num_tokens_per_node[lane], C) : 0;
+    const int max_chunks = __reduce_max_sync(ring::kFullMask, lane_chunks);
+    ring::PendingWords none;  // senders publish no ring words
+    for (int item = member; item < max_chunks * M; item += members) {
+        const int c = item / M, m = item % M;
+        const int first = c * C, last = min(a.num_tokens_per_node[m], first + C);
+        if (last <= first) continue;
+        const u64 g = a.net_sent[m] + (u64)c;
+        const bool own = m == node;
+        const int peer = m * L + local;
+        if (!netring::warp_wait(net_word(a.heap, a, kNetDispCredit, m, g),
+                                netring::credit_needed(g, K), own, none, a.timeout_ns, err,
+                                a.rank, peer, kPhaseInNetSend, lane))
+            return;
+        u8* const recv_chunk = net_chunk(a.heap, a.net_recv, a, node, g, slot_stride);
+        u8* const chunk = own ? recv_chunk : net_chunk(a.heap, a.net_send, a, m, g, slot_stride);
+        for (int j = first; j < last; ++j)
+            pack_net_slot<kTopk, kCached, IdxT, kFmt>(
+                a, m, j, chunk + (i64)(j - first) * slot_stride, lane);
+        __threadfence_system();  // every lane's stores before the put or the ready word
+        __syncwarp();
+        u64* const ready = net_word(a.heap, a, kNetDispReady, node, g);
+        if (own) {
+            if (lane == 0) netring::set_word(ready, g + 1, true, 0);
+        } else {
+            net::put_signal_warp(recv_chunk, chunk, (size_t)(last - first) * slot_stride, ready,
+                                 g + 1, a.pe_of_rank[peer], net::Signal::kSet);
+        }
+    }
+    __syncwarp();
+    if (lane == 0) net::quiet();
+}
+
+// Producer warp `index` of `per_group` of ring (me -> t), fed by the network ring: whole
+// received chunks in (source node, chunk) order strided over the group, so in ring position
+// order; each chunk once its ready word says it landed, its rows that go to t forwarded as
+// ring_forward_rows forwards them; then the chunk counted consumed, and the last of the L
+// groups returns the chunk's credit to its sender.
+template <int kTopk>
+__device__ __forceinline__ void net_forward_rows(const InternodeArgs& a, int t, int index,
+                                                 int per_group, u8* const* peers,
+                                                 const int* chunk_start, const ErrorState& err,
+                                                 int lane) {
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int S = a.ring_slots;
+    const i64 slot_stride = a.row_stride + a.record_stride;
+    const u64 first_pos = *ring_seen(a, kSeenDispSent, t);
+    const int* base = a.ring_base + t * (M + 1);
+    const int d = node * L + t;
+    ring::PendingWords pending;
+    for (int item = index; item < chunk_start[M]; item += per_group) {
+        const int n = find_segment(chunk_start, M, item);
+        const int c = item - chunk_start[n], first = c * C;
+        const int count = min(C, a.fwd_count[n] - first);
+        const u64 g = a.chunks_seen[n] + (u64)c;
+        const bool own = n == node;
+        const int sender = n * L + local;
+        if (!netring::warp_wait(net_word(a.heap, a, kNetDispReady, n, g), g + 1, own, pending,
+                                a.timeout_ns, err, a.rank, sender, kPhaseInNetForward, lane))
+            return;
+        const u8* const chunk = net_chunk(a.heap, a.net_recv, a, n, g, slot_stride);
+        int dst_slot = -1;
+        if (lane < count) {
+            const volatile NetRecord<kTopk>* rec =
+                reinterpret_cast<const volatile NetRecord<kTopk>*>(
+                    chunk + (i64)lane * slot_stride + a.row_stride);
+            dst_slot = rec->slot_in_rank[t];
+            a.fwd_slots[((i64)n * N_max + first + lane) * L + t] = dst_slot;
+        }
+        for (u32 todo = __ballot_sync(ring::kFullMask, dst_slot >= 0); todo != 0;
+             todo &= todo - 1) {
+            const int from = __ffs(todo) - 1;
+            const int rslot = __shfl_sync(ring::kFullMask, dst_slot, from);
+            const u64 pos = first_pos + (u64)(base[n] + rslot);
+            if (!ring::warp_wait_word(ring_word(a.heap, a, kRingDispFreed, t, pos),
+                                      ring::space_needed(pos, S), pending, a.timeout_ns, err,
+                                      a.rank, d, kPhaseInRingForward, lane))
+                return;
+            ring_write_row<kTopk>(a, t, chunk + (i64)from * slot_stride, pos, peers[t], lane);
+            pending.add(ring_word(peers[t], a, kRingDispReady, local, pos), pos + 1, lane);
+        }
+        __threadfence();  // every lane's reads of the chunk before it is counted consumed
+        __syncwarp();
+        if (lane == 0 && netring::count_consumed(net_counter(a, 0, n, g), (u32)L))
+            netring::set_word(net_word(a.heap, a, kNetDispCredit, node, g), g + 1, own,
+                              a.pe_of_rank[sender]);
+    }
+    pending.flush(lane);
+    __syncwarp();
+    if (lane == 0) net::quiet();  // the credits' signals
+}
+
+// Grid: a persistent grid of at most one block per SM (co-resident), at least 3 L warps.
+// Senders put my chunks; producer groups t forward the chunks my rail peers sent to node rank
+// t's ring; consumer groups u expand the rows from forwarder u. The last block advances the
+// ring positions and the chunk totals (no acknowledgements: the credits replace them).
+template <int kTopk, bool kCached, typename IdxT, int kFmt, bool kDequant>
+__global__ void __launch_bounds__(kInternodeThreads) internode_net_dispatch(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
+    const i64 row_bytes = kFp8Out ? (i64)a.hidden : (i64)a.hidden * 2;
+    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(a.hidden) : 0;
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    __shared__ u8* peers[kMaxRanksPerNode];
+    __shared__ int chunk_start[kMaxNodes + 1];
+    __shared__ int src_start[kMaxRanksPerNode][kMaxNodes + 1];
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.fwd_count, M, C, chunk_start);
+    ring_source_prefix(a, src_start);
+    const bool ok = map_node_peers(a, peers, err, kPhaseInRingForward);  // syncs the block
+    for (int e = warp; e < a.num_local; e += num_warps)
+        zero_padding_rows<kFp8Out, kCached>(e, a.recv_x, a.recv_scales, a.recv_weights, row_bytes,
+                                            scale_bytes, a.max_rows, a.num_recv_tokens_per_expert,
+                                            a.expert_row_start, lane);
+    const NetRoles role(L);
+    if (ok && role.index < role.per_group) {
+        if (role.kind == 0)
+            net_send_chunks<kTopk, kCached, IdxT, kFmt>(a, role.index * L + role.sub,
+                                                        role.per_group * L, err, lane);
+        else if (role.kind == 1)
+            net_forward_rows<kTopk>(a, role.sub, role.index, role.per_group, peers, chunk_start,
+                                    err, lane);
+        else
+            ring_expand_rows<kTopk, kCached, kFmt, kDequant>(a, role.sub, role.index,
+                                                             role.per_group, peers,
+                                                             src_start[role.sub], err, lane);
+    }
+    if (last_block_done(&a.block_counters[6]) && !has_error(err)) {
+        for (int t = 0; t < L; ++t) {
+            *ring_seen(a, kSeenDispSent, t) += (u64)a.ring_base[t * (M + 1) + M];
+            *ring_seen(a, kSeenDispRecv, t) += (u64)src_start[t][M];
+        }
+        for (int n = 0; n < M; ++n) {
+            a.chunks_seen[n] += num_chunks(a.fwd_count[n], C);
+            a.net_sent[n] += num_chunks(a.num_tokens_per_node[n], C);
+        }
+    }
+}
+
+// Summing warp `member` of `members` (the forwarder): whole chunks of forwarded tokens in
+// (source node, chunk) order, strided, as ring_node_sums takes them; each chunk once the
+// source consumed chunk g - K (its credit), its tokens summed from the combine rings into the
+// send slot, then put with its ready word (the own node's summed in place).
+template <int kTopk, bool kWithWeights, int kDtype>
+__device__ __forceinline__ void net_node_sums(const InternodeArgs& a, int member, int members,
+                                              u8* const* peers, const int* chunk_start,
+                                              const ErrorState& err, int lane) {
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int K = a.net_chunks;
+    const i64 comb_stride = a.row_stride + a.weight_stride;
+    ring::PendingWords pending;
+    for (int item = member; item < chunk_start[M]; item += members) {
+        const int n = find_segment(chunk_start, M, item);
+        const int c = item - chunk_start[n], first = c * C;
+        const int last = min(a.fwd_count[n], first + C);
+        const u64 g = a.net_sent[M + n] + (u64)c;
+        const bool own = n == node;
+        const int source = n * L + local;
+        if (!netring::warp_wait(net_word(a.heap, a, kNetCombCredit, n, g),
+                                netring::credit_needed(g, K), own, pending, a.timeout_ns, err,
+                                a.rank, source, kPhaseInNetCombineSend, lane))
+            return;
+        u8* const recv_chunk = net_chunk(a.heap, a.comb_recv, a, node, g, comb_stride);
+        u8* const chunk = own ? recv_chunk : net_chunk(a.heap, a.comb_send, a, n, g, comb_stride);
+        for (int j = first; j < last; ++j)
+            if (!ring_sum_token<kTopk, kWithWeights, kDtype>(
+                    a, n, j, chunk + (i64)(j - first) * comb_stride, peers, pending, err, lane))
+                return;
+        __threadfence_system();  // the network engine reads the chunk from outside the SMs
+        __syncwarp();
+        u64* const ready = net_word(a.heap, a, kNetCombReady, node, g);
+        if (own) {
+            if (lane == 0) netring::set_word(ready, g + 1, true, 0);
+        } else {
+            net::put_signal_warp(recv_chunk, chunk, (size_t)(last - first) * comb_stride, ready,
+                                 g + 1, a.pe_of_rank[source], net::Signal::kSet);
+        }
+    }
+    pending.flush(lane);
+    __syncwarp();
+    if (lane == 0) net::quiet();
+}
+
+// Reducing warp `member` of `members` (the source): my tokens in order, strided; each token's
+// rows from its destination nodes once their chunks landed, summed in ascending node order as
+// internode_combine_reduce sums them; then each row counted consumed, and the warp that
+// completes a chunk returns its credit to the forwarder.
+template <int kTopk, bool kWithWeights, int kDtype>
+__device__ __forceinline__ void net_reduce(const InternodeArgs& a, int member, int members,
+                                           const ErrorState& err, int lane) {
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int num_int4 = a.hidden * 2 / 16;
+    const i64 comb_stride = a.row_stride + a.weight_stride;
+    int4* const out = reinterpret_cast<int4*>(a.out);
+    ring::PendingWords none;  // reducers publish no ring words
+    for (int i = member; i < a.num_tokens; i += members) {
+        const int* slots = a.token_slot_in_node + (i64)i * M;
+        const u8* src[kMaxNodes];
+        int num_src = 0;
+        for (int n = 0; n < M; ++n) {
+            if (slots[n] < 0) continue;
+            const u64 g = a.chunks_seen[M + n] + (u64)(slots[n] / C);
+            if (!netring::warp_wait(net_word(a.heap, a, kNetCombReady, n, g), g + 1, n == node,
+                                    none, a.timeout_ns, err, a.rank, n * L + local,
+                                    kPhaseInNetReduce, lane))
+                return;
+            src[num_src++] = net_chunk(a.heap, a.comb_recv, a, n, g, comb_stride) +
+                             (i64)(slots[n] % C) * comb_stride;
+        }
+        warp_sum_partials<kTopk, kWithWeights, kDtype>(src, num_src, a.row_stride,
+                                                       out + (i64)i * num_int4,
+                                                       a.out_weights + (i64)i * kTopk, num_int4,
+                                                       lane);
+        __threadfence();  // every lane's reads of the rows before they are counted consumed
+        __syncwarp();
+        if (lane == 0) {
+            for (int n = 0; n < M; ++n) {
+                if (slots[n] < 0) continue;
+                const int c = slots[n] / C;
+                const u64 g = a.chunks_seen[M + n] + (u64)c;
+                const int rows = min(C, a.num_tokens_per_node[n] - c * C);
+                if (netring::count_consumed(net_counter(a, 1, n, g), (u32)rows))
+                    netring::set_word(net_word(a.heap, a, kNetCombCredit, node, g), g + 1,
+                                      n == node, a.pe_of_rank[n * L + local]);
+            }
+        }
+        __syncwarp();
+    }
+    __syncwarp();
+    if (lane == 0) net::quiet();  // the credits' signals
+}
+
+// Grid: a persistent grid of at most one block per SM (co-resident), at least 3 L warps.
+// Producer groups u send my partials to forwarder u's ring; the sum groups sum my forwarded
+// tokens and put them back by chunks; the reduce groups sum my tokens' rows from every node.
+// The last block advances the ring positions and the chunk totals.
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
+__global__ void __launch_bounds__(kInternodeThreads) internode_net_combine(
+    const __grid_constant__ InternodeArgs a) {
+    const ErrorState err{a.error_claim, a.error_record};
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    const int lane = threadIdx.x & 31;
+    __shared__ u8* peers[kMaxRanksPerNode];
+    __shared__ int chunk_start[kMaxNodes + 1];
+    __shared__ int src_start[kMaxRanksPerNode][kMaxNodes + 1];
+    if (threadIdx.x == 0) exclusive_chunk_prefix(a.fwd_count, M, C, chunk_start);
+    ring_source_prefix(a, src_start);
+    const bool ok = map_node_peers(a, peers, err, kPhaseInRingCombineSend);  // syncs the block
+    const NetRoles role(L);
+    const int member = role.index * L + role.sub, members = role.per_group * L;
+    if (ok && role.index < role.per_group) {
+        if (role.kind == 0)
+            ring_partials<kTopk, kWeighted, kWithWeights, kDtype>(
+                a, role.sub, role.index, role.per_group, peers, src_start[role.sub], err, lane);
+        else if (role.kind == 1)
+            net_node_sums<kTopk, kWithWeights, kDtype>(a, member, members, peers, chunk_start,
+                                                       err, lane);
+        else
+            net_reduce<kTopk, kWithWeights, kDtype>(a, member, members, err, lane);
+    }
+    if (last_block_done(&a.block_counters[7]) && !has_error(err)) {
+        for (int t = 0; t < L; ++t) {
+            *ring_seen(a, kSeenCombSent, t) += (u64)src_start[t][M];
+            *ring_seen(a, kSeenCombRecv, t) += (u64)a.ring_base[t * (M + 1) + M];
+        }
+        for (int n = 0; n < M; ++n) {
+            a.net_sent[M + n] += num_chunks(a.fwd_count[n], C);
+            a.chunks_seen[M + n] += num_chunks(a.num_tokens_per_node[n], C);
         }
     }
 }

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -194,7 +194,9 @@ class InternodeArgs(KernelArgs):
         ("recv_x", Ptr), ("recv_weights", Ptr), ("max_rows", I32), ("y", Ptr), ("out", Ptr),
         ("out_weights", Ptr), ("grad_row_weights", Ptr), ("x_scales", Ptr),
         ("recv_scales", Ptr), ("amax_epsilon", F32), ("wire_bytes", I64),
-        ("ring_words", I64), ("ring_seen", Ptr), ("ring_base", Ptr), ("ring_slots", I32)]
+        ("ring_words", I64), ("ring_seen", Ptr), ("ring_base", Ptr), ("ring_slots", I32),
+        ("net_words", I64), ("net_counters", I64), ("rail_counts", I64), ("net_sent", Ptr),
+        ("net_chunks", I32)]
 
 
 # Sources whose kernels call NVSHMEM's device API: nvshmem_link builds them (tests/
@@ -208,6 +210,9 @@ INTERNODE_KERNELS = ("internode_node_layout", "internode_notify", "internode_dis
 # reduce with the full staging's kernels.
 INTERNODE_RING_KERNELS = ("internode_ring_count", "internode_ring_dispatch",
                           "internode_ring_combine")
+# The network ring (MDEEP_INTERNODE_NET_RING_CHUNKS, on top of ring staging) adds these; it shares
+# node layout and notify, and replaces every other kernel.
+INTERNODE_NET_KERNELS = ("internode_net_dispatch", "internode_net_combine")
 
 # Every kernel's argument struct (checked against the CUDA kernels by the CPU tests).
 KERNEL_ARGS = {
@@ -227,7 +232,7 @@ KERNEL_ARGS = {
     ("internode_leg.cu", "internode_leg_send"): LegArgs,
     ("internode_leg.cu", "internode_leg_wait"): LegArgs,
     **{("internode.cu", name): InternodeArgs
-       for name in INTERNODE_KERNELS + INTERNODE_RING_KERNELS},
+       for name in INTERNODE_KERNELS + INTERNODE_RING_KERNELS + INTERNODE_NET_KERNELS},
 }
 
 
@@ -985,6 +990,32 @@ def internode_ring_combine_expressions(num_topk: int, row_dtype: int) -> Tuple[s
             + tuple(f"internode_combine_reduce<{k}, {g}, {dt}>" for g in both))
 
 
+def internode_net_expressions(num_topk: int, index_type: str, fp8=None) -> Tuple[str, ...]:
+    """The dispatch kernels of the network ring for one top-k, index type and wire format: node
+    layout and notify as with full staging, then the one kernel that sends, forwards and expands
+    (one linked module)."""
+    fmt, dequant, _ = _wire(fp8)
+    k, idx, both = num_topk, index_type, ("false", "true")
+    dq = jit.render_template_arg(dequant)
+    return (("internode_node_layout", "internode_notify")
+            + tuple(f"internode_net_dispatch<{k}, {c}, {idx}, {fmt}, {dq}>" for c in both))
+
+
+def internode_net_combine_expressions(num_topk: int, row_dtype: int) -> Tuple[str, ...]:
+    """The combine kernel of the network ring for one top-k and row dtype code: partials, the
+    forwarder's sums and the source's reduce in one kernel."""
+    k, dt, both = num_topk, row_dtype, ("false", "true")
+    return tuple(f"internode_net_combine<{k}, {w}, {g}, {dt}>" for w in both for g in both)
+
+
+def internode_families(staging: str) -> Tuple[Callable, Callable]:
+    """The (dispatch, combine) expression functions of a staging mode: "full", "ring" or "net"
+    (ring staging with the network ring)."""
+    return {"full": (internode_expressions, internode_combine_expressions),
+            "ring": (internode_ring_expressions, internode_ring_combine_expressions),
+            "net": (internode_net_expressions, internode_net_combine_expressions)}[staging]
+
+
 def _internode(family: Tuple[str, ...], name: str, template_args: tuple, num_blocks: int,
                threads: int, fields: dict) -> None:
     expr = name
@@ -994,14 +1025,15 @@ def _internode(family: Tuple[str, ...], name: str, template_args: tuple, num_blo
     kernel.launch(num_blocks, threads, InternodeArgs.fill(**fields), _stream())
 
 
-def _dispatch_family(topk_idx: torch.Tensor, fp8, ring: bool = False) -> Tuple[str, ...]:
-    expressions = internode_ring_expressions if ring else internode_expressions
+def _dispatch_family(topk_idx: torch.Tensor, fp8, ring: bool = False,
+                     net: bool = False) -> Tuple[str, ...]:
+    expressions = internode_families("net" if net else "ring" if ring else "full")[0]
     return expressions(topk_idx.shape[1], _index_type(topk_idx), fp8)
 
 
 def _combine_family(topk_idx: torch.Tensor, y: torch.Tensor,
-                    ring: bool = False) -> Tuple[str, ...]:
-    expressions = internode_ring_combine_expressions if ring else internode_combine_expressions
+                    ring: bool = False, net: bool = False) -> Tuple[str, ...]:
+    expressions = internode_families("net" if net else "ring" if ring else "full")[1]
     return expressions(topk_idx.shape[1], row_dtype_code(y))
 
 
@@ -1014,16 +1046,19 @@ def internode_wire(fp8, hidden: int) -> dict:
 
 
 def internode_node_layout(topk_idx: torch.Tensor, fp8, num_nodes: int, fields: dict,
-                          ring: bool = False) -> None:
+                          ring: bool = False, net: bool = False) -> None:
     """Node-level layout (token_slot_in_node, node_slot_token, num_tokens_per_node) from
-    is_token_in_rank: one block per node. `ring`: from ring staging's module."""
-    _internode(_dispatch_family(topk_idx, fp8, ring), "internode_node_layout", (), num_nodes,
-               INTERNODE_THREADS, fields)
+    is_token_in_rank: one block per node. `ring` / `net`: from ring staging's / the network
+    ring's module."""
+    _internode(_dispatch_family(topk_idx, fp8, ring, net), "internode_node_layout", (),
+               num_nodes, INTERNODE_THREADS, fields)
 
 
-def internode_notify(topk_idx: torch.Tensor, fp8, fields: dict, ring: bool = False) -> None:
-    """Counts to every PE, then this rank's receive layout and forwarding counts."""
-    _internode(_dispatch_family(topk_idx, fp8, ring), "internode_notify", (), 1,
+def internode_notify(topk_idx: torch.Tensor, fp8, fields: dict, ring: bool = False,
+                     net: bool = False) -> None:
+    """Counts to every PE, then this rank's receive layout and forwarding counts (`net`: also
+    the rail counts, into the handle's `ring_base`)."""
+    _internode(_dispatch_family(topk_idx, fp8, ring, net), "internode_notify", (), 1,
                INTERNODE_NOTIFY_THREADS, fields)
 
 
@@ -1096,5 +1131,40 @@ def internode_ring_combine(topk_idx: torch.Tensor, y: torch.Tensor, weighted: bo
     """Ring staging: sends the partials through the node's rings and sums the forwarded tokens'
     partials, putting them back by chunks, in one kernel of `num_blocks` co-resident blocks."""
     _internode(_combine_family(topk_idx, y, True), "internode_ring_combine",
+               (topk_idx.shape[1], weighted, with_weights, row_dtype_code(y)), num_blocks,
+               INTERNODE_THREADS, fields)
+
+
+# Warp groups per rank of the network ring's kernels (kNetGroupsPerRank in internode.cu): their
+# grid needs at least this many x L warps, so that every role has a warp.
+NET_ROLE_GROUPS_PER_RANK = 3
+
+
+def net_ring_min_blocks(ranks_per_node: int) -> int:
+    """The fewest blocks of INTERNODE_THREADS that give every role of the network ring's
+    kernels a warp (3 L warps)."""
+    warps = INTERNODE_THREADS // 32
+    return -(-NET_ROLE_GROUPS_PER_RANK * ranks_per_node // warps)
+
+
+def internode_net_dispatch(topk_idx: torch.Tensor, cached: bool, fp8, num_blocks: int,
+                           fields: dict) -> None:
+    """Network ring: sends this rank's chunks, forwards the chunks its rail peers sent through
+    the node's rings and expands the rows the rings bring into recv_x, in one kernel of
+    `num_blocks` co-resident blocks (at least `net_ring_min_blocks`)."""
+    assert num_blocks >= net_ring_min_blocks(fields["ranks_per_node"]), num_blocks
+    fmt, dequant, _ = _wire(fp8)
+    _internode(_dispatch_family(topk_idx, fp8, net=True), "internode_net_dispatch",
+               (topk_idx.shape[1], cached, _index_type(topk_idx), fmt, dequant), num_blocks,
+               INTERNODE_THREADS, fields)
+
+
+def internode_net_combine(topk_idx: torch.Tensor, y: torch.Tensor, weighted: bool,
+                          with_weights: bool, num_blocks: int, fields: dict) -> None:
+    """Network ring: sends the partials through the node's rings, sums the forwarded tokens'
+    partials and puts them back by chunks, and sums this rank's tokens' rows from every node
+    into `out`, in one kernel of `num_blocks` co-resident blocks."""
+    assert num_blocks >= net_ring_min_blocks(fields["ranks_per_node"]), num_blocks
+    _internode(_combine_family(topk_idx, y, net=True), "internode_net_combine",
                (topk_idx.shape[1], weighted, with_weights, row_dtype_code(y)), num_blocks,
                INTERNODE_THREADS, fields)

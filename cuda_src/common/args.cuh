@@ -332,6 +332,14 @@ struct InternodeArgs {
     u64* ring_seen;              // local [4][8]: positions so far per ring (see internode.cu)
     int* ring_base;              // [L][M + 1]: per node rank, first position per source node
     int ring_slots;              // C
+    // Network ring (MDEEP_INTERNODE_NET_RING_CHUNKS, ring staging only; internode/net_ring.cuh):
+    // net_send / net_recv / comb_send / comb_recv then hold [M][net_chunks][chunk_tokens]
+    // slots. Zero without it, and no kernel of the other layouts reads these.
+    i64 net_words;               // u64 [4][M][net_chunks]: dispatch ready, credit; combine same
+    i64 net_counters;            // u32 [2][M][net_chunks]: consumers done per received chunk
+    i64 rail_counts;             // u64 signals [2][M], int [2][M][8] received, int [M][8] sent
+    u64* net_sent;               // local [2][M]: dispatch, combine chunks sent to each node
+    int net_chunks;              // K: chunk slots per rail peer and region
 };
 
 }  // namespace mdeep

@@ -53,6 +53,10 @@ __device__ __forceinline__ void signal(u64* signal, u64 value, int pe, Signal op
     nvshmemx_signal_op(signal, value, static_cast<int>(op), pe);
 }
 
+// The current value of the local symmetric `signal` (no wait, no ordering): a probe before a
+// wait_signal_ge, which the caller still makes before it reads what the signal announced.
+__device__ __forceinline__ u64 signal_fetch(u64* signal) { return nvshmem_signal_fetch(signal); }
+
 // A pointer through which this thread can load and store `pe`'s copy of the symmetric object
 // at `sym`, or null when `pe` is not reachable by load/store (another node). Ranks of one node
 // (NVLink P2P, or processes sharing a GPU) are reachable.
