@@ -129,6 +129,10 @@ _TABLE = (
          "~4 M N_max + 2 L C rows; `docs/internode.md`, \"Ring staging\")", "transport"),
     Knob("INTERNODE_RING_SLOTS", "int", 512, "512", "slots C of each ring (one per pair of "
          "ranks of a node, each way) with `MDEEP_INTERNODE_STAGING=ring`", "transport"),
+    Knob("INTERNODE_NET_RING_CHUNKS", "int", 0, "0", "the network ring (needs "
+         "`MDEEP_INTERNODE_STAGING=ring`): K > 0 bounds the network regions to K chunks of 32 "
+         "tokens per rail peer and region, ~4 M K 32 + 2 L C rows per rank "
+         "(`docs/internode.md`, \"Network ring\"); 0: N_max tokens per node (off)", "transport"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),

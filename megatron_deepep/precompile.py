@@ -12,7 +12,7 @@ it also builds the FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise
 `--internode` also links the internode transport's kernels (NVRTC + nvJitLink against the
 nvidia-nvshmem wheel's device library), one module per (top-k, index type, wire format) for
 dispatch and per (top-k, row dtype) for combine, for the node staging `MDEEP_INTERNODE_STAGING`
-selects (the job must set the same).
+and the network ring `MDEEP_INTERNODE_NET_RING_CHUNKS` select (the job must set the same).
 """
 
 from __future__ import annotations
@@ -127,18 +127,20 @@ def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = ()
                            fp8_outputs: Sequence[str] = ("fp8", "bf16"),
                            index_dtypes: Sequence[str] = ("int64", "int32"), bf16: bool = True,
                            row_dtypes: Sequence[str] = ("bf16",),
-                           staging: Optional[str] = None) -> List[Tuple[str, ...]]:
+                           staging: Optional[str] = None,
+                           net_chunks: Optional[int] = None) -> List[Tuple[str, ...]]:
     """The internode transport's linked modules for the same choices as `kernels_for`: each a
     tuple of name expressions, exactly as the transport links them at run time with `staging`
-    ("full" or "ring"; None: the knob `MDEEP_INTERNODE_STAGING`)."""
+    ("full" or "ring"; None: the knob `MDEEP_INTERNODE_STAGING`) and `net_chunks` (> 0: the
+    network ring; None: the knob `MDEEP_INTERNODE_NET_RING_CHUNKS`)."""
     from megatron_deepep import ops
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch
-    from megatron_deepep.transport.internode_regions import staging_config
+    from megatron_deepep.transport.internode_regions import net_ring_config, staging_config
 
-    ring = staging_config(staging)[0] == "ring"
-    dispatch = ops.internode_ring_expressions if ring else ops.internode_expressions
-    combine = (ops.internode_ring_combine_expressions if ring
-               else ops.internode_combine_expressions)
+    mode = staging_config(staging)[0]
+    if net_ring_config(mode, net_chunks) > 0:
+        mode = "net"
+    dispatch, combine = ops.internode_families(mode)
 
     wires = [None] if bf16 else []
     wires += [as_fp8_dispatch(name, output) for name in fp8_formats for output in fp8_outputs]

@@ -17,8 +17,8 @@ Together ~60 CPU-seconds (a one-program-per-source sweep at -O3 took ~370). `pyt
 megatron_deepep.precompile --topk $(seq 16) --fp8 ...` compiles the lot at -O3.
 
 `link_jobs` adds the NVSHMEM links of `internode.cu` (NVRTC -rdc + nvJitLink, ~10 CPU-seconds
-each, into a fresh cache), one per node staging (full, ring), which `test_nvshmem_link.py`
-collects the same way.
+each, into a fresh cache), one per node staging (full, ring) and one for the network ring,
+which `test_nvshmem_link.py` collects the same way.
 """
 
 from __future__ import annotations
@@ -108,15 +108,14 @@ def jobs() -> Dict[str, Job]:
     return out
 
 
-def internode_link_expressions(ring: bool = False) -> Tuple[str, ...]:
+def internode_link_expressions(ring: bool = False, net: bool = False) -> Tuple[str, ...]:
     """Every instantiation kind the internode transport launches: dispatch for bf16 rows and
     two FP8 wire formats, both index types; combine for the three row dtypes. `ring`: the
-    kernel families of ring staging (MDEEP_INTERNODE_STAGING=ring), same coverage."""
+    kernel families of ring staging (MDEEP_INTERNODE_STAGING=ring), `net`: of the network ring
+    (MDEEP_INTERNODE_NET_RING_CHUNKS > 0), same coverage."""
     from megatron_deepep import ops
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch
-    dispatch = ops.internode_ring_expressions if ring else ops.internode_expressions
-    combine = (ops.internode_ring_combine_expressions if ring
-               else ops.internode_combine_expressions)
+    dispatch, combine = ops.internode_families("net" if net else "ring" if ring else "full")
     expressions = set()
     for num_topk, index_type, fp8 in ((8, "long long", None),
                                       (1, "int", as_fp8_dispatch("blockwise", "bf16")),
@@ -130,6 +129,8 @@ def internode_link_expressions(ring: bool = False) -> Tuple[str, ...]:
 def link_kernels(job_id: str) -> Tuple[str, ...]:
     """The kernels (names without template arguments) a link job must hold."""
     from megatron_deepep import ops
+    if job_id.endswith("-net"):
+        return ("internode_node_layout", "internode_notify") + ops.INTERNODE_NET_KERNELS
     if job_id.endswith("-ring"):
         return ("internode_node_layout", "internode_notify", "internode_dispatch_send",
                 "internode_combine_reduce") + ops.INTERNODE_RING_KERNELS
@@ -142,7 +143,9 @@ def link_jobs() -> Dict[str, Job]:
     return {"link-internode.cu": Job("internode.cu", internode_link_expressions(), False, 10.0,
                                      link=True),
             "link-internode.cu-ring": Job("internode.cu", internode_link_expressions(True),
-                                          False, 10.0, link=True)}
+                                          False, 10.0, link=True),
+            "link-internode.cu-net": Job("internode.cu", internode_link_expressions(net=True),
+                                         False, 10.0, link=True)}
 
 
 def _table() -> Dict[str, Job]:

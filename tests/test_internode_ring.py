@@ -79,7 +79,7 @@ def _disagreeing_ranks_worker(rank, world):
     import torch.distributed as dist
     from megatron_deepep.transport.internode import _check_same_staging
     _check_same_staging(dist.group.WORLD, "ring", 512)  # everyone agrees: no error
-    with pytest.raises(ValueError, match=r"rank 0: \('ring', 512\), rank 1: \('full', 0\)"):
+    with pytest.raises(ValueError, match=r"rank 0: \('ring', 512, 0\), rank 1: \('full', 0, 0\)"):
         _check_same_staging(dist.group.WORLD, *(("ring", 512) if rank == 0 else ("full", 0)))
 
 

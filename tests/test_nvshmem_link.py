@@ -113,7 +113,7 @@ def test_every_nvshmem_kernel_is_linked_here():
     nvshmem_kernels = {k for k in ops.KERNEL_ARGS if k[0] in ops.NVSHMEM_SOURCES}
     assert nvshmem_kernels == ({("internode_leg.cu", name) for name in LEG_KERNELS}
                                | {("internode.cu", name) for name in ops.INTERNODE_KERNELS
-                                  + ops.INTERNODE_RING_KERNELS})
+                                  + ops.INTERNODE_RING_KERNELS + ops.INTERNODE_NET_KERNELS})
 
 
 @needs_wheel
@@ -122,9 +122,9 @@ def test_every_nvshmem_kernel_is_linked_here():
 def test_internode_kernels_link(job):
     """Every instantiation kind the internode transport launches (dispatch for bf16 rows and two
     FP8 wire formats, both index types; combine for the three row dtypes), with full and with
-    ring staging, compiles and links against the wheel's device library for sm_90 without a
-    GPU, into a fresh cache: one compile, one link per staging (run in the background by
-    `compile_jobs`, collected here)."""
+    ring staging and with the network ring, compiles and links against the wheel's device
+    library for sm_90 without a GPU, into a fresh cache: one compile, one link per staging (run
+    in the background by `compile_jobs`, collected here)."""
     expressions = compile_jobs.link_jobs()[job].exprs
     magic, size, lowered = compile_jobs.result(job)
     assert lowered == sorted(expressions)

@@ -27,9 +27,18 @@ PHASES = {0: "layout", 1: "notify", 2: "dispatch send (waiting for the peer to c
           "consumed the partials this rank put ring_slots positions earlier)",
           18: "internode ring combine forward (waiting for the node peer's next partials in its "
           "ring)", 19: "internode ring combine forward (waiting for the rail peer to acknowledge "
-          "the previous combine)"}
+          "the previous combine)",
+          20: "internode notify (waiting for the rail peer's per-rank token counts: network "
+          "ring)", 21: "internode network ring send (waiting for a credit: the rail peer has not "
+          "consumed the chunk this rank sent net_chunks chunks earlier)",
+          22: "internode network ring forward (waiting for the rail peer's next chunk)",
+          23: "internode network ring combine send (waiting for a credit: the source has not "
+          "reduced the chunk this forwarder sent net_chunks chunks earlier)",
+          24: "internode network ring reduce (waiting for the forwarder's next chunk)"}
 # Phases whose waits are on ring positions (cuda_src/internode/ring.cuh), not epochs.
 RING_PHASES = (15, 16, 17, 18)
+# Phases whose waits are on network chunk numbers (cuda_src/internode/net_ring.cuh).
+NET_RING_PHASES = (21, 22, 23, 24)
 HEADER_FIELDS = {1: "hidden", 2: "top-k", 3: "num_experts", 4: "expert_alignment"}
 
 
@@ -60,8 +69,10 @@ def error_from_record(words: np.ndarray, timeout_s: float,
             f"token chunk {detail} never published its counts (waited for {expected}, saw "
             f"{seen}); another layout on the same stream workspace, or a scheduling fault")
     if code == CODE_TIMEOUT:
-        # A ring wait waits for a word that counts ring positions (+ 1); the others for epochs.
-        what = "ring word" if phase in RING_PHASES else "epoch"
+        # A ring wait waits for a word that counts ring positions (+ 1), a network ring wait
+        # for one that counts chunks (+ 1); the others for epochs.
+        what = ("ring word" if phase in RING_PHASES else
+                "chunk word" if phase in NET_RING_PHASES else "epoch")
         return PeerTimeoutError(
             f"megatron_deepep: rank {rank} timed out after {timeout_s:g}s in {where}: peer {peer}"
             f" stalled (waited for {what} {expected}, saw {seen}). Every rank of the EP group must"

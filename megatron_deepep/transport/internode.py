@@ -19,6 +19,13 @@ one kernel that forwards and expands at once; combine runs one kernel that sends
 and sums them on the forwarder at once -> reduce. The ring positions run on in device words
 (`ring_seen`), so graphs replay these too.
 
+The network ring (`MDEEP_INTERNODE_NET_RING_CHUNKS` = K > 0 on top of ring staging,
+docs/internode.md "Network ring") bounds the network regions to K chunks per rail peer, with
+credits returned by signal: dispatch runs layout -> node layout -> notify (which also gives each
+forwarder its ring positions) -> [host wait] -> one kernel that sends, forwards and expands at
+once; combine runs one kernel that sends the partials, sums them on the forwarder and reduces
+them on the source at once. Chunk numbers run on in device words (`net_sent`, `chunks_seen`).
+
 The network leg runs on NVSHMEM's device API; node peers are reached by load/store through
 `nvshmem_ptr` (NVLink inside a node, or processes sharing one GPU). Everything lives in one block
 of NVSHMEM's symmetric heap (`internode_regions.py`), allocated through torch's symmetric
@@ -40,7 +47,8 @@ from megatron_deepep.handle import DispatchHandle, RecvLayout
 from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
 from megatron_deepep.transport.epochs import DeviceEpochs
-from megatron_deepep.transport.internode_regions import (MAX_NODES, InternodeRegions,
+from megatron_deepep.transport.internode_regions import (CHUNK_TOKENS, MAX_NODES,
+                                                         InternodeRegions, net_ring_config,
                                                          staging_config)
 from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit
 from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
@@ -50,9 +58,9 @@ from megatron_deepep.transport.topology import MAX_RANKS_PER_NODE, detect_topolo
 
 logger = logging.getLogger(__name__)
 
-# Tokens per network chunk: each chunk is one put with a signal, so a receiver starts on a
-# node's data once its chunks have landed, and the sender's packing overlaps earlier puts.
-CHUNK_TOKENS = 32
+# CHUNK_TOKENS (internode_regions): tokens per network chunk. Each chunk is one put with a
+# signal, so a receiver starts on a node's data once its chunks have landed, and the sender's
+# packing overlaps earlier puts.
 # Local workspace words: 8 block counters (u32), the error claim (int32), padding.
 _WORKSPACE_WORDS = 16
 _CLAIM_WORD = 8
@@ -89,6 +97,8 @@ class InternodeTransport(Transport):
         staging: "full" or "ring" (None: the knob `MDEEP_INTERNODE_STAGING`, "full" by
             default); every rank must pass the same.
         ring_slots: C, the slots of each ring with "ring" (None: `MDEEP_INTERNODE_RING_SLOTS`).
+        net_chunks: K > 0 turns the network ring on (needs "ring"): K chunks per rail peer and
+            network region (None: `MDEEP_INTERNODE_NET_RING_CHUNKS`, 0 by default: off).
 
     Raises:
         NvshmemUnavailable: NVSHMEM cannot start here (the message says what to install, and
@@ -104,19 +114,22 @@ class InternodeTransport(Transport):
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                  num_sms: int, timeout_s: float, num_ranks_per_node: Optional[int] = None,
-                 staging: Optional[str] = None, ring_slots: Optional[int] = None):
+                 staging: Optional[str] = None, ring_slots: Optional[int] = None,
+                 net_chunks: Optional[int] = None):
         self.staging, self.ring_slots = staging_config(staging, ring_slots)
         self.is_ring = self.staging == "ring"
+        self.net_chunks = net_ring_config(self.staging, net_chunks)
+        self.is_net = self.net_chunks > 0
         self.topology = detect_topology(group, num_ranks_per_node)
         self.topology.check_internode()
         topo = self.topology
         self.rank, self.num_ranks = topo.rank, topo.num_ranks
         self.ranks_per_node, self.num_nodes = topo.num_ranks_per_node, topo.num_nodes
-        _check_same_staging(group, self.staging, self.ring_slots)
+        _check_same_staging(group, self.staging, self.ring_slots, self.net_chunks)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.regions = InternodeRegions(self.num_ranks, self.ranks_per_node,
                                         num_max_tokens_per_rank, hidden, num_topk,
-                                        self.staging, self.ring_slots)
+                                        self.staging, self.ring_slots, self.net_chunks)
         limit = heap_limit()
         if self.regions.num_bytes > limit:
             raise ValueError(
@@ -140,11 +153,17 @@ class InternodeTransport(Transport):
         self.num_sms = num_sms
         # The ring kernels' grid must be co-resident (their warps wait for each other): at
         # most one block of 512 threads per SM.
-        self.ring_blocks = max(1, min(num_sms, torch.cuda.get_device_properties(
-            self.device).multi_processor_count))
+        num_device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.ring_blocks = max(1, min(num_sms, num_device_sms))
+        # The network ring's kernels also need a warp for each of their 3 L roles.
+        self.net_blocks = min(max(self.ring_blocks, ops.net_ring_min_blocks(
+            self.ranks_per_node)), num_device_sms)
         # Ring positions so far (u64 [4][8], internode.cu "ring staging"), advanced by the
         # ring kernels themselves, so graph replays advance them too.
         self.ring_seen = torch.zeros(32, dtype=torch.int64, device=self.device)
+        # Network ring: chunks sent to each node so far (dispatch [M], combine [M]); the chunks
+        # received count on in `chunks_seen`. Advanced by the kernels themselves (graphs).
+        self.net_sent = torch.zeros(2 * self.num_nodes, dtype=torch.int64, device=self.device)
         self.timeout_ns = int(timeout_s * 1e9)
         self.status = KernelStatus(self.workspace.data_ptr() + 4 * _CLAIM_WORD, self.rank,
                                    timeout_s, locate=self.locate)
@@ -157,19 +176,28 @@ class InternodeTransport(Transport):
         logger.info("megatron_deepep internode: rank %d = node %d local %d of %d nodes x %d, "
                     "%d bytes of symmetric heap, %s staging", self.rank, topo.node,
                     topo.local_rank, self.num_nodes, self.ranks_per_node, self.num_bytes,
-                    self.staging if not self.is_ring else f"ring ({self.ring_slots} slots)")
+                    self._staging_name())
+
+    def _staging_name(self) -> str:
+        if self.is_net:
+            return (f"ring ({self.ring_slots} slots) with the network ring ({self.net_chunks} "
+                    "chunks per rail peer)")
+        return f"ring ({self.ring_slots} slots)" if self.is_ring else self.staging
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
                   num_ranks_per_node: int = MAX_RANKS_PER_NODE, *,
-                  staging: Optional[str] = None, ring_slots: Optional[int] = None) -> int:
+                  staging: Optional[str] = None, ring_slots: Optional[int] = None,
+                  net_chunks: Optional[int] = None) -> int:
         """Bytes of symmetric heap one rank holds (nodes of `num_ranks_per_node` ranks, 8 by
-        default, fewer when the group is smaller), for `staging` and `ring_slots` (None: the
-        knobs `MDEEP_INTERNODE_STAGING` and `MDEEP_INTERNODE_RING_SLOTS`)."""
+        default, fewer when the group is smaller), for `staging`, `ring_slots` and `net_chunks`
+        (None: the knobs `MDEEP_INTERNODE_STAGING`, `MDEEP_INTERNODE_RING_SLOTS` and
+        `MDEEP_INTERNODE_NET_RING_CHUNKS`)."""
         per_node = min(num_ranks_per_node, num_ranks)
         mode, slots = staging_config(staging, ring_slots)
+        chunks = net_ring_config(mode, net_chunks)
         return InternodeRegions(num_ranks, per_node, num_max_tokens_per_rank, hidden,
-                                num_topk, mode, slots).num_bytes
+                                num_topk, mode, slots, chunks).num_bytes
 
     def check_errors(self) -> None:
         self.status.check_errors()
@@ -192,6 +220,8 @@ class InternodeTransport(Transport):
                       chunks_seen=self.chunks_seen.data_ptr(), max_recv_rows=-1, alignment=1)
         if self.is_ring:
             fields.update(ring_seen=self.ring_seen.data_ptr())
+        if self.is_net:
+            fields.update(net_sent=self.net_sent.data_ptr())
         return fields
 
     def _fields(self, epoch_word: int, topk_idx: torch.Tensor, num_experts: int,
@@ -252,25 +282,28 @@ class InternodeTransport(Transport):
                               hidden)
         fields.update(x=x.data_ptr(), topk_weights=topk_weights.data_ptr(),
                       x_scales=ops.addr(x_scales), **ops.internode_wire(fp8, hidden))
-        ring = self.is_ring
-        ops.internode_node_layout(topk_idx, fp8, self.num_nodes, fields, ring=ring)
+        ring, net = self.is_ring, self.is_net
+        ops.internode_node_layout(topk_idx, fp8, self.num_nodes, fields, ring=ring, net=net)
         notify = dict(fields, epoch_word=self.epochs.notify, alignment=expert_alignment,
                       max_recv_rows=-1 if is_sync else num_max_recv_rows,
                       host_info=self.status.host_info_ptr if is_sync else 0,
                       host_epoch=self.host_epoch & 0xFFFFFFFF)
-        ops.internode_notify(topk_idx, fp8, notify, ring=ring)
-        ops.internode_dispatch_send(topk_idx, False, fp8, self.num_sms, fields, ring=ring)
-        if ring:
-            ops.internode_ring_count(topk_idx, fp8, self.num_nodes, fields)
-        else:
-            ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
+        ops.internode_notify(topk_idx, fp8, notify, ring=ring, net=net)
+        if not net:  # the network ring sends in its one kernel below
+            ops.internode_dispatch_send(topk_idx, False, fp8, self.num_sms, fields, ring=ring)
+            if ring:
+                ops.internode_ring_count(topk_idx, fp8, self.num_nodes, fields)
+            else:
+                ops.internode_forward(topk_idx, fp8, self.num_sms, fields)
         num_rows = (self.status.wait_num_rows(self.host_epoch) if is_sync
                     else num_max_recv_rows)
         recv_x, recv_scales = empty_recv(num_rows, hidden, fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
         fields.update(recv_x=recv_x.data_ptr(), recv_scales=ops.addr(recv_scales),
                       recv_weights=recv_weights.data_ptr(), max_rows=num_rows)
-        if ring:
+        if net:
+            ops.internode_net_dispatch(topk_idx, False, fp8, self.net_blocks, fields)
+        elif ring:
             ops.internode_ring_dispatch(topk_idx, False, fp8, self.ring_blocks, fields)
         else:
             ops.internode_dispatch_recv(topk_idx, False, fp8, self.num_sms, fields)
@@ -322,7 +355,9 @@ class InternodeTransport(Transport):
         fields.update(x=x.data_ptr(), x_scales=ops.addr(x_scales), recv_x=recv_x.data_ptr(),
                       recv_scales=ops.addr(recv_scales), max_rows=handle.num_recv_rows,
                       **ops.internode_wire(fp8, hidden))
-        if self.is_ring:  # the count runs again (same rows): it also waits for the network
+        if self.is_net:  # ring_base is the handle's (notify's rail counts)
+            ops.internode_net_dispatch(topk_idx, True, fp8, self.net_blocks, fields)
+        elif self.is_ring:  # the count runs again (same rows): it also waits for the network
             ops.internode_dispatch_send(topk_idx, True, fp8, self.num_sms, fields, ring=True)
             ops.internode_ring_count(topk_idx, fp8, self.num_nodes, fields)
             ops.internode_ring_dispatch(topk_idx, True, fp8, self.ring_blocks, fields)
@@ -350,7 +385,10 @@ class InternodeTransport(Transport):
         fields.update(y=y.data_ptr(), out=out.data_ptr(), out_weights=ops.addr(out_weights),
                       recv_weights=handle.recv_weights.data_ptr(),
                       grad_row_weights=ops.addr(grad_row_weights))
-        if self.is_ring:
+        if self.is_net:
+            ops.internode_net_combine(topk_idx, y, weighted, with_weights, self.net_blocks,
+                                      fields)
+        elif self.is_ring:
             ops.internode_ring_combine(topk_idx, y, weighted, with_weights, self.ring_blocks,
                                        fields)
             ops.internode_combine_reduce(topk_idx, y, with_weights, self.num_sms, fields,
@@ -371,7 +409,7 @@ class InternodeTransport(Transport):
         self.status = None
 
 
-def _check_same_staging(group, staging: str, ring_slots: int) -> None:
+def _check_same_staging(group, staging: str, ring_slots: int, net_chunks: int = 0) -> None:
     """Every rank must build the same symmetric layout and run the same kernels: compares the
     staging settings over the group (set-up only; any backend).
 
@@ -379,11 +417,12 @@ def _check_same_staging(group, staging: str, ring_slots: int) -> None:
         ValueError: naming the ranks' settings when they differ.
     """
     settings = [None] * dist.get_world_size(group)
-    dist.all_gather_object(settings, (staging, ring_slots), group=group)
+    dist.all_gather_object(settings, (staging, ring_slots, net_chunks), group=group)
     if len(set(settings)) > 1:
         seen = ", ".join(f"rank {r}: {s}" for r, s in enumerate(settings))
         raise ValueError(f"ranks disagree on the internode staging (MDEEP_INTERNODE_STAGING, "
-                         f"MDEEP_INTERNODE_RING_SLOTS as (staging, ring slots)): {seen}")
+                         f"MDEEP_INTERNODE_RING_SLOTS, MDEEP_INTERNODE_NET_RING_CHUNKS as "
+                         f"(staging, ring slots, network chunks)): {seen}")
 
 
 __all__ = ["CHUNK_TOKENS", "InternodeTransport", "MAX_NODES", "node_plan"]

@@ -30,6 +30,19 @@ Ring staging (`MDEEP_INTERNODE_STAGING=ring`, C = `MDEEP_INTERNODE_RING_SLOTS`; 
     combine staging  [L][C] partial rows + K weights: the ring from each rank of this node
 
 so the block is about 4 M N_max + 2 L C slots, independent of R for the staging.
+
+The network ring (`MDEEP_INTERNODE_NET_RING_CHUNKS` = K > 0, ring staging only; docs/internode.md,
+"Network ring") bounds the four network regions too: ring staging's regions, except
+
+    net words        u64 [4][M][K]: dispatch ready, dispatch credit, combine ready, combine credit
+                     per rail peer's node and chunk slot (zeroed at start; chunk numbers never
+                     repeat)
+    net counters     u32 [2][M][K]: consumers done with each received chunk (local)
+    rail counts      u64 signals [2][M], int [2][M][8] received, int [M][8] sent: each source's
+                     tokens per rank of its rail peer's node (the forwarder's ring positions)
+    network send     [M][K][32] slots (and receive, combine send, combine receive alike)
+
+so the block is about 4 M K 32 + 2 L C slots, independent of N_max.
 """
 
 from __future__ import annotations
@@ -47,6 +60,10 @@ NUM_NODE_FLAGS = 4 * MAX_RANKS_PER_NODE  # struct NodeFlags
 STAGING_MODES = ("full", "ring")
 MAX_RING_SLOTS = 1 << 20  # beyond any N_max x nodes a ring could need per call
 RING_WORDS = 4            # ready and freed words, for dispatch and for combine
+CHUNK_TOKENS = 32         # network slots per chunk (InternodeArgs.chunk_tokens)
+MAX_NET_CHUNKS = 4096     # 131072 tokens per rail peer: beyond any N_max
+NET_WORDS = 4             # ready and credit words, for dispatch and for combine
+RAIL_COUNTS_BYTES = 2 * 8 + (2 + 1) * MAX_RANKS_PER_NODE * 4  # per node: struct RailCounts
 
 
 def staging_config(staging: Optional[str] = None,
@@ -74,10 +91,37 @@ def staging_config(staging: Optional[str] = None,
     return mode, slots
 
 
+def net_ring_config(staging: str, net_chunks: Optional[int] = None) -> int:
+    """The network ring's chunks per rail peer K: the argument, else the knob
+    `MDEEP_INTERNODE_NET_RING_CHUNKS`; 0 is off.
+
+    Args:
+        staging: the staging mode (`staging_config`); K > 0 needs "ring": the network ring
+            feeds the node's rings as its chunks land, which full staging's forward kernel,
+            waiting for all of a call's rows, cannot.
+
+    Raises:
+        ValueError: K outside [0, 4096], or K > 0 with full staging (the message names the
+            knobs).
+    """
+    chunks = net_chunks if net_chunks is not None else knobs.get("INTERNODE_NET_RING_CHUNKS")
+    if (isinstance(chunks, bool) or not isinstance(chunks, int)
+            or not 0 <= chunks <= MAX_NET_CHUNKS):
+        raise ValueError(f"net_chunks / {knobs.PREFIX}INTERNODE_NET_RING_CHUNKS={chunks!r}: "
+                         f"expected an integer in [0, {MAX_NET_CHUNKS}] (chunks of "
+                         f"{CHUNK_TOKENS} tokens per rail peer; 0: off)")
+    if chunks > 0 and staging != "ring":
+        raise ValueError(f"{knobs.PREFIX}INTERNODE_NET_RING_CHUNKS={chunks} needs "
+                         f"{knobs.PREFIX}INTERNODE_STAGING=ring (got {staging!r}): the network "
+                         "ring streams into the node's rings")
+    return chunks
+
+
 @dataclasses.dataclass(frozen=True)
 class InternodeRegions:
     """Offsets and strides of the symmetric block for (R, L, N_max, H, K), full or ring staging
-    (`ring_slots` C > 0 exactly for "ring")."""
+    (`ring_slots` C > 0 exactly for "ring"), with ring staging optionally the network ring
+    (`net_chunks` > 0 chunks per rail peer)."""
 
     num_ranks: int
     ranks_per_node: int
@@ -86,15 +130,22 @@ class InternodeRegions:
     num_topk: int
     staging: str = "full"
     ring_slots: int = 0
+    net_chunks: int = 0
 
     def __post_init__(self):
         if (self.staging, self.ring_slots) != staging_config(self.staging, self.ring_slots):
             raise ValueError(f"staging={self.staging!r} takes ring_slots=0, got "
                              f"{self.ring_slots}")
+        net_ring_config(self.staging, self.net_chunks)
 
     @property
     def is_ring(self) -> bool:
         return self.staging == "ring"
+
+    @property
+    def is_net(self) -> bool:
+        """The network ring is on."""
+        return self.net_chunks > 0
 
     @property
     def num_nodes(self) -> int:
@@ -118,6 +169,8 @@ class InternodeRegions:
         return regions.weight_stride(self.num_topk)
 
     def _sizes(self):
+        if self.is_net:
+            return self._net_sizes()
         if self.is_ring:
             return self._ring_sizes()
         R, M, N = self.num_ranks, self.num_nodes, self.max_tokens
@@ -143,6 +196,21 @@ class InternodeRegions:
                 ("comb_stage", L * C * comb_slot),
                 ("comb_send", M * N * comb_slot), ("comb_recv", M * N * comb_slot)]
 
+    def _net_sizes(self):
+        R, L, M, C, K = (self.num_ranks, self.ranks_per_node, self.num_nodes, self.ring_slots,
+                         self.net_chunks)
+        net_slot = self.row_stride + self.record_stride
+        comb_slot = self.row_stride + self.weight_stride
+        slots = K * CHUNK_TOKENS  # per rail peer and region
+        return [("notify_recv", 2 * R * COUNT_STRIDE * 4), ("notify_send", R * COUNT_STRIDE * 4),
+                ("signals", (2 * R + 4 * M) * 8), ("flags", NUM_NODE_FLAGS * 4),
+                ("ring_words", RING_WORDS * L * C * 8), ("net_words", NET_WORDS * M * K * 8),
+                ("net_counters", 2 * M * K * 4), ("rail_counts", M * RAIL_COUNTS_BYTES),
+                ("net_send", M * slots * net_slot), ("net_recv", M * slots * net_slot),
+                ("stage_rows", L * C * self.row_stride), ("stage_meta", L * C * self.meta_stride),
+                ("comb_stage", L * C * comb_slot),
+                ("comb_send", M * slots * comb_slot), ("comb_recv", M * slots * comb_slot)]
+
     @property
     def offsets(self) -> dict:
         """Region name -> byte offset (each region page-aligned)."""
@@ -156,20 +224,25 @@ class InternodeRegions:
     def num_bytes(self) -> int:
         """The whole block, rounded to 2 MiB: about N_max (4 M + L M + R) (2 H + 16 K)
         bytes with full staging, the R N_max staging rows dominating at scale; about
-        (4 M N_max + 2 L C) (2 H + 16 K) with ring staging."""
+        (4 M N_max + 2 L C) (2 H + 16 K) with ring staging; about (4 M K 32 + 2 L C)
+        (2 H + 16 K) with the network ring."""
         name, size = self._sizes()[-1]
         return _align(self.offsets[name] + size, 2 << 20)
 
     def formula(self) -> str:
         """The block's size formula in words, for messages."""
+        if self.is_net:
+            return (f"about (4 M K {CHUNK_TOKENS} + 2 L C) rows, K = {self.net_chunks} network "
+                    f"chunks per rail peer, C = {self.ring_slots} ring slots (ring staging with "
+                    "the network ring)")
         if self.is_ring:
             return (f"about (4 M N_max + 2 L C) rows, C = {self.ring_slots} ring slots "
                     "(ring staging)")
         return "about N_max (4 M + L M + R) rows"
 
     def control_bytes(self) -> int:
-        """Bytes before the network regions (counts, signals, flags, ring words): zeroed at
-        start."""
+        """Bytes before the network regions (counts, signals, flags, ring words, the network
+        ring's words, counters and rail counts): zeroed at start."""
         return self.offsets["net_send"]
 
     def as_args(self) -> dict:
@@ -180,4 +253,6 @@ class InternodeRegions:
                       max_tokens=self.max_tokens)
         if self.is_ring:
             fields["ring_slots"] = self.ring_slots
+        if self.is_net:
+            fields["net_chunks"] = self.net_chunks
         return fields
