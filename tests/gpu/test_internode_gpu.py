@@ -18,6 +18,13 @@ staging"). `test_internode_small_ring` always runs ring staging with 4 slots per
 than any ring carries per call, so every ring wraps many times per call and producers wait for
 consumers in other processes (progress then comes from the GPU time-slicing the processes); it
 also checks that ring staging's results equal full staging's bit for bit.
+
+Network ring: the matrix and the graph-replay test run it when `MDEEP_INTERNODE_STAGING=ring`
+and `MDEEP_INTERNODE_NET_RING_CHUNKS=K` are exported (docs/internode.md "Network ring").
+`test_internode_small_net_ring` always runs it with 1 or 2 chunks of 32 tokens per rail peer
+(and 4-slot node rings) on 2x1, 2x2 and 3x2 virtual nodes: every stream wraps several times a
+call, so senders wait for credits from other processes' forwarders and reduces; it checks the
+results against full staging bit for bit, back-to-back calls and graph replays.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from megatron_deepep import knobs
 from megatron_deepep.buffer import Buffer
 from megatron_deepep.node_layout import compute_node_layout
 from megatron_deepep.transport.errors import PeerTimeoutError
-from megatron_deepep.transport.internode_regions import staging_config
+from megatron_deepep.transport.internode_regions import net_ring_config, staging_config
 from megatron_deepep.transport.topology import Topology
 from tests.cases import expert_scale, make_inputs
 from tests.gpu import test_fp8_dispatch_gpu as fp8_gpu
@@ -52,6 +59,11 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 # per call) and back-to-back calls (each wrap may wait for a time slice of another process).
 SMALL_RING_SLOTS = 4
 SMALL_RING_CALLS = 20
+# test_internode_small_net_ring: shapes, chunks per rail peer (a call of 200 tokens per rank
+# puts up to 7 chunks into each stream), tokens per rank of the bit-equality check.
+NET_RING_SHAPES = [(2, 1), (2, 2), (3, 2)]
+NET_RING_CHUNKS = (1, 2)
+NET_RING_TOKENS = 200
 
 # kind, tokens per rank, hidden, experts per rank, top-k, alignment
 CASES = [
@@ -186,8 +198,9 @@ def _worker(rank, world, per_node, num_calls):
     assert inter.transport_name == "internode"
     staging = inter._transport.staging
     assert staging == staging_config()[0]
+    assert inter._transport.net_chunks == net_ring_config(staging)
     ref = Buffer(group, 256, 7168, 16, transport="reference")
-    _progress(rank, start, f"buffers built ({staging} staging)")
+    _progress(rank, start, f"buffers built ({inter._transport._staging_name()} staging)")
     for i, case in enumerate(CASES):
         _case(rank, world, per_node, inter, ref, 1000 * world + i, *case)
         _progress(rank, start, f"case {case} passed")
@@ -214,8 +227,10 @@ def _worker(rank, world, per_node, num_calls):
     # No NVSHMEM teardown calls: limited mode forbids host collectives at teardown.
 
 
-def _is_ring() -> bool:
-    return staging_config()[0] == "ring"
+def _mode() -> str:
+    """The kernel families the knobs select: "full", "ring" or "net" (the network ring)."""
+    staging = staging_config()[0]
+    return "net" if net_ring_config(staging) > 0 else staging
 
 
 def _link(family) -> None:
@@ -223,7 +238,7 @@ def _link(family) -> None:
     from megatron_deepep.fp8.dispatch import Fp8Dispatch
     topk, fmt, output = family
     fp8 = None if fmt is None else Fp8Dispatch(fp8_gpu.FORMATS[fmt], output)
-    expressions = ops.internode_ring_expressions if _is_ring() else ops.internode_expressions
+    expressions = ops.internode_families(_mode())[0]
     nvshmem_link.link_cubin("internode.cu", list(expressions(topk, "long long", fp8)),
                             jit.device_arch())
 
@@ -231,8 +246,7 @@ def _link(family) -> None:
 def _link_combine(family) -> None:
     from megatron_deepep import jit, nvshmem_link, ops
     topk, row_dtype = family
-    expressions = (ops.internode_ring_combine_expressions if _is_ring()
-                   else ops.internode_combine_expressions)
+    expressions = ops.internode_families(_mode())[1]
     nvshmem_link.link_cubin("internode.cu", list(expressions(topk, row_dtype)),
                             jit.device_arch())
 
@@ -289,12 +303,13 @@ def test_internode_graph_replay(shape, monkeypatch, require_nvshmem):
                     timeout_s=300, hard_exit=True)
 
 
-def _same_results(rank, world, full, ring, seed):
-    """Ring staging moves the same bytes and sums the node's partials in the same order as
-    full staging: dispatch and combine (weighted, with routing-weight gradients) bit-equal."""
+def _same_results(rank, world, full, ring, seed, num_tokens=40, what="ring staging"):
+    """Ring staging (and the network ring) moves the same bytes and sums the node's partials
+    and the nodes' rows in the same order as full staging: dispatch and combine (weighted, with
+    routing-weight gradients) bit-equal."""
     dev = torch.device("cuda")
     experts = 2 * world
-    xs, idxs, ws = make_inputs(seed, world, 40, 2048, experts, 8, "random")
+    xs, idxs, ws = make_inputs(seed, world, num_tokens, 2048, experts, 8, "random")
     got = []
     for buf in (full, ring):
         recv_x, recv_w, handle, _ = buf.dispatch(xs[rank].to(dev), idxs[rank].to(dev),
@@ -304,7 +319,7 @@ def _same_results(rank, world, full, ring, seed):
         out, out_w, _ = buf.combine(y, handle, weighted=True, grad_row_weights=grad)
         got.append((recv_x.cpu(), recv_w.cpu(), out.cpu(), out_w.cpu()))
     for name, a, b in zip(("rows", "weights", "combine", "weight gradients"), *got):
-        assert torch.equal(a, b), f"ring staging's {name} differ from full staging's"
+        assert torch.equal(a, b), f"{what}'s {name} differ from full staging's"
 
 
 def _small_ring_worker(rank, world, per_node, num_calls):
@@ -342,6 +357,7 @@ def test_internode_small_ring(shape, monkeypatch, require_nvshmem):
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MDEEP_INTERNODE_RING_SLOTS", str(SMALL_RING_SLOTS))
+    monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", "0")  # ring staging alone
     start = time.monotonic()
     for staging in ("full", "ring"):
         monkeypatch.setenv("MDEEP_INTERNODE_STAGING", staging)
@@ -354,3 +370,61 @@ def test_internode_small_ring(shape, monkeypatch, require_nvshmem):
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _small_ring_worker, per_node, SMALL_RING_CALLS,
                     backend="gloo", timeout_s=1200, hard_exit=True)
+
+
+def _small_net_ring_worker(rank, world, per_node, num_calls, chunks):
+    os.environ.update(ENV)
+    start = time.monotonic()
+    torch.cuda.set_device(0)
+    group = dist.group.WORLD
+    os.environ["MDEEP_INTERNODE_STAGING"] = "full"
+    os.environ["MDEEP_INTERNODE_NET_RING_CHUNKS"] = "0"
+    full = Buffer(group, 256, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
+                  num_ranks_per_node=per_node)
+    os.environ["MDEEP_INTERNODE_STAGING"] = "ring"
+    os.environ["MDEEP_INTERNODE_NET_RING_CHUNKS"] = str(chunks)
+    inter = Buffer(group, 256, 7168, 16, transport="internode", num_sms=8, timeout_s=60,
+                   num_ranks_per_node=per_node)
+    assert (inter._transport.ring_slots, inter._transport.net_chunks) == (SMALL_RING_SLOTS,
+                                                                          chunks)
+    net = Buffer(group, 256, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
+                 num_ranks_per_node=per_node)
+    ref = Buffer(group, 256, 7168, 16, transport="reference")
+    _progress(rank, start, f"buffers built (network ring, {chunks} chunks per rail peer)")
+    _same_results(rank, world, full, net, 51 + world, num_tokens=NET_RING_TOKENS,
+                  what="the network ring")
+    _progress(rank, start, "the network ring equals full staging bit for bit")
+    for i in (0, 2, 5):  # top-8 at H 7168; dropped entries; uneven ranks at top-16
+        _case(rank, world, per_node, inter, ref, 4000 * world + i, *CASES[i])
+        _progress(rank, start, f"case {CASES[i]} passed")
+    nvlink_gpu._back_to_back(rank, world, inter, num_calls)
+    _progress(rank, start, f"{num_calls} back-to-back calls passed")
+    nvlink_gpu._graph_replay(rank, world, net, ref, exact_combine=False)
+    _progress(rank, start, "graph replays passed")
+    _same_results(rank, world, full, net, 61 + world, num_tokens=NET_RING_TOKENS,
+                  what="the network ring after graph replays")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("chunks", NET_RING_CHUNKS, ids=lambda k: f"{k}chunk")
+@pytest.mark.parametrize("shape", NET_RING_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_internode_small_net_ring(shape, chunks, monkeypatch, require_nvshmem):
+    """The network ring with 1-2 chunks per rail peer and 4-slot node rings: against full
+    staging bit for bit (before and after graph replays), cases against the reference,
+    back-to-back calls, graph replays with eager calls between them."""
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MDEEP_INTERNODE_RING_SLOTS", str(SMALL_RING_SLOTS))
+    start = time.monotonic()
+    for staging, net_chunks in (("full", 0), ("ring", chunks)):
+        monkeypatch.setenv("MDEEP_INTERNODE_STAGING", staging)
+        monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", str(net_chunks))
+        _link((8, None, None))
+        _link_combine((8, 0))
+    for k in sorted({CASES[i][4] for i in (0, 2, 5)} | {2, 4}):  # + back-to-back, graphs
+        _link((k, None, None))
+        _link_combine((k, 0))
+    print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    num_nodes, per_node = shape
+    run_distributed(num_nodes * per_node, _small_net_ring_worker, per_node, SMALL_RING_CALLS,
+                    chunks, backend="gloo", timeout_s=1200, hard_exit=True)
