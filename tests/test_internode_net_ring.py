@@ -672,3 +672,112 @@ def test_net_protocol_model_sums_before_reduce_deadlock():
     calls = _net_calls(2, 1, (9,), tokens=40)
     with pytest.raises(_Deadlock):
         _NetModel(2, 1, 1, 4, 1, 0, split=("combine",)).run(calls)
+
+
+# ------------------------------------------------------------- the transport's kernel order
+
+class _FakeStatus:
+    host_info_ptr = 0
+
+    def check_errors(self):
+        pass
+
+    def wait_num_rows(self, epoch):
+        return 48
+
+    def tokens_per_expert(self, num_local):
+        return [0] * num_local
+
+
+class _FakeEpochs:
+    dispatch, notify, combine = 0x10, 0x20, 0x30
+
+    def advance_dispatch(self):
+        pass
+
+    advance_cached_dispatch = advance_combine = advance_dispatch
+
+
+class _FakeLayout:
+    num_tokens = 6
+
+    def address(self, name):
+        return 0x1000
+
+
+def _fake_transport(monkeypatch, staging: str, ring_slots: int, net_chunks: int):
+    """An InternodeTransport with CPU stand-ins for the device state, its kernels recorded."""
+    t = InternodeTransport.__new__(InternodeTransport)
+    t.staging, t.ring_slots, t.net_chunks = staging, ring_slots, net_chunks
+    t.is_ring, t.is_net = staging == "ring", net_chunks > 0
+    t.rank, t.num_ranks, t.ranks_per_node, t.num_nodes = 1, 4, 2, 2
+    t.regions = InternodeRegions(4, 2, 64, 256, 2, staging, ring_slots, net_chunks)
+    t.device = torch.device("cpu")
+    t.num_sms, t.ring_blocks, t.net_blocks, t.timeout_ns = 8, 8, 8, 10 ** 9
+    t.status, t.epochs, t.host_epoch = _FakeStatus(), _FakeEpochs(), 0
+    t.block = torch.zeros(t.regions.control_bytes() + 16, dtype=torch.uint8)
+    t.pe_of_rank = torch.arange(4, dtype=torch.int32)
+    t.workspace = torch.zeros(16, dtype=torch.int32)
+    t.chunks_seen = torch.zeros(4, dtype=torch.int64)
+    t.ring_seen = torch.zeros(32, dtype=torch.int64)
+    t.net_sent = torch.zeros(4, dtype=torch.int64)
+
+    class _Errors:
+        claim = record = 0x40
+    t.status.errors = _Errors()
+    t._static = t._static_fields()
+    launched = []
+
+    def recorder(name):
+        def launch(*args, **kwargs):
+            fields = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, dict))
+            launched.append((name, args, kwargs, dict(fields)))
+        return launch
+
+    kernels = ["internode_node_layout", "internode_notify", "internode_dispatch_send",
+               "internode_forward", "internode_dispatch_recv", "internode_combine_send",
+               "internode_combine_forward", "internode_combine_reduce", "internode_ring_count",
+               "internode_ring_dispatch", "internode_ring_combine", "internode_net_dispatch",
+               "internode_net_combine"]
+    for name in kernels:
+        monkeypatch.setattr(ops, name, recorder(name))
+    monkeypatch.setattr(ops, "layout", lambda *a, **k: _FakeLayout())
+    return t, launched
+
+
+@pytest.mark.parametrize("staging, slots, chunks, dispatch, cached, combine", [
+    ("full", 0, 0, ["node_layout", "notify", "dispatch_send", "forward", "dispatch_recv"],
+     ["dispatch_send", "forward", "dispatch_recv"],
+     ["combine_send", "combine_forward", "combine_reduce"]),
+    ("ring", 4, 0, ["node_layout", "notify", "dispatch_send", "ring_count", "ring_dispatch"],
+     ["dispatch_send", "ring_count", "ring_dispatch"], ["ring_combine", "combine_reduce"]),
+    ("ring", 4, 2, ["node_layout", "notify", "net_dispatch"], ["net_dispatch"],
+     ["net_combine"]),
+])
+@pytest.mark.parametrize("sync", [True, False])
+def test_transport_launches_the_kernels_of_its_mode(monkeypatch, staging, slots, chunks,
+                                                    dispatch, cached, combine, sync):
+    """Knob off, the kernel sequences of full and ring staging are unchanged; with the network
+    ring, dispatch is node layout -> notify -> one kernel, combine one kernel, and every launch
+    carries the network ring's fields."""
+    t, launched = _fake_transport(monkeypatch, staging, slots, chunks)
+    x = torch.zeros(6, 256, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 5]] * 6)
+    w = torch.ones(6, 2)
+    _, _, handle = t.dispatch(x, idx, w, 8, num_max_recv_rows=None if sync else 96)
+    names = [name.replace("internode_", "") for name, *_ in launched]
+    assert names == dispatch
+    launched.clear()
+    t.cached_dispatch(x, handle)
+    assert [name.replace("internode_", "") for name, *_ in launched] == cached
+    launched.clear()
+    t.combine(torch.zeros(48, 256, dtype=torch.bfloat16), handle, weighted=True)
+    assert [name.replace("internode_", "") for name, *_ in launched] == combine
+    if chunks == 0:
+        return
+    fields = launched[0][3]
+    assert fields["net_chunks"] == chunks and fields["ring_slots"] == slots
+    assert fields["net_sent"] == t.net_sent.data_ptr() and fields["ring_base"] != 0
+    for name in ("net_words", "net_counters", "rail_counts", "net_send", "comb_recv"):
+        assert fields[name] == t.regions.offsets[name]
+    assert launched[0][1][-2] == t.net_blocks  # the grid
