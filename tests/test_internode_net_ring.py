@@ -200,6 +200,20 @@ def test_net_kernels_get_a_warp_for_every_role(L, blocks):
     assert blocks * ops.INTERNODE_THREADS // 32 >= ops.NET_ROLE_GROUPS_PER_RANK * L
 
 
+def test_role_groups_and_phases_mirror_the_kernels():
+    import re
+    from megatron_deepep import nvshmem_link
+    source = (nvshmem_link.cuda_src_dir() / "internode.cu").read_text()
+    groups = re.search(r"kNetGroupsPerRank = (\d+);", source)
+    assert groups and int(groups.group(1)) == ops.NET_ROLE_GROUPS_PER_RANK
+    for name, phase in (("kPhaseInNetNotify", 20), ("kPhaseInNetSend", 21),
+                        ("kPhaseInNetForward", 22), ("kPhaseInNetCombineSend", 23),
+                        ("kPhaseInNetReduce", 24)):
+        assert re.search(rf"{name} = {phase}\b", source), name
+        assert phase in errors.PHASES
+    assert errors.NET_RING_PHASES == (21, 22, 23, 24)
+
+
 def test_net_timeouts_name_chunk_words_rank_peer_and_node():
     import numpy as np
     transport = InternodeTransport.__new__(InternodeTransport)
