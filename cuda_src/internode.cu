@@ -1315,6 +1315,9 @@ __device__ __forceinline__ u8* net_chunk(u8* block, i64 offset, const InternodeA
     return block + offset + slot * a.chunk_tokens * stride;
 }
 
+// A warp's role in the network ring's kernels (the roles above). Every role gets its own warps
+// (3 L groups of equal size; the < 3 L spare warps idle), so no role waits behind another's
+// wait: the deadlock argument (docs/internode.md, "Network ring") needs each role to progress.
 struct NetRoles {
     int kind, sub, index, per_group;
     __device__ explicit NetRoles(int L) {
