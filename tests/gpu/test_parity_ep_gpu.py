@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_deepep import knobs
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, tier_backend
 from tests.test_parity_ep import ep_worker
 
 pytestmark = pytest.mark.gpu
@@ -26,4 +26,4 @@ def _both_dtypes(rank, world):
 @pytest.mark.parametrize("num_procs", NUM_PROCS)
 def test_layer_at_ep_r_matches_ep_1(num_procs):
     """bf16 and fp32 layers, one job per R."""
-    run_distributed(num_procs, _both_dtypes, timeout_s=300)
+    run_distributed(num_procs, _both_dtypes, backend=tier_backend(), timeout_s=300)
