@@ -10,7 +10,9 @@ the no-sync mode, skewed/empty/uneven routing, -1 entries, top-k 1-16, back-to-b
 changing shapes, calls on the Buffer's comm stream, a no-sync dispatch + combine replayed from
 a CUDA graph (eager calls between replays), autograd, fp16 and fp32 rows, FP8 dispatch in every
 wire format (the network carries e4m3 rows and scales), bad input, and a stalled peer that must
-raise naming rank and node.
+raise naming rank and node. With `MDEEP_TEST_BACKEND=nccl` every process has a GPU of its own
+(NCCL control plane, the reference over a gloo side group, NVSHMEM's full mode): the same
+virtual nodes over real GPUs, e.g. `MDEEP_TEST_NODES=2x4` on 8 GPUs.
 
 Staging: the whole matrix runs with the node staging `MDEEP_INTERNODE_STAGING` selects (`full`
 by default; `ring` with `MDEEP_INTERNODE_RING_SLOTS` slots per ring, docs/internode.md "Ring

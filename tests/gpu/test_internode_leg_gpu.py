@@ -7,7 +7,8 @@ loads and initializes them). For a few rounds each PE puts its bytes (in several
 adding 1 to the signal) to the PE with the same local index on the next node and waits for its
 own incoming slot; every rank checks every byte it received. Then a planted stall: one PE sends
 nothing, and its receiver's wait must expire and record (rank, peer, phase, expected, seen)
-naming that PE instead of hanging.
+naming that PE instead of hanging. With `MDEEP_TEST_BACKEND=nccl` the 4 PEs run on 4 GPUs
+(NCCL control plane, NVSHMEM's full mode), skipped with fewer GPUs.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """GPU tier: the NVLink transport against the reference, N processes sharing the GPU via IPC.
 
 Every process drives the NVLink Buffer on the GPU and the reference Buffer on CPU copies of the
-same inputs (both over one gloo group), and compares: dispatch bit-exact (rows, weights, counts),
-combine bit-exact (same summation order and rounding by design), backward, cached dispatch, the
-no-sync mode, skewed/empty/uneven routing, -1 entries, back-to-back calls with changing shapes,
-calls on the Buffer's comm stream (async_finish, previous_event), a no-sync dispatch + combine
-captured in a CUDA graph and replayed (eager calls in between),
-bad input, and a stalled peer that must raise the timeout error instead of hanging.
+same inputs (both over one gloo group; with `MDEEP_TEST_BACKEND=nccl` one process per GPU, the
+NVLink Buffer over the NCCL group and the reference over a gloo side group), and compares:
+dispatch bit-exact (rows, weights, counts), combine bit-exact (same summation order and rounding
+by design), backward, cached dispatch, the no-sync mode, skewed/empty/uneven routing, -1 entries,
+back-to-back calls with changing shapes, calls on the Buffer's comm stream (async_finish,
+previous_event), a no-sync dispatch + combine captured in a CUDA graph and replayed (eager calls
+in between), bad input, and a stalled peer that must raise the timeout error instead of hanging.
 """
 
 from __future__ import annotations
