@@ -54,7 +54,7 @@ TIER_TESTS="tests/gpu/test_nvlink_gpu.py tests/gpu/test_fp8_dispatch_gpu.py
 INTERNODE_TESTS="tests/gpu/test_internode_gpu.py tests/gpu/test_internode_leg_gpu.py"
 PYTEST=(python3 -m pytest -m gpu -q -rA -p no:cacheprovider)
 mkdir -p "$OUT"
-: > "$OUT/progress"
+rm -f "$OUT/progress" "$OUT/tier.log" "$OUT/main.log"  # appended to below: this run's alone
 # run LIMIT_S LOG command... (time_limit.sh): at most LIMIT_S and never past BUDGET_S; a piece
 # still running at its limit leaves its Python processes' stacks in LOG.
 source "$HERE/time_limit.sh"
@@ -147,17 +147,23 @@ precompile() {
       main) topks+=(2) ;;
     esac
   done
-  # At most 32 compilers: the host's memory grows as it is first used (about 3 s per 8 GiB).
-  local num_jobs=$(( $(nproc) < 32 ? $(nproc) : 32 ))
-  local args=(--topk $(printf '%s\n' "${topks[@]}" | sort -nu) -j "$num_jobs" -q)
+  # At most 64 compilers: the host's memory grows as it is first used (about 3 s per 8 GiB).
+  # int64 expert ids only: the tests', the bench's and Megatron's.
+  local num_jobs=$(( $(nproc) < 64 ? $(nproc) : 64 ))
+  local args=(--topk $(printf '%s\n' "${topks[@]}" | sort -nu) --index-dtype int64
+              -j "$num_jobs" -q)
   (( fp8 )) && args+=(--fp8 blockwise_1x128 mxfp8_1x32)
   (( row_dtypes )) && args+=(--row-dtype bf16 fp16 fp32)
   (( bench_kernels )) && args+=(--bench)
   piece precompile "${PRECOMPILE_TIMEOUT:-150}" "$LOGS/precompile.log" \
     python3 -m megatron_deepep.precompile "${args[@]}"
-  is_dry || tail -n 1 "$LOGS/precompile.log"
-  summary precompile "$PIECE_RC" "$PIECE_S" "$(is_dry && echo "dry run" \
-    || tail -n 1 "$LOGS/precompile.log" | cut -c1-160)"
+  local result="dry run"
+  if ! is_dry; then
+    result=$(grep "^precompile: " "$LOGS/precompile.log" | tail -n 1 | cut -c1-160)
+    result=${result:-no summary line (cut short? see precompile.log in logs.tar.gz)}
+    echo "$result"
+  fi
+  summary precompile "$PIECE_RC" "$PIECE_S" "$result"
 }
 
 run_bench() {
@@ -167,8 +173,9 @@ run_bench() {
     --nproc-per-node "$NGPU" -m megatron_deepep.bench --out "$folder" ${BENCH_ARGS:-}
   if ! is_dry; then
     [ -f "$folder/bench.json" ] && cp "$folder/bench.json" "$OUT/bench_ep$NGPU.json"
-    sed -n '/^shape (N,H,E,K) | EP/,$p' "$log" | grep -v "^INFO\|^WARNING" | cut -c1-260 \
-      | head -90
+    # The NVLink table here (both tables are in the log): the summary must stay in the tail
+    # of what the device tool shows.
+    sed -n '/^NVLink, EP = /,$p' "$log" | grep -v "^INFO\|^WARNING" | cut -c1-200 | head -80
   fi
   summary "$name" "$PIECE_RC" "$PIECE_S" "$(report bench "$OUT/bench_ep$NGPU.json")"
 }

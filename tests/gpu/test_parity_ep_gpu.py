@@ -1,7 +1,8 @@
 """GPU tier: Megatron's MoELayer with `deepep` at EP = R (R processes sharing the GPU, the
 NVLink kernels) equals the same layer at EP = 1 (the local kernels) on the same tokens and
 weights: outputs, input and router gradients, and every expert's weight gradient (the worker of
-tests/test_parity_ep.py). R from `MDEEP_TEST_PROCS` (1 is skipped: nothing to compare). Needs
+tests/test_parity_ep.py). R from `MDEEP_TEST_PROCS` (1 is skipped: nothing to compare); with
+`MDEEP_TEST_BACKEND=nccl` one process per GPU, Megatron's groups over NCCL. Needs
 megatron-core (scripts/gpu_parity.sh installs the wheel from .whl/).
 """
 
