@@ -278,9 +278,7 @@ def _bench_row(ep, gbps, x_nccl):
 
 
 def _report(*args) -> str:
-    """`scripts/gpu_multi_report.py ARGS`'s output. In a fresh process, as gpu_multi.sh runs it:
-    under Python 3.12.1, a module compiled in a process that has run an NVRTC compile (earlier
-    tests do) loses the space between two f-string fields ("{n} {what}" -> "1failed")."""
+    """`scripts/gpu_multi_report.py ARGS`'s output, run as gpu_multi.sh runs it."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_multi_report.py"),
                            *map(str, args)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
