@@ -6,6 +6,9 @@
   `test_nvshmem_link.py`) run last: once collection ends, their NVRTC compiles and nvJitLink
   links start in two low-priority background processes (`compile_jobs.py`), so they overlap the
   rest of the suite instead of adding to it.
+- Tests marked `wall_time` (they assert on wall-clock times) run after those, when the
+  background compiles have ended: a compile that ends in the middle of a timed loop makes its
+  first steps look slow next to its last ones.
 """
 
 import os
@@ -41,9 +44,11 @@ def pytest_collection_modifyitems(config, items):
             if "gpu" in item.keywords:
                 item.add_marker(skip, append=False)
     jobs = [item for item in items if item.get_closest_marker("nvrtc_job")]
-    if jobs:
-        others = [item for item in items if not item.get_closest_marker("nvrtc_job")]
-        items[:] = others + jobs
+    timed = [item for item in items if item.get_closest_marker("wall_time")]
+    if jobs or timed:
+        others = [item for item in items if not item.get_closest_marker("nvrtc_job")
+                  and not item.get_closest_marker("wall_time")]
+        items[:] = others + jobs + timed
 
 
 def pytest_collection_finish(session):

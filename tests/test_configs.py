@@ -358,6 +358,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
+@pytest.mark.wall_time  # after the background compiles (conftest.py)
 def test_deepseek_proxy_moe_layers_train_on_cpu(tmp_path):
     """The DeepSeek-V3 proxy's MoE path (256 experts, top-8, sigmoid + expert bias,
     group-limited routing, seq aux loss, shared expert, FP8 blockwise dispatch, metrics on) with
