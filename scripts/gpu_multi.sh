@@ -200,8 +200,18 @@ run_tier() {
     return
   fi
   # shellcheck disable=SC2086
-  piece "$name" "${TIER_TIMEOUT:-240}" "$log" env MDEEP_TEST_BACKEND=nccl \
-    MDEEP_TEST_PROCS="$num_ranks" "${PYTEST[@]}" $TIER_TESTS ${PYTEST_ARGS:-}
+  run_nccl_pytest "$name" "${TIER_TIMEOUT:-240}" "$log" MDEEP_TEST_PROCS="$num_ranks" \
+    $TIER_TESTS
+}
+
+# run_nccl_pytest NAME LIMIT LOG VAR=VALUE TESTS...: one piece of the tier over NCCL, its
+# per-test lines and its summary row.
+run_nccl_pytest() {
+  local name=$1 limit=$2 log=$3 var=$4
+  shift 4
+  # shellcheck disable=SC2086
+  piece "$name" "$limit" "$log" env MDEEP_TEST_BACKEND=nccl "$var" "${PYTEST[@]}" "$@" \
+    ${PYTEST_ARGS:-}
   is_dry || tier_lines "$name" "$log"
   summary "$name" "$PIECE_RC" "$PIECE_S" "$(report pytest "$log")"
 }
@@ -214,10 +224,8 @@ run_internode() {
     return
   fi
   # shellcheck disable=SC2086
-  piece "$name" "${INTERNODE_TIMEOUT:-300}" "$log" env MDEEP_TEST_BACKEND=nccl \
-    MDEEP_TEST_NODES="2x$per_node" "${PYTEST[@]}" $INTERNODE_TESTS ${PYTEST_ARGS:-}
-  is_dry || tier_lines "$name" "$log"
-  summary "$name" "$PIECE_RC" "$PIECE_S" "$(report pytest "$log")"
+  run_nccl_pytest "$name" "${INTERNODE_TIMEOUT:-300}" "$log" MDEEP_TEST_NODES="2x$per_node" \
+    $INTERNODE_TESTS
 }
 
 run_main() {
