@@ -581,14 +581,41 @@ __device__ __forceinline__ void warp_sum_partials(const u8* const* src, int num_
     }
 }
 
+// The partial of one token on an expert rank, one warp: its rows `rows [K]` (-1: none) summed
+// in k order in fp32 (weighted if asked), rounded once into `dst`, and with kWithWeights the
+// per-k routing-weight gradients after the row. Shared by internode_combine_send (full staging)
+// and the combine ring's producers.
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
+__device__ __forceinline__ void write_partial(const InternodeArgs& a, const int* rows, u8* dst,
+                                              int lane) {
+    const int num_int4 = a.hidden * 2 / 16;
+    const int4* const y = reinterpret_cast<const int4*>(a.y);
+    for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
+        float acc[kCopyUnroll][8];
+        zero_acc(acc);
+#pragma unroll
+        for (int k = 0; k < kTopk; ++k) {
+            const int row = rows[k];
+            if (row < 0) continue;
+            const float w = kWeighted ? a.recv_weights[row] : 1.f;
+            accumulate_chunk<kDtype, kWeighted>(acc, y + (i64)row * num_int4, base, num_int4,
+                                                lane, w);
+        }
+        store_chunk_rows<kDtype>(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
+    }
+    if (kWithWeights && lane < kTopk) {
+        const int row = rows[lane];
+        reinterpret_cast<float*>(dst + a.row_stride)[lane] =
+            row >= 0 ? a.grad_row_weights[row] : 0.f;
+    }
+}
+
 template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
     const auto [R, L, M, C, N_max, node, local] = Shape(a);
-    const int num_int4 = a.hidden * 2 / 16;
     const i64 comb_stride = a.row_stride + a.weight_stride;
-    const int4* const y = reinterpret_cast<const int4*>(a.y);
     __shared__ u8* peers[kMaxRanksPerNode];
     __shared__ int slot_start[kMaxInternodeRanks + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
@@ -606,24 +633,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
         // is the source's): staging [my local][source node][slot].
         u8* const dst = peers[s % L] + a.comb_stage +
                         (((i64)local * M + s / L) * N_max + j) * comb_stride;
-        for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
-            float acc[kCopyUnroll][8];
-            zero_acc(acc);
-#pragma unroll
-            for (int k = 0; k < kTopk; ++k) {
-                const int row = rows[k];
-                if (row < 0) continue;
-                const float w = kWeighted ? a.recv_weights[row] : 1.f;
-                accumulate_chunk<kDtype, kWeighted>(acc, y + (i64)row * num_int4, base, num_int4,
-                                                    lane, w);
-            }
-            store_chunk_rows<kDtype>(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
-        }
-        if (kWithWeights && lane < kTopk) {
-            const int row = rows[lane];
-            reinterpret_cast<float*>(dst + a.row_stride)[lane] =
-                row >= 0 ? a.grad_row_weights[row] : 0.f;
-        }
+        write_partial<kTopk, kWeighted, kWithWeights, kDtype>(a, rows, dst, lane);
     }
     if (last_block_done(&a.block_counters[2]) && !has_error(err))
         release_node<&NodeFlags::comb_done>(peers, a);
@@ -1005,9 +1015,8 @@ __device__ __forceinline__ void ring_partials(const InternodeArgs& a, int u, int
                                               int per_group, u8* const* peers, const int* start,
                                               const ErrorState& err, int lane) {
     const auto [R, L, M, C, N_max, node, local] = Shape(a);
-    const int S = a.ring_slots, num_int4 = a.hidden * 2 / 16;
+    const int S = a.ring_slots;
     const i64 comb_stride = a.row_stride + a.weight_stride;
-    const int4* const y = reinterpret_cast<const int4*>(a.y);
     const u64 first_pos = *ring_seen(a, kSeenCombSent, u);
     u8* const ring_rows = peers[u] + a.comb_stage + (i64)local * S * comb_stride;
     ring::PendingWords pending;
@@ -1021,24 +1030,7 @@ __device__ __forceinline__ void ring_partials(const InternodeArgs& a, int u, int
             return;
         const int* rows = a.slot_rows + ((i64)s * N_max + j) * kTopk;
         u8* const dst = ring_rows + (i64)(pos % (u64)S) * comb_stride;
-        for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
-            float acc[kCopyUnroll][8];
-            zero_acc(acc);
-#pragma unroll
-            for (int k = 0; k < kTopk; ++k) {
-                const int row = rows[k];
-                if (row < 0) continue;
-                const float w = kWeighted ? a.recv_weights[row] : 1.f;
-                accumulate_chunk<kDtype, kWeighted>(acc, y + (i64)row * num_int4, base, num_int4,
-                                                    lane, w);
-            }
-            store_chunk_rows<kDtype>(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
-        }
-        if (kWithWeights && lane < kTopk) {
-            const int row = rows[lane];
-            reinterpret_cast<float*>(dst + a.row_stride)[lane] =
-                row >= 0 ? a.grad_row_weights[row] : 0.f;
-        }
+        write_partial<kTopk, kWeighted, kWithWeights, kDtype>(a, rows, dst, lane);
         pending.add(ring_word(peers[u], a, kRingCombReady, local, pos), pos + 1, lane);
     }
     pending.flush(lane);
