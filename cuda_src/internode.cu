@@ -524,6 +524,50 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
     }
 }
 
+// One staged row of source rank `s` (wire row `staged`, its SlotMeta at `meta`) into its
+// expert-major rows, one warp: the rows from the receive layout (or, cached, from `my_rows`,
+// which a fresh call fills for combine), the weights, then the copy (FP8 kept, dequantized, or
+// bf16). Shared by internode_dispatch_recv (full staging) and the ring expand.
+template <int kTopk, bool kCached, int kFmt, bool kDequant>
+__device__ __forceinline__ void expand_staged_row(const InternodeArgs& a, const u8* staged,
+                                                  const u8* meta_bytes, int* my_rows, int s,
+                                                  int lane) {
+    const int num_local = a.num_local, hidden = a.hidden;
+    constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
+    const i64 row_bytes = kFp8Out ? (i64)hidden : (i64)hidden * 2;
+    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
+    int row_lane = -1;  // lane k: the row of entry k
+    if (kCached) {
+        if (lane < kTopk) row_lane = my_rows[lane];
+    } else if (lane < kTopk) {
+        const volatile SlotMeta<kTopk>* meta =
+            reinterpret_cast<const volatile SlotMeta<kTopk>*>(meta_bytes);
+        const int e = meta->local_expert[lane];
+        if (e >= 0) {
+            row_lane = a.expert_row_start[e] + a.src_expert_offset[s * num_local + e] +
+                       meta->pos[lane];
+            if (row_lane >= a.max_rows) row_lane = -1;  // overflow: reported by notify
+        }
+        my_rows[lane] = row_lane;
+        if (row_lane >= 0) a.recv_weights[row_lane] = meta->weight[lane];
+    }
+    u8* dst[kTopk];
+    u8* dst_scales[kTopk];
+    const int num_dst = lane_rows_to_dsts<kTopk>(row_lane, a.recv_x, row_bytes, a.recv_scales,
+                                                 scale_bytes, dst, dst_scales);
+    if (kFmt == fp8::kWireBf16)
+        warp_copy_row<kTopk, true>(reinterpret_cast<const int4*>(staged),
+                                   reinterpret_cast<int4* const*>(dst), num_dst,
+                                   hidden * 2 / 16, lane);
+    else if (kDequant)
+        fp8::dequant_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden,
+                                                reinterpret_cast<int4* const*>(dst), num_dst,
+                                                lane);
+    else
+        fp8::copy_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden, dst,
+                                             dst_scales, num_dst, lane);
+}
+
 template <int kTopk, bool kCached, int kFmt, bool kDequant>
 __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
     const __grid_constant__ InternodeArgs a) {
@@ -550,37 +594,8 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_recv(
         const i64 at = (i64)s * N_max + j;
         const u8* staged = a.heap + a.stage_rows + at * a.row_stride;
         int* my_rows = a.slot_rows + at * kTopk;
-        int row_lane = -1;  // lane k: the row of entry k
-        if (kCached) {
-            if (lane < kTopk) row_lane = my_rows[lane];
-        } else if (lane < kTopk) {
-            const volatile SlotMeta<kTopk>* meta =
-                reinterpret_cast<const volatile SlotMeta<kTopk>*>(a.heap + a.stage_meta +
-                                                                  at * a.meta_stride);
-            const int e = meta->local_expert[lane];
-            if (e >= 0) {
-                row_lane = a.expert_row_start[e] + a.src_expert_offset[s * num_local + e] +
-                           meta->pos[lane];
-                if (row_lane >= a.max_rows) row_lane = -1;  // overflow: reported by notify
-            }
-            my_rows[lane] = row_lane;
-            if (row_lane >= 0) a.recv_weights[row_lane] = meta->weight[lane];
-        }
-        u8* dst[kTopk];
-        u8* dst_scales[kTopk];
-        const int num_dst = lane_rows_to_dsts<kTopk>(row_lane, a.recv_x, row_bytes, a.recv_scales,
-                                                     scale_bytes, dst, dst_scales);
-        if (kFmt == fp8::kWireBf16)
-            warp_copy_row<kTopk, true>(reinterpret_cast<const int4*>(staged),
-                                       reinterpret_cast<int4* const*>(dst), num_dst,
-                                       hidden * 2 / 16, lane);
-        else if (kDequant)
-            fp8::dequant_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden,
-                                                    reinterpret_cast<int4* const*>(dst), num_dst,
-                                                    lane);
-        else
-            fp8::copy_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden, dst,
-                                                 dst_scales, num_dst, lane);
+        expand_staged_row<kTopk, kCached, kFmt, kDequant>(
+            a, staged, a.heap + a.stage_meta + at * a.meta_stride, my_rows, s, lane);
     }
     __shared__ u8* peers[kMaxRanksPerNode];
     if (threadIdx.x < L)
@@ -648,14 +663,41 @@ __device__ __forceinline__ void warp_sum_partials(const u8* const* src, int num_
     }
 }
 
+// The partial of one token on an expert rank, one warp: its rows `rows [K]` (-1: none) summed
+// in k order in fp32 (weighted if asked), rounded once into `dst`, and with kWithWeights the
+// per-k routing-weight gradients after the row. Shared by internode_combine_send (full staging)
+// and the combine ring's producers.
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
+__device__ __forceinline__ void write_partial(const InternodeArgs& a, const int* rows, u8* dst,
+                                              int lane) {
+    const int num_int4 = a.hidden * 2 / 16;
+    const int4* const y = reinterpret_cast<const int4*>(a.y);
+    for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
+        float acc[kCopyUnroll][8];
+        zero_acc(acc);
+#pragma unroll
+        for (int k = 0; k < kTopk; ++k) {
+            const int row = rows[k];
+            if (row < 0) continue;
+            const float w = kWeighted ? a.recv_weights[row] : 1.f;
+            accumulate_chunk<kDtype, kWeighted>(acc, y + (i64)row * num_int4, base, num_int4,
+                                                lane, w);
+        }
+        store_chunk_rows<kDtype>(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
+    }
+    if (kWithWeights && lane < kTopk) {
+        const int row = rows[lane];
+        reinterpret_cast<float*>(dst + a.row_stride)[lane] =
+            row >= 0 ? a.grad_row_weights[row] : 0.f;
+    }
+}
+
 template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
     const __grid_constant__ InternodeArgs a) {
     const ErrorState err{a.error_claim, a.error_record};
     const auto [R, L, M, C, N_max, node, local] = Shape(a);
-    const int num_int4 = a.hidden * 2 / 16;
     const i64 comb_stride = a.row_stride + a.weight_stride;
-    const int4* const y = reinterpret_cast<const int4*>(a.y);
     __shared__ u8* peers[kMaxRanksPerNode];
     __shared__ int slot_start[kMaxInternodeRanks + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_recv_tokens_per_rank, R, 1, slot_start);
@@ -673,24 +715,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_send(
         // is the source's): staging [my local][source node][slot].
         u8* const dst = peers[s % L] + a.comb_stage +
                         (((i64)local * M + s / L) * N_max + j) * comb_stride;
-        for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
-            float acc[kCopyUnroll][8];
-            zero_acc(acc);
-#pragma unroll
-            for (int k = 0; k < kTopk; ++k) {
-                const int row = rows[k];
-                if (row < 0) continue;
-                const float w = kWeighted ? a.recv_weights[row] : 1.f;
-                accumulate_chunk<kDtype, kWeighted>(acc, y + (i64)row * num_int4, base, num_int4,
-                                                    lane, w);
-            }
-            store_chunk_rows<kDtype>(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
-        }
-        if (kWithWeights && lane < kTopk) {
-            const int row = rows[lane];
-            reinterpret_cast<float*>(dst + a.row_stride)[lane] =
-                row >= 0 ? a.grad_row_weights[row] : 0.f;
-        }
+        write_partial<kTopk, kWeighted, kWithWeights, kDtype>(a, rows, dst, lane);
     }
     if (last_block_done(&a.block_counters[2]) && !has_error(err))
         release_node<&NodeFlags::comb_done>(peers, a);
@@ -993,10 +1018,7 @@ __device__ __forceinline__ void ring_expand_rows(const InternodeArgs& a, int u, 
                                                  const int* start, const ErrorState& err,
                                                  int lane) {
     const auto [R, L, M, C, N_max, node, local] = Shape(a);
-    const int S = a.ring_slots, num_local = a.num_local, hidden = a.hidden;
-    constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
-    const i64 row_bytes = kFp8Out ? (i64)hidden : (i64)hidden * 2;
-    const int scale_bytes = kFp8Out ? fp8::scale_row_bytes<kFmt>(hidden) : 0;
+    const int S = a.ring_slots;
     const u64 first_pos = *ring_seen(a, kSeenDispRecv, u);
     const u8* const rows = a.heap + a.stage_rows + (i64)u * S * a.row_stride;
     const u8* const metas = a.heap + a.stage_meta + (i64)u * S * a.meta_stride;
@@ -1012,36 +1034,8 @@ __device__ __forceinline__ void ring_expand_rows(const InternodeArgs& a, int u, 
         const i64 c = (i64)(pos % (u64)S);
         const u8* staged = rows + c * a.row_stride;
         int* my_rows = a.slot_rows + ((i64)s * N_max + j) * kTopk;
-        int row_lane = -1;  // lane k: the row of entry k
-        if (kCached) {
-            if (lane < kTopk) row_lane = my_rows[lane];
-        } else if (lane < kTopk) {
-            const volatile SlotMeta<kTopk>* meta =
-                reinterpret_cast<const volatile SlotMeta<kTopk>*>(metas + c * a.meta_stride);
-            const int e = meta->local_expert[lane];
-            if (e >= 0) {
-                row_lane = a.expert_row_start[e] + a.src_expert_offset[s * num_local + e] +
-                           meta->pos[lane];
-                if (row_lane >= a.max_rows) row_lane = -1;  // overflow: reported by notify
-            }
-            my_rows[lane] = row_lane;
-            if (row_lane >= 0) a.recv_weights[row_lane] = meta->weight[lane];
-        }
-        u8* dst[kTopk];
-        u8* dst_scales[kTopk];
-        const int num_dst = lane_rows_to_dsts<kTopk>(row_lane, a.recv_x, row_bytes, a.recv_scales,
-                                                     scale_bytes, dst, dst_scales);
-        if (kFmt == fp8::kWireBf16)
-            warp_copy_row<kTopk, true>(reinterpret_cast<const int4*>(staged),
-                                       reinterpret_cast<int4* const*>(dst), num_dst,
-                                       hidden * 2 / 16, lane);
-        else if (kDequant)
-            fp8::dequant_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden,
-                                                    reinterpret_cast<int4* const*>(dst), num_dst,
-                                                    lane);
-        else
-            fp8::copy_fp8_row<kFmt, kTopk, true>(staged, staged + hidden, hidden, dst,
-                                                 dst_scales, num_dst, lane);
+        expand_staged_row<kTopk, kCached, kFmt, kDequant>(a, staged, metas + c * a.meta_stride,
+                                                          my_rows, s, lane);
         pending.add(ring_word(peers[u], a, kRingDispFreed, local, pos), pos + 1, lane);
     }
     pending.flush(lane);
@@ -1113,9 +1107,8 @@ __device__ __forceinline__ void ring_partials(const InternodeArgs& a, int u, int
                                               int per_group, u8* const* peers, const int* start,
                                               const ErrorState& err, int lane) {
     const auto [R, L, M, C, N_max, node, local] = Shape(a);
-    const int S = a.ring_slots, num_int4 = a.hidden * 2 / 16;
+    const int S = a.ring_slots;
     const i64 comb_stride = a.row_stride + a.weight_stride;
-    const int4* const y = reinterpret_cast<const int4*>(a.y);
     const u64 first_pos = *ring_seen(a, kSeenCombSent, u);
     u8* const ring_rows = peers[u] + a.comb_stage + (i64)local * S * comb_stride;
     ring::PendingWords pending;
@@ -1129,24 +1122,7 @@ __device__ __forceinline__ void ring_partials(const InternodeArgs& a, int u, int
             return;
         const int* rows = a.slot_rows + ((i64)s * N_max + j) * kTopk;
         u8* const dst = ring_rows + (i64)(pos % (u64)S) * comb_stride;
-        for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
-            float acc[kCopyUnroll][8];
-            zero_acc(acc);
-#pragma unroll
-            for (int k = 0; k < kTopk; ++k) {
-                const int row = rows[k];
-                if (row < 0) continue;
-                const float w = kWeighted ? a.recv_weights[row] : 1.f;
-                accumulate_chunk<kDtype, kWeighted>(acc, y + (i64)row * num_int4, base, num_int4,
-                                                    lane, w);
-            }
-            store_chunk_rows<kDtype>(reinterpret_cast<int4*>(dst), acc, base, num_int4, lane);
-        }
-        if (kWithWeights && lane < kTopk) {
-            const int row = rows[lane];
-            reinterpret_cast<float*>(dst + a.row_stride)[lane] =
-                row >= 0 ? a.grad_row_weights[row] : 0.f;
-        }
+        write_partial<kTopk, kWeighted, kWithWeights, kDtype>(a, rows, dst, lane);
         pending.add(ring_word(peers[u], a, kRingCombReady, local, pos), pos + 1, lane);
     }
     pending.flush(lane);

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
     // 2. Everyone's row into mine.
     Meta* mine = meta_of(peer_bases[rank]);
     if (!block_wait_peers(mine->notify_flag, epoch, num_ranks, rank, true, timeout_ns, err,
-                          kPhaseNotify))
+                          kPhaseNotify, /*give_up_on_error=*/false))
         return;
     volatile int(*counts)[kCountStride] = mine->counts;
     if (threadIdx.x < num_ranks) {

@@ -156,7 +156,9 @@ def compile_program(code, name: str, name_expressions: Sequence[str], opts: Sequ
                          "add name expression")
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
         log_size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        log = b" " * log_size
+        # NVRTC writes into this buffer: never 1 byte long, since `b" " * 1` is CPython's
+        # shared b" " (an empty log would turn it into a NUL byte for the whole process).
+        log = b" " * max(log_size, 2)
         _nvrtc_check((nvrtc.nvrtcGetProgramLog(prog, log)[0], None), "get log")
         log_text = log.decode(errors="replace").rstrip("\x00 \n")
         if int(status) != 0:

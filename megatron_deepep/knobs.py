@@ -144,8 +144,12 @@ _TABLE = (
     Knob("PDL", "bool", True, "1", "programmatic dependent launch: the EP = 1 expand starts "
          "while the layout kernel ends (`0`: after it)", "jit"),
     # The GPU tier.
-    Knob("TEST_PROCS", "ints", (1, 2, 3, 4, 8), "1,2,3,4,8", "EP sizes (processes sharing the "
-         "GPU) the GPU tier runs", "tests"),
+    Knob("TEST_PROCS", "ints", (1, 2, 3, 4, 8), "1,2,3,4,8", "EP sizes (processes: sharing the "
+         "GPU under gloo, one per GPU under nccl) the GPU tier runs", "tests"),
+    Knob("TEST_BACKEND", "str", "gloo", "gloo", "control plane of the GPU tier's multi-process "
+         "tests: `gloo` (the ranks share the GPU) or `nccl` (one process per GPU, device = rank, "
+         "NCCL default group, a gloo side group for the CPU reference; skipped with fewer GPUs "
+         "than ranks)", "tests"),
     Knob("TEST_NODES", "str", "2x1,2x2,3x2,2x3,4x2,2x4", "2x1,2x2,3x2,2x3,4x2,2x4",
          "virtual node shapes (nodes x ranks per node) the GPU tier's internode test runs",
          "tests"),

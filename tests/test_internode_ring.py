@@ -28,6 +28,7 @@ from megatron_deepep.transport.internode import InternodeTransport, node_plan
 from megatron_deepep.transport.internode_regions import InternodeRegions, staging_config
 from megatron_deepep.transport.recv import regrow_slots
 from megatron_deepep.transport.regions import PAGE
+from tests.test_internode_transport import check_region_spans
 
 GB = 1e9
 
@@ -95,16 +96,11 @@ def test_ranks_that_disagree_on_the_staging_fail_at_construction():
                                              (256, 8, 4096, 7168, 8, 512)])
 def test_ring_regions_are_disjoint_page_aligned_and_bounded(R, L, N, H, K, C):
     rg = InternodeRegions(R, L, N, H, K, "ring", C)
-    sizes = dict(rg._sizes())
-    spans = sorted((rg.offsets[name], rg.offsets[name] + size) for name, size in sizes.items())
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        assert end <= start
-    assert all(off % PAGE == 0 for off in rg.offsets.values())
-    assert spans[-1][1] <= rg.num_bytes < spans[-1][1] + (2 << 20)
+    slot = check_region_spans(rg)
     M = R // L
-    slot = rg.row_stride + max(rg.record_stride, rg.meta_stride, rg.weight_stride)
     assert rg.num_bytes <= (4 * M * N + 2 * L * C) * slot + (4 << 20)
     # The staging is L rings of C slots, whatever R and N_max.
+    sizes = dict(rg._sizes())
     assert sizes["stage_rows"] == L * C * rg.row_stride
     assert sizes["stage_meta"] == L * C * rg.meta_stride
     assert sizes["comb_stage"] == L * C * (rg.row_stride + rg.weight_stride)

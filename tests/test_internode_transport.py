@@ -20,15 +20,21 @@ from megatron_deepep.transport.regions import PAGE
                                           (6, 3, 1, 16, 1), (64, 8, 4096, 7168, 16)])
 def test_regions_are_disjoint_page_aligned_and_counted(R, L, N, H, K):
     rg = InternodeRegions(R, L, N, H, K)
+    slot = check_region_spans(rg)
+    M = R // L
+    assert rg.num_bytes <= N * (4 * M + L * M + R) * slot + (4 << 20)
+
+
+def check_region_spans(rg: InternodeRegions) -> int:
+    """Asserts `rg`'s regions are disjoint, page-aligned and end inside its size (within the
+    2 MiB rounding); returns the bytes of one slot (a row plus its largest side record)."""
     sizes = dict(rg._sizes())
     spans = sorted((rg.offsets[name], rg.offsets[name] + size) for name, size in sizes.items())
     for (_, end), (start, _) in zip(spans, spans[1:]):
         assert end <= start
     assert all(off % PAGE == 0 for off in rg.offsets.values())
     assert spans[-1][1] <= rg.num_bytes < spans[-1][1] + (2 << 20)
-    M = R // L
-    slot = rg.row_stride + max(rg.record_stride, rg.meta_stride, rg.weight_stride)
-    assert rg.num_bytes <= N * (4 * M + L * M + R) * slot + (4 << 20)
+    return rg.row_stride + max(rg.record_stride, rg.meta_stride, rg.weight_stride)
     # A NetRecord holds the token, 8 slots and K ids, positions and weights.
     assert rg.record_stride >= 4 * (1 + 8 + 3 * K) and rg.record_stride % 16 == 0
     assert rg.control_bytes() == rg.offsets["net_send"]

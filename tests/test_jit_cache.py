@@ -58,6 +58,17 @@ def test_entry_round_trip_and_every_kind_of_damage():
         jit.unpack_entry(blob, ["k<2>"])
 
 
+def test_an_empty_compile_log_leaves_the_interpreter_alone():
+    """NVRTC writes the log into the buffer it is given; an empty log is 1 byte, and a 1-byte
+    `b" " * n` is the interpreter's own b" " object. Written into, it broke code compiled later
+    in the process: under Python 3.12 an f-string lost the space between two fields (Python 3.11
+    shows nothing either way)."""
+    cubin, _ = jit.compile_code('extern "C" __global__ void empty_log_kernel() {}', "empty.cu")
+    assert cubin[:4] == b"\x7fELF"
+    compiled_after = compile('f"{first} {second}"', "<after an NVRTC compile>", "eval")
+    assert eval(compiled_after, {}, {"first": 1, "second": "x"}) == "1 x"
+
+
 def test_build_caches_one_file_per_kernel_and_reads_it_back(cache):
     first = jit.build("notify.cu", "notify_kernel", "sm_90")
     assert not first.from_cache and first.cubin[:4] == b"\x7fELF"

@@ -53,6 +53,7 @@ def ep_worker(rank, world, dtype_name, device, transport):
     import torch.distributed as dist
 
     from tests import test_parity_matrix as matrix
+    from tests.distributed import cpu_group
 
     if device == "cpu":
         matrix._install_cpu_stand_ins()
@@ -81,7 +82,7 @@ def ep_worker(rank, world, dtype_name, device, transport):
     for name in list(grads1):  # each expert's gradient over every rank's tokens
         if name.startswith("experts."):
             total = grads1[name].float().cpu()  # gloo: fp32 on the host
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=cpu_group())
             grads1[name] = total.to(device=device, dtype=grads1[name].dtype)
 
     ps.initialize_model_parallel(expert_model_parallel_size=world)

@@ -47,7 +47,7 @@ def _write_metrics(folder, ep_size: int, num_steps: int = 3) -> None:
             f.write(json.dumps({"step": step, "layers": layers}) + "\n")
 
 
-@pytest.mark.parametrize("name", ["plot_metrics", "sanitize_ep1"])
+@pytest.mark.parametrize("name", ["plot_metrics", "sanitize_ep1", "gpu_multi_report"])
 def test_every_argument_has_help(name):
     parser = _script(name).build_parser()
     missing = [a.dest for a in parser._actions if not a.help]
@@ -178,3 +178,145 @@ def test_gpu_scripts_share_one_wheel_preamble(tmp_path):
         script = os.path.join(ROOT, "scripts", name)
         assert subprocess.run(["bash", "-n", script]).returncode == 0, name
         assert 'source "$(dirname "${BASH_SOURCE[0]}")/wheels.sh"' in open(script).read(), name
+
+
+def _gpu_multi(tmp_path, **env):
+    """`scripts/gpu_multi.sh` with `env` (a dry run unless told otherwise): (rc, stdout, OUT)."""
+    out = tmp_path / "out"
+    full_env = dict(os.environ, OUT=str(out), DRY_RUN="1")
+    for name in ("NGPU", "PIECES", "BUDGET"):
+        full_env.pop(name, None)
+    full_env.update(env)
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_multi.sh")],
+                          env=full_env, capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout + done.stderr, out
+
+
+def _dry_commands(stdout: str):
+    return [line for line in stdout.splitlines() if line.startswith("dry run: ")]
+
+
+def test_gpu_multi_dry_run_on_8_gpus(tmp_path):
+    rc, stdout, out = _gpu_multi(tmp_path, NGPU="8")
+    assert rc == 0, stdout
+    commands = "\n".join(_dry_commands(stdout))
+    assert "--nproc-per-node 8 -m megatron_deepep.bench" in commands
+    for num_ranks in (2, 4, 8):
+        assert (f"env MDEEP_TEST_BACKEND=nccl MDEEP_TEST_PROCS={num_ranks} python3 -m pytest"
+                in commands), commands
+    assert "MDEEP_TEST_BACKEND=nccl MDEEP_TEST_NODES=2x4" in commands
+    assert "test_nvlink_gpu.py" in commands and "test_parity_ep_gpu.py" in commands
+    for dispatcher in ("deepep", "alltoall"):
+        assert (f"DISPATCHER={dispatcher} TRAIN_ITERS=50 METRICS=1" in commands
+                and "bash examples/run_gpt_moe.sh" in commands), commands
+    assert "--fp8 blockwise_1x128 mxfp8_1x32" in commands and "--bench" in commands
+    progress = (out / "progress").read_text()
+    assert re.search(r"^\[\d+ s\] start: 6 steps \(bench tier2 tier4 tier8 internode main\)",
+                     progress, re.M), progress
+    assert "| step | rc | s | result |" in progress and "| tier N=8 (nccl) | 0 |" in progress
+
+
+def test_gpu_multi_fits_the_pieces_to_2_gpus(tmp_path):
+    rc, stdout, _ = _gpu_multi(tmp_path, NGPU="2", PIECES="bench tier tier8 main")
+    commands = "\n".join(_dry_commands(stdout))
+    assert "--nproc-per-node 2 -m megatron_deepep.bench" in commands
+    assert "MDEEP_TEST_PROCS=2 " in commands and "MDEEP_TEST_NODES=2x1" in commands
+    assert "MDEEP_TEST_PROCS=4" not in commands and "MDEEP_TEST_PROCS=8" not in commands
+    # tier8 named on purpose: reported, not run; the run still says so in its exit status.
+    assert "| tier N=8 (nccl) | - | 0 | not run: 8 ranks need 8 GPUs (2 or more); 2 here |" \
+        in stdout
+    assert rc == 0, stdout
+
+
+def test_gpu_multi_runs_only_the_named_pieces_in_order(tmp_path):
+    rc, stdout, _ = _gpu_multi(tmp_path, NGPU="8", PIECES="main internode")
+    assert rc == 0, stdout
+    names = [line.split(" (limit")[0][len("dry run: "):] for line in _dry_commands(stdout)
+             if "(limit" in line]
+    assert names == ["precompile", "main deepep", "main alltoall", "metrics PNGs",
+                     "internode 2x4 (nccl)"], names
+    assert "megatron_deepep.bench" not in stdout and "--topk 1 2 4 6 8 16" in stdout
+
+
+def test_gpu_multi_skips_what_does_not_fit_the_budget(tmp_path):
+    rc, stdout, out = _gpu_multi(tmp_path, NGPU="4", PIECES="bench tier4", BUDGET="10")
+    assert rc == 1, stdout
+    assert stdout.count("skipped (budget): ") == 3, stdout  # precompile, bench, tier4
+    assert "| bench EP 4 | 99 (skipped: budget) |" in (out / "progress").read_text()
+
+
+@pytest.mark.parametrize("env,message", [
+    (dict(NGPU="8", PIECES="bench tier16x"), "unknown piece 'tier16x' in PIECES"),
+    (dict(), "a dry run needs NGPU"),
+    (dict(NGPU="1"), "needs 2 or more GPUs, found NGPU=1"),
+])
+def test_gpu_multi_refuses_bad_settings_before_running_anything(tmp_path, env, message):
+    rc, stdout, _ = _gpu_multi(tmp_path, **env)
+    assert rc == 2 and message in stdout, stdout
+    assert not _dry_commands(stdout)
+
+
+def test_gpu_multi_keeps_multicast_off_in_what_it_starts():
+    text = open(os.path.join(ROOT, "scripts", "gpu_multi.sh"), encoding="utf-8").read()
+    assert ("export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
+            "NVSHMEM_DISABLE_NVLS=1") in text
+    assert 'source "$HERE/wheels.sh"' in text and "install_wheels gpu_multi" in text
+
+
+def _bench_row(ep, gbps, x_nccl):
+    def op(value):
+        return {"GBps_worst": value, "target_GBps_met": value >= 340,
+                "target_nccl_met": None if x_nccl is None else x_nccl >= 1.1}
+    variants = {f"ours {sms} SMs sync": {"wire": "bf16", "num_sms": sms,
+                                         "dispatch": op(gbps * sms / 24),
+                                         "combine": op(gbps * sms / 24 - 10)}
+                for sms in (24, 132)}
+    for v in variants.values():  # above 24 SMs the bandwidth target does not apply
+        if v["num_sms"] > 24:
+            v["dispatch"]["target_GBps_met"] = v["combine"]["target_GBps_met"] = None
+    return {"shape": [4096, 7168, 256, 8], "ep": ep, "peers": {"variants": variants}}
+
+
+def _report(*args) -> str:
+    """`scripts/gpu_multi_report.py ARGS`'s output, run as gpu_multi.sh runs it."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_multi_report.py"),
+                           *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.rstrip("\n")
+
+
+def test_gpu_multi_report_bench(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([_bench_row(8, 345.0, 1.2)]))
+    line = _report("bench", path)
+    assert line.startswith("EP 8: >= 340 GB/s (<= 24 SMs) 1/2 met, >= 1.1x NCCL 4/4 met"), line
+    assert "(4096, 7168, 256, 8) 24 SMs dispatch 345 / combine 335 GB/s" in line
+    path.write_text(json.dumps([_bench_row(2, 100.0, None)]))
+    assert "NCCL not measured" in _report("bench", path)
+    assert _report("bench", tmp_path / "none.json").startswith("no ")
+
+
+def test_gpu_multi_report_pytest_and_training(tmp_path):
+    log = tmp_path / "tier.log"
+    log.write_text("PASSED tests/gpu/test_nvlink_gpu.py::test_a[2]\n"
+                   "FAILED tests/gpu/test_nvlink_gpu.py::test_b[2] - AssertionError\n"
+                   "1 failed, 6 passed, 2 skipped in 95.20s (0:01:35)\n")
+    assert _report("pytest", log) == ("1 failed, 6 passed, 2 skipped; failed: "
+                                      "test_nvlink_gpu.py::test_b[2]")
+    log.write_text("collected 7 items\ntime_limit.sh: 240 s limit reached: SIGABRT\n")
+    assert "no pytest summary" in _report("pytest", log)
+
+    def train(path, losses, ms=100.0):
+        path.write_text("".join(
+            f" [2026-01-01 00:00:{i:02d}] iteration {i:8d}/{len(losses):8d} | elapsed time per "
+            f"iteration (ms): {ms + i:.1f} | lm loss: {loss:.6E} |\n"
+            for i, loss in enumerate(losses, start=1)))
+        return str(path)
+
+    deepep = train(tmp_path / "deepep.log", [10.478, 9.0, 7.5, 6.0, 5.5, 4.0])
+    alltoall = train(tmp_path / "alltoall.log", [10.478, 9.0, 7.5, 6.0, 5.4, 4.01], ms=90.0)
+    lines = _report("main", deepep, alltoall).splitlines()
+    assert lines[0] == "loss it1 10.4780 it6 4.0000, median step 105.0 ms"  # its 4-6
+    assert lines[1] == "loss it1 10.4780 it6 4.0100, median step 95.0 ms"
+    assert lines[2] == "max |loss difference| 0.1000 (it5) over 6 iterations"
+    assert _report("main", tmp_path / "missing.log").endswith("no iteration with an lm loss")

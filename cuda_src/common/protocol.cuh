@@ -8,14 +8,17 @@
 namespace mdeep {
 
 // Thread p waits until flags[p] (written by peer p) reaches `epoch`. Returns, in every thread of
-// the block, whether all waits succeeded and no error is recorded on this rank (a failed wait has
-// recorded which peer stalled). After an error the Buffer is broken (the host raises at its next
-// call), but calls queued before the host saw it still run: their kernels must not read what a
-// failed earlier kernel never wrote (e.g. the receive layout of a notify that gave up), so
-// "ok" is false for them even where the peers' flags are already there.
+// the block, whether all waits succeeded (a failed wait has recorded which peer stalled) and,
+// with `give_up_on_error`, whether this rank has no error recorded. After an error the Buffer is
+// broken (the host raises at its next call), but calls queued before the host saw it still run:
+// a kernel that reads what an earlier kernel of its call wrote (the receive layout of a notify
+// that gave up, the rows of a dispatch that did) must then do nothing, even where the peers'
+// flags are already there. Notify passes false: EP = 1's given-layout dispatch reads its layout
+// with no error check of its own, as before.
 __device__ __forceinline__ bool block_wait_peers(const u32* flags, u32 epoch, int num_ranks,
                                                  int rank, bool include_self, u64 timeout_ns,
-                                                 const ErrorState& err, int phase) {
+                                                 const ErrorState& err, int phase,
+                                                 bool give_up_on_error = true) {
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
     __syncthreads();
@@ -24,8 +27,10 @@ __device__ __forceinline__ bool block_wait_peers(const u32* flags, u32 epoch, in
         !wait_epoch(&flags[peer], epoch, timeout_ns, err, rank, peer, phase))
         failed = 1;
     __syncthreads();
-    if (threadIdx.x == 0 && has_error(err)) failed = 1;  // one reader: the answer is uniform
-    __syncthreads();
+    if (give_up_on_error) {
+        if (threadIdx.x == 0 && has_error(err)) failed = 1;  // one reader: a uniform answer
+        __syncthreads();
+    }
     return failed == 0;
 }
 

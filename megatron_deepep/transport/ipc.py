@@ -1,8 +1,11 @@
 """The symmetric NVLink buffer: one raw `cudaMalloc` per rank, mapped by every peer via CUDA IPC.
 
 An IPC handle maps a whole allocation, so the buffer never comes from torch's caching allocator.
-Handles travel with `all_gather_object` over the EP group, so any backend works (NCCL in real
-runs, gloo when several ranks share one GPU in tests).
+Handles travel with `all_gather_object` over the EP group, so any backend works: gloo (several
+ranks sharing one GPU in tests) sends the pickled bytes from host memory; NCCL (one process per
+GPU, real runs) sends them as a uint8 tensor on the current CUDA device (torch's object
+collectives pick the device of the group's backend), so each rank must have made its own GPU
+current first, as torchrun jobs do from LOCAL_RANK; the buffer is allocated there too.
 """
 
 from __future__ import annotations

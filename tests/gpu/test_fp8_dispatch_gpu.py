@@ -19,7 +19,7 @@ from megatron_deepep.buffer import Buffer
 from megatron_deepep.fp8 import FORMATS
 from megatron_deepep.fp8.dispatch import Fp8Dispatch
 from tests.cases import make_inputs
-from tests.distributed import run_distributed
+from tests.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -137,7 +137,7 @@ def _worker(rank, world):
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     group = dist.group.WORLD
     nvl = Buffer(group, 64, 7168, 8, transport="nvlink", num_sms=8, timeout_s=30)
-    ref = Buffer(group, 64, 7168, 8, transport="reference")
+    ref = Buffer(cpu_group(), 64, 7168, 8, transport="reference")
     for i, case in enumerate(CASES):
         _case(rank, world, nvl, ref, 500 * world + i, *case)
     dist.barrier()
@@ -146,4 +146,4 @@ def _worker(rank, world):
 
 @pytest.mark.parametrize("num_procs", NUM_PROCS)
 def test_fp8_dispatch_matches_reference(num_procs):
-    run_distributed(num_procs, _worker, backend="gloo", timeout_s=1500)
+    run_distributed(num_procs, _worker, backend=tier_backend(), timeout_s=1500)

@@ -10,7 +10,9 @@ the no-sync mode, skewed/empty/uneven routing, -1 entries, top-k 1-16, back-to-b
 changing shapes, calls on the Buffer's comm stream, a no-sync dispatch + combine replayed from
 a CUDA graph (eager calls between replays), autograd, fp16 and fp32 rows, FP8 dispatch in every
 wire format (the network carries e4m3 rows and scales), bad input, and a stalled peer that must
-raise naming rank and node.
+raise naming rank and node. With `MDEEP_TEST_BACKEND=nccl` every process has a GPU of its own
+(NCCL control plane, the reference over a gloo side group, NVSHMEM's full mode): the same
+virtual nodes over real GPUs, e.g. `MDEEP_TEST_NODES=2x4` on 8 GPUs.
 
 Staging: the whole matrix runs with the node staging `MDEEP_INTERNODE_STAGING` selects (`full`
 by default; `ring` with `MDEEP_INTERNODE_RING_SLOTS` slots per ring, docs/internode.md "Ring
@@ -46,7 +48,7 @@ from megatron_deepep.transport.topology import Topology
 from tests.cases import expert_scale, make_inputs
 from tests.gpu import test_fp8_dispatch_gpu as fp8_gpu
 from tests.gpu import test_nvlink_gpu as nvlink_gpu
-from tests.distributed import run_distributed
+from tests.distributed import cpu_group, run_distributed, tier_backend, use_rank_device
 
 pytestmark = pytest.mark.gpu
 
@@ -191,7 +193,7 @@ def _progress(rank, start, what):
 def _worker(rank, world, per_node, num_calls):
     os.environ.update(ENV)
     start = time.monotonic()
-    torch.cuda.set_device(0)
+    use_rank_device(rank, gloo_device=0)
     group = dist.group.WORLD
     inter = Buffer(group, 256, 7168, 16, transport="internode", num_sms=8, timeout_s=20,
                    num_ranks_per_node=per_node)
@@ -199,7 +201,7 @@ def _worker(rank, world, per_node, num_calls):
     staging = inter._transport.staging
     assert staging == staging_config()[0]
     assert inter._transport.net_chunks == net_ring_config(staging)
-    ref = Buffer(group, 256, 7168, 16, transport="reference")
+    ref = Buffer(cpu_group(), 256, 7168, 16, transport="reference")
     _progress(rank, start, f"buffers built ({inter._transport._staging_name()} staging)")
     for i, case in enumerate(CASES):
         _case(rank, world, per_node, inter, ref, 1000 * world + i, *case)
@@ -276,7 +278,7 @@ def test_internode_matches_reference(shape, monkeypatch, require_nvshmem):
     _link_once()
     print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     num_nodes, per_node = shape
-    run_distributed(num_nodes * per_node, _worker, per_node, NUM_CALLS, backend="gloo",
+    run_distributed(num_nodes * per_node, _worker, per_node, NUM_CALLS, backend=tier_backend(),
                     timeout_s=1200, hard_exit=True)
 
 
@@ -285,7 +287,7 @@ def _graph_worker(rank, world, per_node):
     group = dist.group.WORLD
     inter = Buffer(group, 64, 2048, 4, transport="internode", num_sms=8, timeout_s=20,
                    num_ranks_per_node=per_node)
-    ref = Buffer(group, 64, 2048, 4, transport="reference")
+    ref = Buffer(cpu_group(), 64, 2048, 4, transport="reference")
     nvlink_gpu._graph_replay(rank, world, inter, ref, exact_combine=False)
     dist.barrier()
 
@@ -299,7 +301,7 @@ def test_internode_graph_replay(shape, monkeypatch, require_nvshmem):
     _link((4, None, None))  # once here, not in every rank
     _link_combine((4, 0))
     num_nodes, per_node = shape
-    run_distributed(num_nodes * per_node, _graph_worker, per_node, backend="gloo",
+    run_distributed(num_nodes * per_node, _graph_worker, per_node, backend=tier_backend(),
                     timeout_s=300, hard_exit=True)
 
 
@@ -325,7 +327,7 @@ def _same_results(rank, world, full, ring, seed, num_tokens=40, what="ring stagi
 def _small_ring_worker(rank, world, per_node, num_calls):
     os.environ.update(ENV)
     start = time.monotonic()
-    torch.cuda.set_device(0)
+    use_rank_device(rank, gloo_device=0)
     group = dist.group.WORLD
     os.environ["MDEEP_INTERNODE_STAGING"] = "full"
     full = Buffer(group, 64, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
@@ -336,7 +338,7 @@ def _small_ring_worker(rank, world, per_node, num_calls):
     assert (inter._transport.staging, inter._transport.ring_slots) == ("ring", SMALL_RING_SLOTS)
     ring = Buffer(group, 64, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
                   num_ranks_per_node=per_node)
-    ref = Buffer(group, 256, 7168, 16, transport="reference")
+    ref = Buffer(cpu_group(), 256, 7168, 16, transport="reference")
     _progress(rank, start, f"buffers built (ring staging, {SMALL_RING_SLOTS} slots per ring)")
     _same_results(rank, world, full, ring, 41 + world)
     _progress(rank, start, "ring staging equals full staging bit for bit")
@@ -369,13 +371,13 @@ def test_internode_small_ring(shape, monkeypatch, require_nvshmem):
     print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _small_ring_worker, per_node, SMALL_RING_CALLS,
-                    backend="gloo", timeout_s=1200, hard_exit=True)
+                    backend=tier_backend(), timeout_s=1200, hard_exit=True)
 
 
 def _small_net_ring_worker(rank, world, per_node, num_calls, chunks):
     os.environ.update(ENV)
     start = time.monotonic()
-    torch.cuda.set_device(0)
+    use_rank_device(rank, gloo_device=0)
     group = dist.group.WORLD
     os.environ["MDEEP_INTERNODE_STAGING"] = "full"
     os.environ["MDEEP_INTERNODE_NET_RING_CHUNKS"] = "0"
@@ -389,7 +391,7 @@ def _small_net_ring_worker(rank, world, per_node, num_calls, chunks):
                                                                           chunks)
     net = Buffer(group, 256, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
                  num_ranks_per_node=per_node)
-    ref = Buffer(group, 256, 7168, 16, transport="reference")
+    ref = Buffer(cpu_group(), 256, 7168, 16, transport="reference")
     _progress(rank, start, f"buffers built (network ring, {chunks} chunks per rail peer)")
     _same_results(rank, world, full, net, 51 + world, num_tokens=NET_RING_TOKENS,
                   what="the network ring")
@@ -427,4 +429,4 @@ def test_internode_small_net_ring(shape, chunks, monkeypatch, require_nvshmem):
     print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _small_net_ring_worker, per_node, SMALL_RING_CALLS,
-                    chunks, backend="gloo", timeout_s=1200, hard_exit=True)
+                    chunks, backend=tier_backend(), timeout_s=1200, hard_exit=True)

@@ -7,7 +7,8 @@ loads and initializes them). For a few rounds each PE puts its bytes (in several
 adding 1 to the signal) to the PE with the same local index on the next node and waits for its
 own incoming slot; every rank checks every byte it received. Then a planted stall: one PE sends
 nothing, and its receiver's wait must expire and record (rank, peer, phase, expected, seen)
-naming that PE instead of hanging.
+naming that PE instead of hanging. With `MDEEP_TEST_BACKEND=nccl` the 4 PEs run on 4 GPUs
+(NCCL control plane, NVSHMEM's full mode), skipped with fewer GPUs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_deepep import jit
 from megatron_deepep.transport.errors import PeerTimeoutError, error_from_record
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, tier_backend, use_rank_device
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +52,7 @@ def _leg_worker(rank, world):
     from megatron_deepep import ops
     from megatron_deepep.transport.nvshmem_heap import SymmetricHeap
 
-    torch.cuda.set_device(0)
+    use_rank_device(rank, gloo_device=0)
     heap = SymmetricHeap()
     recv = heap.zeros(world * NUM_BYTES, torch.uint8)
     send = heap.empty(NUM_BYTES, torch.uint8)
@@ -113,4 +114,4 @@ def test_internode_leg_on_virtual_nodes(monkeypatch, require_nvshmem):
     # Link once here, so the ranks find the cubins in the disk cache instead of all linking.
     for kernel in KERNELS:
         nvshmem_link.link_cubin("internode_leg.cu", [kernel], jit.device_arch())
-    run_distributed(NUM_NODES * RANKS_PER_NODE, _leg_worker, backend="gloo", timeout_s=300)
+    run_distributed(NUM_NODES * RANKS_PER_NODE, _leg_worker, backend=tier_backend(), timeout_s=300)

@@ -1,12 +1,13 @@
 """GPU tier: the NVLink transport against the reference, N processes sharing the GPU via IPC.
 
 Every process drives the NVLink Buffer on the GPU and the reference Buffer on CPU copies of the
-same inputs (both over one gloo group), and compares: dispatch bit-exact (rows, weights, counts),
-combine bit-exact (same summation order and rounding by design), backward, cached dispatch, the
-no-sync mode, skewed/empty/uneven routing, -1 entries, back-to-back calls with changing shapes,
-calls on the Buffer's comm stream (async_finish, previous_event), a no-sync dispatch + combine
-captured in a CUDA graph and replayed (eager calls in between),
-bad input, and a stalled peer that must raise the timeout error instead of hanging.
+same inputs (both over one gloo group; with `MDEEP_TEST_BACKEND=nccl` one process per GPU, the
+NVLink Buffer over the NCCL group and the reference over a gloo side group), and compares:
+dispatch bit-exact (rows, weights, counts), combine bit-exact (same summation order and rounding
+by design), backward, cached dispatch, the no-sync mode, skewed/empty/uneven routing, -1 entries,
+back-to-back calls with changing shapes, calls on the Buffer's comm stream (async_finish,
+previous_event), a no-sync dispatch + combine captured in a CUDA graph and replayed (eager calls
+in between), bad input, and a stalled peer that must raise the timeout error instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from megatron_deepep import buffer as buffer_module
 from megatron_deepep.buffer import Buffer, get_buffer
 from megatron_deepep.transport.errors import PeerTimeoutError
 from tests.cases import expert_scale, make_inputs
-from tests.distributed import run_distributed
+from tests.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -339,7 +340,7 @@ def _worker(rank, world, num_calls):
     _warm(rank)
     group = dist.group.WORLD
     nvl = Buffer(group, 256, 7168, 16, transport="nvlink", num_sms=8, timeout_s=30)
-    ref = Buffer(group, 256, 7168, 16, transport="reference")
+    ref = Buffer(cpu_group(), 256, 7168, 16, transport="reference")
     for i, case in enumerate(CASES):
         _case(rank, world, nvl, ref, 1000 * world + i, *case)
     _autograd(rank, world, nvl, ref, 7 + world)
@@ -361,7 +362,7 @@ def _worker(rank, world, num_calls):
 
 @pytest.mark.parametrize("num_procs", NUM_PROCS)
 def test_nvlink_matches_reference(num_procs):
-    run_distributed(num_procs, _worker, NUM_CALLS, backend="gloo", timeout_s=1500)
+    run_distributed(num_procs, _worker, NUM_CALLS, backend=tier_backend(), timeout_s=1500)
 
 
 def _graph_worker(rank, world):
@@ -369,7 +370,7 @@ def _graph_worker(rank, world):
     _warm(rank)
     group = dist.group.WORLD
     nvl = Buffer(group, 64, 2048, 4, transport="nvlink", num_sms=8, timeout_s=30)
-    ref = Buffer(group, 64, 2048, 4, transport="reference")
+    ref = Buffer(cpu_group(), 64, 2048, 4, transport="reference")
     _graph_replay(rank, world, nvl, ref)
     dist.barrier()
     nvl.destroy()
@@ -377,7 +378,7 @@ def _graph_worker(rank, world):
 
 @pytest.mark.parametrize("num_procs", [n for n in NUM_PROCS if n > 1])
 def test_nvlink_graph_replay(num_procs):
-    run_distributed(num_procs, _graph_worker, backend="gloo", timeout_s=300)
+    run_distributed(num_procs, _graph_worker, backend=tier_backend(), timeout_s=300)
 
 
 def _calls_after_overflow_worker(rank, world):
@@ -415,4 +416,4 @@ def _calls_after_overflow_worker(rank, world):
 
 @pytest.mark.parametrize("num_procs", [n for n in NUM_PROCS if n > 1])
 def test_nvlink_calls_after_an_overflow_raise_cleanly(num_procs):
-    run_distributed(num_procs, _calls_after_overflow_worker, backend="gloo", timeout_s=300)
+    run_distributed(num_procs, _calls_after_overflow_worker, backend=tier_backend(), timeout_s=300)

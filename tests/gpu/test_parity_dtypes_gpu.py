@@ -18,7 +18,7 @@ from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
 from megatron_deepep.buffer import Buffer
 from tests.cases import expert_scale, make_inputs
-from tests.distributed import run_distributed
+from tests.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -103,7 +103,7 @@ def _worker(rank, world):
     group = dist.group.WORLD
     # hidden counts 2-byte elements: fp32 rows of 2880 need 5760.
     kern = Buffer(group, 64, 2 * 2880, 8, num_sms=8, timeout_s=30)
-    ref = Buffer(group, 64, 2 * 2880, 8, transport="reference")
+    ref = Buffer(cpu_group(), 64, 2 * 2880, 8, transport="reference")
     assert kern.transport_name == ("local" if world == 1 else "nvlink")
     for d, dtype in enumerate(DTYPES):
         for i, case in enumerate(CASES):
@@ -115,4 +115,4 @@ def _worker(rank, world):
 
 @pytest.mark.parametrize("num_procs", NUM_PROCS)
 def test_row_dtypes_match_reference(num_procs):
-    run_distributed(num_procs, _worker, backend="gloo", timeout_s=600)
+    run_distributed(num_procs, _worker, backend=tier_backend(), timeout_s=600)

@@ -18,7 +18,7 @@ from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
 from megatron_deepep.buffer import Buffer
 from tests.cases import make_inputs
-from tests.distributed import run_distributed
+from tests.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("megatron.core")  # the dispatcher's sync-free helpers live with it
@@ -92,7 +92,7 @@ def _worker(rank, world):
     dist.barrier()
     group = dist.group.WORLD
     kern = Buffer(group, 64, 2 * 1024, 2, num_sms=8, timeout_s=30)
-    ref = Buffer(group, 64, 2 * 1024, 2, transport="reference")
+    ref = Buffer(cpu_group(), 64, 2 * 1024, 2, transport="reference")
     for i, dtype in enumerate((torch.bfloat16, torch.float32)):
         _sync_free(rank, world, kern, ref, 500 + 10 * world + i, dtype)
     kern.check_errors()
@@ -103,4 +103,4 @@ def _worker(rank, world):
 
 @pytest.mark.parametrize("num_procs", NUM_PROCS)
 def test_sync_free_matches_reference_without_host_sync(num_procs):
-    run_distributed(num_procs, _worker, backend="gloo", timeout_s=600)
+    run_distributed(num_procs, _worker, backend=tier_backend(), timeout_s=600)
