@@ -666,6 +666,22 @@ def _size_heap(args, shape: Shape) -> Optional[int]:
     return heap
 
 
+def _staging(args, shape: Shape) -> Optional[Dict[str, object]]:
+    """The internode staging the knobs select (None when the run has no internode transport or
+    the knobs are invalid: the Buffer then says what is wrong), so reports name what they timed."""
+    from megatron_deepep.transport import internode_regions as regions
+
+    if shape.num_nodes < 2 or args.transport not in ("internode", "auto"):
+        return None
+    try:
+        staging, ring_slots = regions.staging_config()
+        net_chunks = regions.net_ring_config(staging)
+    except ValueError:
+        return None
+    return {"name": regions.describe_staging(staging, ring_slots, net_chunks),
+            "mode": staging, "ring_slots": ring_slots, "net_chunks": net_chunks}
+
+
 def run_rank(args) -> int:
     """Everything one rank does once the launch environment is set; returns the exit status."""
     for key, value in MULTICAST_OFF.items():
@@ -713,6 +729,7 @@ def _run_rank(args, device: torch.device, backend: str) -> int:
         return 2
     shape = Shape(rank, world, topo.num_ranks_per_node, num_experts, args.topk)
     heap = _size_heap(args, shape)
+    staging = _staging(args, shape)
     ctx = Context(args, device, ctrl, shape, int(seed))
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -720,6 +737,9 @@ def _run_rank(args, device: torch.device, backend: str) -> int:
                 f"{topo.num_nodes} nodes x {topo.num_ranks_per_node} on {len(set(hosts))} "
                 f"host(s), {name}, backend {backend}, {num_experts} experts, top-{args.topk}, "
                 f"seed {int(seed)}")
+        if staging:
+            ctx.say(f"  internode staging: {staging['name']} (MDEEP_INTERNODE_STAGING, "
+                    "MDEEP_INTERNODE_RING_SLOTS, MDEEP_INTERNODE_NET_RING_CHUNKS)")
         if heap:
             ctx.say(f"  NVSHMEM_SYMMETRIC_SIZE={heap} (from Buffer.size_hint; export it to "
                     f"choose)")
@@ -745,7 +765,8 @@ def _run_rank(args, device: torch.device, backend: str) -> int:
                           "ranks_per_node": topo.num_ranks_per_node, "hosts": len(set(hosts)),
                           "transport": args.transport, "experts": num_experts,
                           "topk": args.topk, "fp8": args.fp8,
-                          "nics_per_node": args.nics_per_node or topo.num_ranks_per_node})
+                          "nics_per_node": args.nics_per_node or topo.num_ranks_per_node,
+                          "staging": staging})
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         ctx.say(f"written to {args.json}")

@@ -251,3 +251,27 @@ def test_heap_is_sized_for_the_largest_buffer(monkeypatch):
     assert mc._size_heap(args, one_node) is None and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ
     args.transport = "reference"
     assert mc._size_heap(args, shape) is None
+
+
+def test_reports_name_the_staging_they_timed(monkeypatch):
+    """Real-node runs of full, ring and network-ring staging are told apart in the header and
+    the JSON; runs without an internode transport, or with invalid knobs, report none."""
+    args = mc.build_parser().parse_args([])
+    shape = mc.Shape(rank=0, num_ranks=4, num_ranks_per_node=2, num_experts=256, topk=8)
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")
+    assert mc._staging(args, shape) == {"name": "full", "mode": "full", "ring_slots": 0,
+                                        "net_chunks": 0}
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "ring")
+    monkeypatch.setenv("MDEEP_INTERNODE_RING_SLOTS", "64")
+    assert mc._staging(args, shape)["name"] == "ring (64 slots)"
+    monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", "8")
+    assert mc._staging(args, shape) == {
+        "name": "ring (64 slots) with the network ring (8 chunks per rail peer)", "mode": "ring",
+        "ring_slots": 64, "net_chunks": 8}
+    one_node = mc.Shape(rank=0, num_ranks=4, num_ranks_per_node=4, num_experts=256, topk=8)
+    assert mc._staging(args, one_node) is None
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")  # network ring without ring staging
+    assert mc._staging(args, shape) is None
+    args.transport = "reference"
+    monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", "0")
+    assert mc._staging(args, shape) is None

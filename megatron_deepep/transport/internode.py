@@ -48,8 +48,8 @@ from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
 from megatron_deepep.transport.epochs import DeviceEpochs
 from megatron_deepep.transport.internode_regions import (CHUNK_TOKENS, MAX_NODES,
-                                                         InternodeRegions, net_ring_config,
-                                                         staging_config)
+                                                         InternodeRegions, describe_staging,
+                                                         net_ring_config, staging_config)
 from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit
 from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
                                             empty_recv, regrow_slots)
@@ -176,13 +176,11 @@ class InternodeTransport(Transport):
         logger.info("megatron_deepep internode: rank %d = node %d local %d of %d nodes x %d, "
                     "%d bytes of symmetric heap, %s staging", self.rank, topo.node,
                     topo.local_rank, self.num_nodes, self.ranks_per_node, self.num_bytes,
-                    self._staging_name())
+                    self.staging_name())
 
-    def _staging_name(self) -> str:
-        if self.is_net:
-            return (f"ring ({self.ring_slots} slots) with the network ring ({self.net_chunks} "
-                    "chunks per rail peer)")
-        return f"ring ({self.ring_slots} slots)" if self.is_ring else self.staging
+    def staging_name(self) -> str:
+        """The staging this transport runs, as logs and reports name it (`describe_staging`)."""
+        return describe_staging(self.staging, self.ring_slots, self.net_chunks)
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,

@@ -117,6 +117,18 @@ def net_ring_config(staging: str, net_chunks: Optional[int] = None) -> int:
     return chunks
 
 
+def describe_staging(staging: str, ring_slots: int, net_chunks: int) -> str:
+    """The staging as logs and reports name it, e.g. "full" or "ring (512 slots) with the
+    network ring (8 chunks per rail peer)" (arguments as `staging_config` and
+    `net_ring_config` return them)."""
+    if staging != "ring":
+        return staging
+    ring = f"ring ({ring_slots} slots)"
+    if net_chunks > 0:
+        return f"{ring} with the network ring ({net_chunks} chunks per rail peer)"
+    return ring
+
+
 @dataclasses.dataclass(frozen=True)
 class InternodeRegions:
     """Offsets and strides of the symmetric block for (R, L, N_max, H, K), full or ring staging

@@ -202,7 +202,7 @@ def _worker(rank, world, per_node, num_calls):
     assert staging == staging_config()[0]
     assert inter._transport.net_chunks == net_ring_config(staging)
     ref = Buffer(cpu_group(), 256, 7168, 16, transport="reference")
-    _progress(rank, start, f"buffers built ({inter._transport._staging_name()} staging)")
+    _progress(rank, start, f"buffers built ({inter._transport.staging_name()} staging)")
     for i, case in enumerate(CASES):
         _case(rank, world, per_node, inter, ref, 1000 * world + i, *case)
         _progress(rank, start, f"case {case} passed")
