@@ -28,8 +28,8 @@ from megatron_deepep.transport import errors
 from megatron_deepep.transport.internode import InternodeTransport
 from megatron_deepep.transport.internode_regions import (CHUNK_TOKENS, InternodeRegions,
                                                          net_ring_config)
-from megatron_deepep.transport.regions import PAGE
 from tests.test_internode_ring import _Deadlock, _Ring, _routing, _Streams
+from tests.test_internode_transport import check_region_spans
 
 GB = 1e9
 
@@ -91,12 +91,8 @@ def test_ranks_that_disagree_on_the_net_ring_fail_at_construction():
     (64, 8, 4096, 7168, 16, 64, 16), (256, 8, 4096, 7168, 8, 512, 4096)])
 def test_net_regions_are_disjoint_page_aligned_and_bounded(R, L, N, H, K, C, chunks):
     rg = InternodeRegions(R, L, N, H, K, "ring", C, chunks)
+    check_region_spans(rg)
     sizes = dict(rg._sizes())
-    spans = sorted((rg.offsets[name], rg.offsets[name] + size) for name, size in sizes.items())
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        assert end <= start
-    assert all(off % PAGE == 0 for off in rg.offsets.values())
-    assert spans[-1][1] <= rg.num_bytes < spans[-1][1] + (2 << 20)
     M, slots = R // L, chunks * CHUNK_TOKENS
     net_slot, comb_slot = rg.row_stride + rg.record_stride, rg.row_stride + rg.weight_stride
     # Every network region is K chunks per rail peer, whatever N_max.

@@ -324,6 +324,18 @@ def _same_results(rank, world, full, ring, seed, num_tokens=40, what="ring stagi
         assert torch.equal(a, b), f"{what}'s {name} differ from full staging's"
 
 
+def _small_ring_checks(rank, world, per_node, inter, graphs, ref, seed, num_calls, start):
+    """The small-ring tests' checks: three cases against the reference and back-to-back calls
+    on `inter` (H 7168, top-16 room), graph replays with eager calls between on `graphs`."""
+    for i in (0, 2, 5):  # top-8 at H 7168; dropped entries; uneven ranks at top-16
+        _case(rank, world, per_node, inter, ref, seed + i, *CASES[i])
+        _progress(rank, start, f"case {CASES[i]} passed")
+    nvlink_gpu._back_to_back(rank, world, inter, num_calls)
+    _progress(rank, start, f"{num_calls} back-to-back calls passed")
+    nvlink_gpu._graph_replay(rank, world, graphs, ref, exact_combine=False)
+    _progress(rank, start, "graph replays passed")
+
+
 def _small_ring_worker(rank, world, per_node, num_calls):
     os.environ.update(ENV)
     start = time.monotonic()
@@ -342,13 +354,7 @@ def _small_ring_worker(rank, world, per_node, num_calls):
     _progress(rank, start, f"buffers built (ring staging, {SMALL_RING_SLOTS} slots per ring)")
     _same_results(rank, world, full, ring, 41 + world)
     _progress(rank, start, "ring staging equals full staging bit for bit")
-    for i in (0, 2, 5):  # top-8 at H 7168; dropped entries; uneven ranks at top-16
-        _case(rank, world, per_node, inter, ref, 3000 * world + i, *CASES[i])
-        _progress(rank, start, f"case {CASES[i]} passed")
-    nvlink_gpu._back_to_back(rank, world, inter, num_calls)
-    _progress(rank, start, f"{num_calls} back-to-back calls passed")
-    nvlink_gpu._graph_replay(rank, world, ring, ref, exact_combine=False)
-    _progress(rank, start, "graph replays passed")
+    _small_ring_checks(rank, world, per_node, inter, ring, ref, 3000 * world, num_calls, start)
     dist.barrier()
 
 
@@ -396,13 +402,7 @@ def _small_net_ring_worker(rank, world, per_node, num_calls, chunks):
     _same_results(rank, world, full, net, 51 + world, num_tokens=NET_RING_TOKENS,
                   what="the network ring")
     _progress(rank, start, "the network ring equals full staging bit for bit")
-    for i in (0, 2, 5):  # top-8 at H 7168; dropped entries; uneven ranks at top-16
-        _case(rank, world, per_node, inter, ref, 4000 * world + i, *CASES[i])
-        _progress(rank, start, f"case {CASES[i]} passed")
-    nvlink_gpu._back_to_back(rank, world, inter, num_calls)
-    _progress(rank, start, f"{num_calls} back-to-back calls passed")
-    nvlink_gpu._graph_replay(rank, world, net, ref, exact_combine=False)
-    _progress(rank, start, "graph replays passed")
+    _small_ring_checks(rank, world, per_node, inter, net, ref, 4000 * world, num_calls, start)
     _same_results(rank, world, full, net, 61 + world, num_tokens=NET_RING_TOKENS,
                   what="the network ring after graph replays")
     dist.barrier()
