@@ -38,6 +38,13 @@ def _parse_int(name: str, text: str) -> int:
         raise ValueError(f"{name}={text!r}: expected an integer") from None
 
 
+def _parse_float(name: str, text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a number") from None
+
+
 def _parse_str(name: str, text: str) -> str:
     return text.strip()
 
@@ -49,8 +56,8 @@ def _parse_int_list(name: str, text: str) -> tuple:
         raise ValueError(f"{name}={text!r}: expected comma-separated integers") from None
 
 
-_PARSERS: Dict[str, Callable] = {"bool": parse_bool, "int": _parse_int, "str": _parse_str,
-                                 "ints": _parse_int_list}
+_PARSERS: Dict[str, Callable] = {"bool": parse_bool, "int": _parse_int, "float": _parse_float,
+                                 "str": _parse_str, "ints": _parse_int_list}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +66,7 @@ class Knob:
 
     Attributes:
         name: without the prefix.
-        kind: "bool", "int", "str" or "ints" (comma-separated integers).
+        kind: "bool", "int", "float", "str" or "ints" (comma-separated integers).
         default: the value when unset or empty (None: decided by the code that reads it).
         shown_default: the default as the README shows it.
         doc: what it does, for the README.
@@ -123,10 +130,15 @@ _TABLE = (
          "`torch._grouped_mm` fails a one-call check it keeps `SequentialMLP` and logs why "
          "(`examples/configs/` proxies: on)", "dispatcher"),
     # Transports (read when one is built, so every rank of the EP group must agree).
-    Knob("INTERNODE_STAGING", "str", "full", "full", "the internode transport's node staging: "
+    Knob("INTERNODE_STAGING", "str", "auto", "auto", "the internode transport's node staging: "
          "`full` (receive regions for every source rank's N_max tokens, ~N_max (4 M + L M + R) "
-         "rows per rank) or `ring` (L rings of `MDEEP_INTERNODE_RING_SLOTS` slots per rank, "
-         "~4 M N_max + 2 L C rows; `docs/internode.md`, \"Ring staging\")", "transport"),
+         "rows per rank), `ring` (L rings of `MDEEP_INTERNODE_RING_SLOTS` slots per rank, "
+         "~4 M N_max + 2 L C rows; `docs/internode.md`, \"Ring staging\") or `auto`: full "
+         "staging while its block fits `MDEEP_INTERNODE_STAGING_MAX_GB`, else ring staging, "
+         "else ring staging with the network ring (K = 8)", "transport"),
+    Knob("INTERNODE_STAGING_MAX_GB", "float", 4.0, "4", "with `MDEEP_INTERNODE_STAGING=auto`: "
+         "the symmetric block per rank (GB, 1e9 bytes) a staging may take to be chosen",
+         "transport"),
     Knob("INTERNODE_RING_SLOTS", "int", 512, "512", "slots C of each ring (one per pair of "
          "ranks of a node, each way) with `MDEEP_INTERNODE_STAGING=ring`", "transport"),
     Knob("INTERNODE_NET_RING_CHUNKS", "int", 0, "0", "the network ring (needs "

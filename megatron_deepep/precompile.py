@@ -12,7 +12,9 @@ it also builds the FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise
 `--internode` also links the internode transport's kernels (NVRTC + nvJitLink against the
 nvidia-nvshmem wheel's device library), one module per (top-k, index type, wire format) for
 dispatch and per (top-k, row dtype) for combine, for the node staging `MDEEP_INTERNODE_STAGING`
-and the network ring `MDEEP_INTERNODE_NET_RING_CHUNKS` select (the job must set the same).
+and the network ring `MDEEP_INTERNODE_NET_RING_CHUNKS` select (the job must set the same; with
+`auto`, the default, the job picks its staging from the EP group's shape, so all three are
+built).
 """
 
 from __future__ import annotations
@@ -131,27 +133,30 @@ def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = ()
                            net_chunks: Optional[int] = None) -> List[Tuple[str, ...]]:
     """The internode transport's linked modules for the same choices as `kernels_for`: each a
     tuple of name expressions, exactly as the transport links them at run time with `staging`
-    ("full" or "ring"; None: the knob `MDEEP_INTERNODE_STAGING`) and `net_chunks` (> 0: the
-    network ring; None: the knob `MDEEP_INTERNODE_NET_RING_CHUNKS`)."""
+    ("full", "ring" or "auto"; None: the knob `MDEEP_INTERNODE_STAGING`) and `net_chunks`
+    (> 0: the network ring; None: the knob `MDEEP_INTERNODE_NET_RING_CHUNKS`). "auto" picks
+    its staging from the EP group's shape at run time, so every staging it may pick is built."""
     from megatron_deepep import ops
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch
     from megatron_deepep.transport.internode_regions import net_ring_config, staging_config
 
     mode = staging_config(staging)[0]
     if net_ring_config(mode, net_chunks) > 0:
-        mode = "net"
-    dispatch, combine = ops.internode_families(mode)
+        modes = ["net"]
+    else:
+        modes = ["full", "ring", "net"] if mode == "auto" else [mode]
 
     wires = [None] if bf16 else []
     wires += [as_fp8_dispatch(name, output) for name in fp8_formats for output in fp8_outputs]
     out: Dict[Tuple[str, ...], None] = {}
-    for k in sorted(set(int(k) for k in topks)):
-        for index_dtype in index_dtypes:
-            for wire in wires:
-                out[dispatch(k, INDEX_TYPES[index_dtype], wire)] = None
-        for row_dtype in row_dtypes:
-            out[combine(
-                k, ops.ROW_DTYPE_CODES[ops.ROW_DTYPE_NAMES[row_dtype]])] = None
+    for dispatch, combine in (ops.internode_families(m) for m in modes):
+        for k in sorted(set(int(k) for k in topks)):
+            for index_dtype in index_dtypes:
+                for wire in wires:
+                    out[dispatch(k, INDEX_TYPES[index_dtype], wire)] = None
+            for row_dtype in row_dtypes:
+                out[combine(
+                    k, ops.ROW_DTYPE_CODES[ops.ROW_DTYPE_NAMES[row_dtype]])] = None
     return list(out)
 
 

@@ -385,13 +385,18 @@ def check_case(case: str, hidden: int, tested, ref, shape: Shape, seed: int, arg
     return fails
 
 
+def check_max_tokens(args, num_ranks: int) -> int:
+    """Tokens per rank of the check's Buffer: the most any case gives a rank."""
+    return max(case_tokens(c, args.check_tokens, r, num_ranks)
+               for c in args.cases for r in range(num_ranks))
+
+
 def run_check(ctx) -> bool:
     """All cases x hidden sizes; rank 0 prints a line per case. True when every rank passed."""
     from megatron_deepep.buffer import Buffer
 
     args, shape = ctx.args, ctx.shape
-    n_max = max(case_tokens(c, args.check_tokens, r, shape.num_ranks)
-                for c in args.cases for r in range(shape.num_ranks))
+    n_max = check_max_tokens(args, shape.num_ranks)
     tested = ctx.make_buffer(n_max, max(args.check_hidden), shape.topk)
     if tested is None:
         return False
@@ -647,16 +652,22 @@ def _pick_backend(args, device: torch.device) -> str:
     return "nccl" if local_world <= torch.cuda.device_count() else "gloo"
 
 
+def _largest_buffer(args) -> tuple:
+    """(tokens per rank, hidden) of the largest Buffer this run builds."""
+    tokens = max([args.check_tokens] * (not args.skip_check) +
+                 list(args.sweep_tokens) * (not args.skip_sweep))
+    hidden = max(list(args.check_hidden) * (not args.skip_check) +
+                 list(args.sweep_hidden) * (not args.skip_sweep))
+    return tokens, hidden
+
+
 def _size_heap(args, shape: Shape) -> Optional[int]:
     """Sets NVSHMEM_SYMMETRIC_SIZE for the largest Buffer this run builds, unless it is set or
     the transport uses no NVSHMEM heap (NVSHMEM reads it when the first Buffer starts it)."""
     if os.environ.get("NVSHMEM_SYMMETRIC_SIZE") or shape.num_nodes < 2 or \
             args.transport not in ("internode", "auto"):
         return None
-    tokens = max([args.check_tokens] * (not args.skip_check) +
-                 list(args.sweep_tokens) * (not args.skip_sweep))
-    hidden = max(list(args.check_hidden) * (not args.skip_check) +
-                 list(args.sweep_hidden) * (not args.skip_sweep))
+    tokens, hidden = _largest_buffer(args)
     try:
         heap = nvshmem_heap_bytes(tokens, hidden, shape.num_ranks, shape.topk,
                                   shape.num_ranks_per_node)
@@ -667,15 +678,20 @@ def _size_heap(args, shape: Shape) -> Optional[int]:
 
 
 def _staging(args, shape: Shape) -> Optional[Dict[str, object]]:
-    """The internode staging the knobs select (None when the run has no internode transport or
-    the knobs are invalid: the Buffer then says what is wrong), so reports name what they timed."""
+    """The internode staging the knobs select for the Buffer the sweep times (the check's
+    without a sweep), so reports name what they timed; None when the run has no internode
+    transport or the knobs are invalid (the Buffer then says what is wrong)."""
     from megatron_deepep.transport import internode_regions as regions
 
     if shape.num_nodes < 2 or args.transport not in ("internode", "auto"):
         return None
+    if args.skip_sweep:
+        tokens, hidden = check_max_tokens(args, shape.num_ranks), max(args.check_hidden)
+    else:
+        tokens, hidden = max(args.sweep_tokens), max(args.sweep_hidden)
     try:
-        staging, ring_slots = regions.staging_config()
-        net_chunks = regions.net_ring_config(staging)
+        staging, ring_slots, net_chunks = regions.choose_staging(
+            shape.num_ranks, shape.num_ranks_per_node, tokens, hidden, shape.topk)
     except ValueError:
         return None
     return {"name": regions.describe_staging(staging, ring_slots, net_chunks),

@@ -25,7 +25,8 @@ from megatron_deepep import knobs, ops
 from megatron_deepep.layout import compute_layout
 from megatron_deepep.transport import errors
 from megatron_deepep.transport.internode import InternodeTransport, node_plan
-from megatron_deepep.transport.internode_regions import InternodeRegions, staging_config
+from megatron_deepep.transport.internode_regions import (InternodeRegions, choose_staging,
+                                                         describe_staging, staging_config)
 from megatron_deepep.transport.recv import regrow_slots
 from megatron_deepep.transport.regions import PAGE
 from tests.test_internode_transport import check_region_spans
@@ -35,9 +36,11 @@ GB = 1e9
 
 # ----------------------------------------------------------------------------------- knobs
 
-def test_staging_defaults_to_full(monkeypatch):
+def test_staging_knobs(monkeypatch):
     monkeypatch.delenv("MDEEP_INTERNODE_STAGING", raising=False)
     monkeypatch.delenv("MDEEP_INTERNODE_RING_SLOTS", raising=False)
+    assert staging_config() == ("auto", knobs.KNOBS["INTERNODE_RING_SLOTS"].default)
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")
     assert staging_config() == ("full", 0)
     monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "ring")
     assert staging_config() == ("ring", knobs.KNOBS["INTERNODE_RING_SLOTS"].default)
@@ -45,6 +48,49 @@ def test_staging_defaults_to_full(monkeypatch):
     assert staging_config() == ("ring", 16)
     assert staging_config("full") == ("full", 0)  # arguments win over the knobs
     assert staging_config("ring", 3) == ("ring", 3)
+
+
+# DeepSeek-V3's shape per rank (N_max 4096, H 7168, top-8) on nodes of 8: auto's pick with the
+# default 4 GB and its block (full staging's in parentheses).
+AUTO_PICKS = [(2, "full", 2.36, 2.36), (4, "ring (512 slots)", 1.07, 4.72),
+              (16, "ring (512 slots)", 3.90, 18.89),
+              (32, "ring (512 slots) with the network ring (8 chunks per rail peer)", 0.59, 37.78)]
+
+
+@pytest.mark.parametrize("nodes, name, gb, full_gb", AUTO_PICKS)
+def test_auto_staging_takes_the_first_that_fits(monkeypatch, nodes, name, gb, full_gb):
+    for knob in ("STAGING", "RING_SLOTS", "NET_RING_CHUNKS", "STAGING_MAX_GB"):
+        monkeypatch.delenv(f"MDEEP_INTERNODE_{knob}", raising=False)
+    R = 8 * nodes
+    choice = choose_staging(R, 8, 4096, 7168, 8)
+    assert describe_staging(*choice) == name
+    assert InternodeRegions(R, 8, 4096, 7168, 8, *choice).num_bytes / 1e9 == pytest.approx(
+        gb, abs=0.01)
+    assert InternodeRegions(R, 8, 4096, 7168, 8).num_bytes / 1e9 == pytest.approx(full_gb,
+                                                                                 abs=0.01)
+    assert InternodeTransport.size_hint(R, 4096, 7168, 8, 8) == InternodeRegions(
+        R, 8, 4096, 7168, 8, *choice).num_bytes
+    # The budget moves the switch; explicit modes and the network ring's K are kept.
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING_MAX_GB", "100")
+    assert choose_staging(R, 8, 4096, 7168, 8) == ("full", 0, 0)
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING_MAX_GB", "0.001")  # nothing fits: the smallest
+    assert choose_staging(R, 8, 4096, 7168, 8) == ("ring", 512, 8)
+    monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", "2")
+    assert choose_staging(R, 8, 4096, 7168, 8) == ("ring", 512, 2)
+    assert choose_staging(R, 8, 4096, 7168, 8, "ring", 64, 0) == ("ring", 64, 0)
+    assert choose_staging(R, 8, 4096, 7168, 8, "full", None, 0) == ("full", 0, 0)
+
+
+def test_auto_staging_refuses_a_bad_budget(monkeypatch):
+    monkeypatch.delenv("MDEEP_INTERNODE_STAGING", raising=False)
+    monkeypatch.delenv("MDEEP_INTERNODE_NET_RING_CHUNKS", raising=False)
+    for bad, match in (("0", "STAGING_MAX_GB=0.0: expected a positive"),
+                       ("lots", "STAGING_MAX_GB='lots': expected a number")):
+        monkeypatch.setenv("MDEEP_INTERNODE_STAGING_MAX_GB", bad)
+        with pytest.raises(ValueError, match=match):
+            choose_staging(16, 8, 4096, 7168, 8)
+    with pytest.raises(ValueError, match="resolved staging"):
+        InternodeRegions(16, 8, 64, 2048, 8, "auto", 512)
 
 
 @pytest.mark.parametrize("env, match", [
@@ -141,7 +187,7 @@ def test_headline_sizes(nodes, full_gb, ring_gb):
 
 def test_size_hint_follows_the_knobs(monkeypatch):
     from megatron_deepep.buffer import Buffer
-    monkeypatch.delenv("MDEEP_INTERNODE_STAGING", raising=False)
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")
     full = Buffer.size_hint(4096, 7168, 64, 8, transport="internode", num_ranks_per_node=8)
     assert full == InternodeRegions(64, 8, 4096, 7168, 8).num_bytes
     monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "ring")
@@ -182,7 +228,8 @@ def test_ring_kernel_families(fp8):
 
 def test_precompile_links_the_staging_the_knob_selects(monkeypatch):
     from megatron_deepep.precompile import internode_families_for
-    monkeypatch.delenv("MDEEP_INTERNODE_STAGING", raising=False)
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")
+    monkeypatch.delenv("MDEEP_INTERNODE_NET_RING_CHUNKS", raising=False)
     full = internode_families_for([8], index_dtypes=("int64",))
     assert full == [ops.internode_expressions(8, "long long", None),
                     ops.internode_combine_expressions(8, 0)]
@@ -191,6 +238,10 @@ def test_precompile_links_the_staging_the_knob_selects(monkeypatch):
     assert ring == [ops.internode_ring_expressions(8, "long long", None),
                     ops.internode_ring_combine_expressions(8, 0)]
     assert internode_families_for([8], index_dtypes=("int64",), staging="full") == full
+    net = [ops.internode_net_expressions(8, "long long", None),
+           ops.internode_net_combine_expressions(8, 0)]
+    monkeypatch.delenv("MDEEP_INTERNODE_STAGING")  # auto: whichever the group's shape picks
+    assert internode_families_for([8], index_dtypes=("int64",)) == full + ring + net
 
 
 def test_ring_timeouts_name_ring_words_rank_and_node():

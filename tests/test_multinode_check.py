@@ -275,3 +275,17 @@ def test_reports_name_the_staging_they_timed(monkeypatch):
     args.transport = "reference"
     monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", "0")
     assert mc._staging(args, shape) is None
+
+
+def test_reports_name_the_staging_auto_picks(monkeypatch):
+    """With `auto` the staging named is the one the sweep's Buffer picks for its shape."""
+    for knob in ("STAGING", "RING_SLOTS", "NET_RING_CHUNKS", "STAGING_MAX_GB"):
+        monkeypatch.delenv(f"MDEEP_INTERNODE_{knob}", raising=False)
+    args = mc.build_parser().parse_args(["--sweep-tokens", "4096", "--sweep-hidden", "7168"])
+    two_by_eight = mc.Shape(rank=0, num_ranks=16, num_ranks_per_node=8, num_experts=256, topk=8)
+    eight_by_eight = mc.Shape(rank=0, num_ranks=64, num_ranks_per_node=8, num_experts=256,
+                              topk=8)
+    assert mc._staging(args, two_by_eight)["name"] == "full"
+    assert mc._staging(args, eight_by_eight)["name"] == "ring (512 slots)"
+    args.skip_sweep = True  # the check's Buffer: 256 tokens (768 in the uneven case)
+    assert mc._staging(args, eight_by_eight)["name"] == "full"

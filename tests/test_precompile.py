@@ -115,14 +115,20 @@ def test_a_failed_kernel_fails_the_command(tmp_path, monkeypatch, capsys):
     assert "1 failed" in captured.out
 
 
-def test_internode_modules_are_the_ones_the_transport_links(capsys):
+def test_internode_modules_are_the_ones_the_transport_links(capsys, monkeypatch):
     """--internode lists one module per (top-k, index type, wire format) for dispatch and per
     (top-k, row dtype) for combine, with exactly the name expressions (in the order) the
-    transport links them at run time, so the cache keys agree."""
+    transport links them at run time, so the cache keys agree; with the staging on `auto` (the
+    default) those of every staging it may pick."""
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch
-    listed = _listed(capsys, "--topk", "2", "8", "--internode", "--fp8", "blockwise",
-                     "--fp8-output", "bf16", "--index-dtype", "int64", "--row-dtype", "bf16",
-                     "fp32")
+    argv = ("--topk", "2", "8", "--internode", "--fp8", "blockwise", "--fp8-output", "bf16",
+            "--index-dtype", "int64", "--row-dtype", "bf16", "fp32")
+    monkeypatch.delenv("MDEEP_INTERNODE_NET_RING_CHUNKS", raising=False)
+    monkeypatch.delenv("MDEEP_INTERNODE_STAGING", raising=False)
+    every_staging = [s for s, _ in _listed(capsys, *argv) if s == "internode.cu"]
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")
+    listed = _listed(capsys, *argv)
+    assert len(every_staging) == 3 * len([s for s, _ in listed if s == "internode.cu"])
     modules = [tuple(expr.split(" internode")) for source, expr in listed
                if source == "internode.cu"]
     modules = [tuple(m[0:1] + tuple("internode" + part for part in m[1:])) for m in modules]

@@ -48,8 +48,9 @@ from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
 from megatron_deepep.transport.epochs import DeviceEpochs
 from megatron_deepep.transport.internode_regions import (CHUNK_TOKENS, MAX_NODES,
-                                                         InternodeRegions, describe_staging,
-                                                         net_ring_config, staging_config)
+                                                         InternodeRegions, choose_staging,
+                                                         describe_staging, net_ring_config,
+                                                         staging_config)
 from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit
 from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
                                             empty_recv, regrow_slots)
@@ -94,8 +95,10 @@ class InternodeTransport(Transport):
         timeout_s: limit of every cross-GPU wait.
         num_ranks_per_node: declares nodes of this many contiguous ranks (virtual nodes); by
             default the nodes are found from the ranks' host names.
-        staging: "full" or "ring" (None: the knob `MDEEP_INTERNODE_STAGING`, "full" by
-            default); every rank must pass the same.
+        staging: "full", "ring" or "auto" (None: the knob `MDEEP_INTERNODE_STAGING`, "auto" by
+            default: full staging while its block fits `MDEEP_INTERNODE_STAGING_MAX_GB`, else
+            ring staging, else the network ring too; `choose_staging`); every rank must pass
+            the same.
         ring_slots: C, the slots of each ring with "ring" (None: `MDEEP_INTERNODE_RING_SLOTS`).
         net_chunks: K > 0 turns the network ring on (needs "ring"): K chunks per rail peer and
             network region (None: `MDEEP_INTERNODE_NET_RING_CHUNKS`, 0 by default: off).
@@ -116,15 +119,18 @@ class InternodeTransport(Transport):
                  num_sms: int, timeout_s: float, num_ranks_per_node: Optional[int] = None,
                  staging: Optional[str] = None, ring_slots: Optional[int] = None,
                  net_chunks: Optional[int] = None):
-        self.staging, self.ring_slots = staging_config(staging, ring_slots)
-        self.is_ring = self.staging == "ring"
-        self.net_chunks = net_ring_config(self.staging, net_chunks)
-        self.is_net = self.net_chunks > 0
+        # Bad knobs fail here, before any collective; "auto" is resolved once the shape is known.
+        self.requested_staging = staging_config(staging, ring_slots)[0]
+        net_ring_config(self.requested_staging, net_chunks)
         self.topology = detect_topology(group, num_ranks_per_node)
         self.topology.check_internode()
         topo = self.topology
         self.rank, self.num_ranks = topo.rank, topo.num_ranks
         self.ranks_per_node, self.num_nodes = topo.num_ranks_per_node, topo.num_nodes
+        self.staging, self.ring_slots, self.net_chunks = choose_staging(
+            self.num_ranks, self.ranks_per_node, num_max_tokens_per_rank, hidden, num_topk,
+            staging, ring_slots, net_chunks)
+        self.is_ring, self.is_net = self.staging == "ring", self.net_chunks > 0
         _check_same_staging(group, self.staging, self.ring_slots, self.net_chunks)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.regions = InternodeRegions(self.num_ranks, self.ranks_per_node,
@@ -174,9 +180,10 @@ class InternodeTransport(Transport):
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
         logger.info("megatron_deepep internode: rank %d = node %d local %d of %d nodes x %d, "
-                    "%d bytes of symmetric heap, %s staging", self.rank, topo.node,
+                    "%d bytes of symmetric heap, %s staging%s", self.rank, topo.node,
                     topo.local_rank, self.num_nodes, self.ranks_per_node, self.num_bytes,
-                    self.staging_name())
+                    self.staging_name(), " (auto, MDEEP_INTERNODE_STAGING_MAX_GB)"
+                    if self.requested_staging == "auto" else "")
 
     def staging_name(self) -> str:
         """The staging this transport runs, as logs and reports name it (`describe_staging`)."""
@@ -192,10 +199,10 @@ class InternodeTransport(Transport):
         (None: the knobs `MDEEP_INTERNODE_STAGING`, `MDEEP_INTERNODE_RING_SLOTS` and
         `MDEEP_INTERNODE_NET_RING_CHUNKS`)."""
         per_node = min(num_ranks_per_node, num_ranks)
-        mode, slots = staging_config(staging, ring_slots)
-        chunks = net_ring_config(mode, net_chunks)
+        choice = choose_staging(num_ranks, per_node, num_max_tokens_per_rank, hidden, num_topk,
+                                staging, ring_slots, net_chunks)
         return InternodeRegions(num_ranks, per_node, num_max_tokens_per_rank, hidden,
-                                num_topk, mode, slots, chunks).num_bytes
+                                num_topk, *choice).num_bytes
 
     def check_errors(self) -> None:
         self.status.check_errors()
@@ -420,7 +427,8 @@ def _check_same_staging(group, staging: str, ring_slots: int, net_chunks: int = 
         seen = ", ".join(f"rank {r}: {s}" for r, s in enumerate(settings))
         raise ValueError(f"ranks disagree on the internode staging (MDEEP_INTERNODE_STAGING, "
                          f"MDEEP_INTERNODE_RING_SLOTS, MDEEP_INTERNODE_NET_RING_CHUNKS as "
-                         f"(staging, ring slots, network chunks)): {seen}")
+                         f"(staging, ring slots, network chunks); with auto also "
+                         f"MDEEP_INTERNODE_STAGING_MAX_GB and the Buffer's limits): {seen}")
 
 
 __all__ = ["CHUNK_TOKENS", "InternodeTransport", "MAX_NODES", "node_plan"]

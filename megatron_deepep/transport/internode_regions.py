@@ -2,7 +2,8 @@
 `InternodeArgs` offsets of `cuda_src/common/args.cuh` and the structs of `cuda_src/internode.cu`).
 
 R ranks, L ranks per node, M = R / L nodes, N_max slots, H the widest row, K the largest top-k.
-Full staging (`MDEEP_INTERNODE_STAGING=full`, the default):
+Full staging (`MDEEP_INTERNODE_STAGING=full`; `auto`, the default, picks it while it fits
+`MDEEP_INTERNODE_STAGING_MAX_GB`, see `choose_staging`):
 
     notify receive   [2][R] count rows (header + per-expert counts; two halves by epoch parity)
     notify send      [R] count rows (the source of the puts)
@@ -57,7 +58,8 @@ from megatron_deepep.transport.regions import COUNT_STRIDE, PAGE, _align
 MAX_RANKS_PER_NODE = 8   # kMaxRanksPerNode
 MAX_NODES = 32           # kMaxNodes
 NUM_NODE_FLAGS = 4 * MAX_RANKS_PER_NODE  # struct NodeFlags
-STAGING_MODES = ("full", "ring")
+STAGING_MODES = ("auto", "full", "ring")
+AUTO_NET_CHUNKS = 8       # the network ring's K when `auto` needs it and the knob says 0
 MAX_RING_SLOTS = 1 << 20  # beyond any N_max x nodes a ring could need per call
 RING_WORDS = 4            # ready and freed words, for dispatch and for combine
 CHUNK_TOKENS = 32         # network slots per chunk (InternodeArgs.chunk_tokens)
@@ -69,10 +71,12 @@ RAIL_COUNTS_BYTES = 2 * 8 + (2 + 1) * MAX_RANKS_PER_NODE * 4  # per node: struct
 def staging_config(staging: Optional[str] = None,
                    ring_slots: Optional[int] = None) -> Tuple[str, int]:
     """The internode staging mode and ring slots: the arguments, else the knobs
-    `MDEEP_INTERNODE_STAGING` and `MDEEP_INTERNODE_RING_SLOTS`.
+    `MDEEP_INTERNODE_STAGING` and `MDEEP_INTERNODE_RING_SLOTS` (`choose_staging` resolves
+    "auto" for a shape).
 
     Returns:
-        `(staging, ring_slots)`: "full" with 0 slots, or "ring" with C >= 1.
+        `(staging, ring_slots)`: "full" with 0 slots, or "ring" or "auto" with C >= 1 (the
+        slots "auto" uses where it picks ring staging).
 
     Raises:
         ValueError: an unknown mode or a slot count outside [1, 2**20] (the message names the
@@ -96,9 +100,9 @@ def net_ring_config(staging: str, net_chunks: Optional[int] = None) -> int:
     `MDEEP_INTERNODE_NET_RING_CHUNKS`; 0 is off.
 
     Args:
-        staging: the staging mode (`staging_config`); K > 0 needs "ring": the network ring
-            feeds the node's rings as its chunks land, which full staging's forward kernel,
-            waiting for all of a call's rows, cannot.
+        staging: the staging mode (`staging_config`); K > 0 needs "ring" (or "auto", which
+            then picks it): the network ring feeds the node's rings as its chunks land, which
+            full staging's forward kernel, waiting for all of a call's rows, cannot.
 
     Raises:
         ValueError: K outside [0, 4096], or K > 0 with full staging (the message names the
@@ -110,11 +114,47 @@ def net_ring_config(staging: str, net_chunks: Optional[int] = None) -> int:
         raise ValueError(f"net_chunks / {knobs.PREFIX}INTERNODE_NET_RING_CHUNKS={chunks!r}: "
                          f"expected an integer in [0, {MAX_NET_CHUNKS}] (chunks of "
                          f"{CHUNK_TOKENS} tokens per rail peer; 0: off)")
-    if chunks > 0 and staging != "ring":
+    if chunks > 0 and staging == "full":
         raise ValueError(f"{knobs.PREFIX}INTERNODE_NET_RING_CHUNKS={chunks} needs "
                          f"{knobs.PREFIX}INTERNODE_STAGING=ring (got {staging!r}): the network "
                          "ring streams into the node's rings")
     return chunks
+
+
+def choose_staging(num_ranks: int, ranks_per_node: int, max_tokens: int, hidden: int,
+                   num_topk: int, staging: Optional[str] = None,
+                   ring_slots: Optional[int] = None,
+                   net_chunks: Optional[int] = None) -> Tuple[str, int, int]:
+    """The staging a transport of this shape runs: the arguments, else the knobs, with "auto"
+    resolved by memory. "auto" takes the first of full staging, ring staging and ring staging
+    with the network ring (K = `MDEEP_INTERNODE_NET_RING_CHUNKS`, else 8) whose symmetric block
+    fits `MDEEP_INTERNODE_STAGING_MAX_GB`, else the smallest; with K > 0 set it takes the
+    network ring. Every rank computes the same from the same shape.
+
+    Returns:
+        `(staging, ring_slots, net_chunks)` as `InternodeRegions` takes them.
+
+    Raises:
+        ValueError: as `staging_config` and `net_ring_config`, or a budget that is not a
+            positive number (the message names the knob).
+    """
+    mode, slots = staging_config(staging, ring_slots)
+    chunks = net_ring_config(mode, net_chunks)
+    if mode != "auto":
+        return mode, slots, chunks
+    if chunks > 0:
+        return "ring", slots, chunks
+    budget = knobs.get("INTERNODE_STAGING_MAX_GB")
+    if not budget > 0:
+        raise ValueError(f"{knobs.PREFIX}INTERNODE_STAGING_MAX_GB={budget!r}: expected a "
+                         "positive number of GB (1e9 bytes)")
+    choices = [("full", 0, 0), ("ring", slots, 0), ("ring", slots, AUTO_NET_CHUNKS)]
+    sizes = [InternodeRegions(num_ranks, ranks_per_node, max_tokens, hidden, num_topk,
+                              *choice).num_bytes for choice in choices]
+    for choice, size in zip(choices, sizes):
+        if size <= budget * 1e9:
+            return choice
+    return choices[sizes.index(min(sizes))]
 
 
 def describe_staging(staging: str, ring_slots: int, net_chunks: int) -> str:
@@ -145,6 +185,9 @@ class InternodeRegions:
     net_chunks: int = 0
 
     def __post_init__(self):
+        if self.staging == "auto":
+            raise ValueError("InternodeRegions takes a resolved staging (choose_staging), not "
+                             "'auto'")
         if (self.staging, self.ring_slots) != staging_config(self.staging, self.ring_slots):
             raise ValueError(f"staging={self.staging!r} takes ring_slots=0, got "
                              f"{self.ring_slots}")

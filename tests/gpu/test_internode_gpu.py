@@ -43,7 +43,7 @@ from megatron_deepep import knobs
 from megatron_deepep.buffer import Buffer
 from megatron_deepep.node_layout import compute_node_layout
 from megatron_deepep.transport.errors import PeerTimeoutError
-from megatron_deepep.transport.internode_regions import net_ring_config, staging_config
+from megatron_deepep.transport.internode_regions import choose_staging
 from megatron_deepep.transport.topology import Topology
 from tests.cases import expert_scale, make_inputs
 from tests.gpu import test_fp8_dispatch_gpu as fp8_gpu
@@ -198,9 +198,9 @@ def _worker(rank, world, per_node, num_calls):
     inter = Buffer(group, 256, 7168, 16, transport="internode", num_sms=8, timeout_s=20,
                    num_ranks_per_node=per_node)
     assert inter.transport_name == "internode"
-    staging = inter._transport.staging
-    assert staging == staging_config()[0]
-    assert inter._transport.net_chunks == net_ring_config(staging)
+    t = inter._transport
+    assert (t.staging, t.ring_slots, t.net_chunks) == choose_staging(world, per_node, 256, 7168,
+                                                                     16)
     ref = Buffer(cpu_group(), 256, 7168, 16, transport="reference")
     _progress(rank, start, f"buffers built ({inter._transport.staging_name()} staging)")
     for i, case in enumerate(CASES):
@@ -230,9 +230,10 @@ def _worker(rank, world, per_node, num_calls):
 
 
 def _mode() -> str:
-    """The kernel families the knobs select: "full", "ring" or "net" (the network ring)."""
-    staging = staging_config()[0]
-    return "net" if net_ring_config(staging) > 0 else staging
+    """The kernel families the knobs select: "full", "ring" or "net" (the network ring), for
+    the tier's largest Buffer (`auto`, the default, picks full staging for every Buffer here)."""
+    staging, _, net_chunks = choose_staging(8, 4, 256, 7168, 16)
+    return "net" if net_chunks > 0 else staging
 
 
 def _link(family) -> None:
