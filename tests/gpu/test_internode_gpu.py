@@ -345,10 +345,12 @@ def _small_ring_worker(rank, world, per_node, num_calls):
     os.environ["MDEEP_INTERNODE_STAGING"] = "full"
     full = Buffer(group, 64, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
                   num_ranks_per_node=per_node)
-    os.environ["MDEEP_INTERNODE_STAGING"] = "ring"
+    # `auto` under a 1 MB budget: nothing fits, so the smallest, ring staging at this N_max.
+    os.environ.update(MDEEP_INTERNODE_STAGING="auto", MDEEP_INTERNODE_STAGING_MAX_GB="0.001")
     inter = Buffer(group, 256, 7168, 16, transport="internode", num_sms=8, timeout_s=60,
                    num_ranks_per_node=per_node)
-    assert (inter._transport.staging, inter._transport.ring_slots) == ("ring", SMALL_RING_SLOTS)
+    assert inter._transport.staging_name() == f"ring ({SMALL_RING_SLOTS} slots)"
+    os.environ["MDEEP_INTERNODE_STAGING"] = "ring"
     ring = Buffer(group, 64, 2048, 8, transport="internode", num_sms=8, timeout_s=60,
                   num_ranks_per_node=per_node)
     ref = Buffer(cpu_group(), 256, 7168, 16, transport="reference")
