@@ -652,25 +652,24 @@ def _pick_backend(args, device: torch.device) -> str:
     return "nccl" if local_world <= torch.cuda.device_count() else "gloo"
 
 
-def _largest_buffer(args) -> tuple:
-    """(tokens per rank, hidden) of the largest Buffer this run builds."""
-    tokens = max([args.check_tokens] * (not args.skip_check) +
-                 list(args.sweep_tokens) * (not args.skip_sweep))
-    hidden = max(list(args.check_hidden) * (not args.skip_check) +
-                 list(args.sweep_hidden) * (not args.skip_sweep))
-    return tokens, hidden
+def _tested_buffers(args, num_ranks: int) -> List[tuple]:
+    """(tokens per rank, hidden) of the tested Buffers this run builds, one after the other:
+    the check's, then the sweep's."""
+    return ([(check_max_tokens(args, num_ranks), max(args.check_hidden))] * (not args.skip_check)
+            + [(max(args.sweep_tokens), max(args.sweep_hidden))] * (not args.skip_sweep))
 
 
 def _size_heap(args, shape: Shape) -> Optional[int]:
-    """Sets NVSHMEM_SYMMETRIC_SIZE for the largest Buffer this run builds, unless it is set or
-    the transport uses no NVSHMEM heap (NVSHMEM reads it when the first Buffer starts it)."""
+    """Sets NVSHMEM_SYMMETRIC_SIZE for the largest block of the Buffers this run builds (with
+    `auto` staging a larger Buffer may pick a smaller staging), unless it is set or the
+    transport uses no NVSHMEM heap (NVSHMEM reads it when the first Buffer starts it)."""
     if os.environ.get("NVSHMEM_SYMMETRIC_SIZE") or shape.num_nodes < 2 or \
             args.transport not in ("internode", "auto"):
         return None
-    tokens, hidden = _largest_buffer(args)
     try:
-        heap = nvshmem_heap_bytes(tokens, hidden, shape.num_ranks, shape.topk,
-                                  shape.num_ranks_per_node)
+        heap = max(nvshmem_heap_bytes(tokens, hidden, shape.num_ranks, shape.topk,
+                                      shape.num_ranks_per_node)
+                   for tokens, hidden in _tested_buffers(args, shape.num_ranks))
     except UsageError:
         return None  # the Buffer itself will say what is wrong
     os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
@@ -685,10 +684,7 @@ def _staging(args, shape: Shape) -> Optional[Dict[str, object]]:
 
     if shape.num_nodes < 2 or args.transport not in ("internode", "auto"):
         return None
-    if args.skip_sweep:
-        tokens, hidden = check_max_tokens(args, shape.num_ranks), max(args.check_hidden)
-    else:
-        tokens, hidden = max(args.sweep_tokens), max(args.sweep_hidden)
+    tokens, hidden = _tested_buffers(args, shape.num_ranks)[-1]
     try:
         staging, ring_slots, net_chunks = regions.choose_staging(
             shape.num_ranks, shape.num_ranks_per_node, tokens, hidden, shape.topk)

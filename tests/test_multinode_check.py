@@ -289,3 +289,24 @@ def test_reports_name_the_staging_auto_picks(monkeypatch):
     assert mc._staging(args, eight_by_eight)["name"] == "ring (512 slots)"
     args.skip_sweep = True  # the check's Buffer: 256 tokens (768 in the uneven case)
     assert mc._staging(args, eight_by_eight)["name"] == "full"
+
+
+def test_heap_covers_a_smaller_buffer_on_full_staging(monkeypatch):
+    """With `auto`, the sweep's large Buffer may pick ring staging while the check's smaller one
+    keeps full staging with a larger block: the heap covers the larger block."""
+    for knob in ("STAGING", "RING_SLOTS", "NET_RING_CHUNKS"):
+        monkeypatch.delenv(f"MDEEP_INTERNODE_{knob}", raising=False)
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE", raising=False)
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING_MAX_GB", "2")
+    args = mc.build_parser().parse_args(["--check-tokens", "1024", "--check-hidden", "7168",
+                                         "--cases", "uniform", "--sweep-tokens", "4096",
+                                         "--sweep-hidden", "7168"])
+    shape = mc.Shape(rank=0, num_ranks=64, num_ranks_per_node=8, num_experts=256, topk=8)
+    check = mc.nvshmem_heap_bytes(1024, 7168, 64, 8, 8)  # full staging, 2.36 GB > 2: ring
+    sweep = mc.nvshmem_heap_bytes(4096, 7168, 64, 8, 8)
+    assert mc._size_heap(args, shape) == max(check, sweep)
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING_MAX_GB", "3")  # now the check keeps full
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE")
+    check = mc.nvshmem_heap_bytes(1024, 7168, 64, 8, 8)
+    assert check > mc.nvshmem_heap_bytes(4096, 7168, 64, 8, 8)
+    assert mc._size_heap(args, shape) == check
