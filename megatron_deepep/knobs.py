@@ -141,10 +141,11 @@ _TABLE = (
          "transport"),
     Knob("INTERNODE_RING_SLOTS", "int", 512, "512", "slots C of each ring (one per pair of "
          "ranks of a node, each way) with `MDEEP_INTERNODE_STAGING=ring`", "transport"),
-    Knob("INTERNODE_NET_RING_CHUNKS", "int", 0, "0", "the network ring (needs "
-         "`MDEEP_INTERNODE_STAGING=ring`): K > 0 bounds the network regions to K chunks of 32 "
-         "tokens per rail peer and region, ~4 M K 32 + 2 L C rows per rank "
-         "(`docs/internode.md`, \"Network ring\"); 0: N_max tokens per node (off)", "transport"),
+    Knob("INTERNODE_NET_RING_CHUNKS", "int", 0, "0", "the network ring (with "
+         "`MDEEP_INTERNODE_STAGING=ring` or `auto`): K > 0 bounds the network regions to K "
+         "chunks of 32 tokens per rail peer and region, ~4 M K 32 + 2 L C rows per rank "
+         "(`docs/internode.md`, \"Network ring\"); 0: N_max tokens per node (off; `auto` may "
+         "still pick K = 8)", "transport"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version", "jit"),

@@ -100,8 +100,9 @@ class InternodeTransport(Transport):
             ring staging, else the network ring too; `choose_staging`); every rank must pass
             the same.
         ring_slots: C, the slots of each ring with "ring" (None: `MDEEP_INTERNODE_RING_SLOTS`).
-        net_chunks: K > 0 turns the network ring on (needs "ring"): K chunks per rail peer and
-            network region (None: `MDEEP_INTERNODE_NET_RING_CHUNKS`, 0 by default: off).
+        net_chunks: K > 0 turns the network ring on (with "ring" or "auto"): K chunks per rail
+            peer and network region (None: `MDEEP_INTERNODE_NET_RING_CHUNKS`, 0 by default:
+            off, unless "auto" needs it).
 
     Raises:
         NvshmemUnavailable: NVSHMEM cannot start here (the message says what to install, and
