@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 20 on one host with 2, 4 or 8 GPUs: one process per GPU, NCCL as the control plane.
 #   PIECES="bench" bash scripts/gpu_multi.sh     # one piece, or several (run in the given order)
-# Pieces (PIECES, default "bench tier main"), each under its time limit and never past BUDGET:
+# Pieces (PIECES, default "bench tier main staging"), each under its time limit and never past BUDGET:
 #   bench      python -m megatron_deepep.bench under torchrun at EP = #GPUs: 3 shapes, bf16 and
 #              FP8 (blockwise, MXFP8), 24 SMs and all SMs, beside Megatron's alltoall, NCCL's
 #              all_to_all_single of the same bytes and the peer-copy ceiling, in one run
@@ -12,6 +12,11 @@
 #              test_parity_ep_gpu (Megatron's MoELayer at EP = N against EP = 1)
 #   internode  test_internode_gpu on virtual nodes 2 x #GPUs/2 over real GPUs
 #              (MDEEP_TEST_NODES=2xL), and test_internode_leg_gpu (4 GPUs: 2 x 2)
+#   staging    scripts/multinode_check.py's sweep on virtual nodes 2 x #GPUs/2 over real GPUs
+#              (NVSHMEM's P2P path between the "nodes"), once per internode staging: full,
+#              ring, ring + the network ring (K = 8); DeepSeek-V3's shape (4096 tokens per rank,
+#              hidden 7168, top-8): dispatch and combine µs of each side by side in staging.log
+#              (GPUs that run at once: the comparison one GPU's time-sliced processes cannot make)
 #   main       examples/run_gpt_moe.sh at EP = #GPUs, MAIN_STEPS steps, with deepep (metrics on)
 #              and with alltoall: first/last loss, median step time, the largest loss
 #              difference between the two, the metrics PNGs
@@ -27,16 +32,16 @@
 # Device tool (one call <= 10 minutes; the kind, carry [".whl"], timeout_s 600):
 #   nvidia-h200-x8  call 1: PIECES=bench bash scripts/gpu_multi.sh
 #                   call 2: PIECES="tier2 tier4 tier8" bash scripts/gpu_multi.sh
-#                   call 3: PIECES="main internode" bash scripts/gpu_multi.sh
+#                   call 3: PIECES="main internode staging" bash scripts/gpu_multi.sh
 #   nvidia-h200-x2  call 1: PIECES="bench main" bash scripts/gpu_multi.sh
-#                   call 2: PIECES=tier bash scripts/gpu_multi.sh        # tier2 + internode 2x1
+#                   call 2: PIECES="tier staging" bash scripts/gpu_multi.sh  # tier2 + internode
 #   without a GPU:  DRY_RUN=1 NGPU=8 bash scripts/gpu_multi.sh   # prints what it would run
 # A piece that does not fit the budget is skipped, saying so: name it in the next call.
 # Knobs: BUDGET (seconds for the whole script, default 560), NGPU (default: the GPUs torch
 # sees), OUT (default .bench_out/multi), MAIN_STEPS (50), MDEEP_TEST_CALLS (the long test's
 # back-to-back calls, 1000), BENCH_ARGS, PYTEST_ARGS, limits per piece: PRECOMPILE_TIMEOUT (150),
 # BENCH_TIMEOUT (450), TIER_TIMEOUT (240 per N), INTERNODE_TIMEOUT (300), MAIN_TIMEOUT (200 per
-# dispatcher). NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# dispatcher), STAGING_TIMEOUT (120 per staging). NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # and NVSHMEM_DISABLE_NVLS=1 are exported here, so every process it starts has them.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,7 +51,7 @@ cd "$(dirname "$HERE")" || exit 2  # the repository root: tests and examples are
 OUT=${OUT:-.bench_out/multi}
 BUDGET_S=${BUDGET:-560}
 DRY_RUN=${DRY_RUN:-0}
-PIECES=${PIECES:-bench tier main}
+PIECES=${PIECES:-bench tier main staging}
 MAIN_STEPS=${MAIN_STEPS:-50}
 TIER_TESTS="tests/gpu/test_nvlink_gpu.py tests/gpu/test_fp8_dispatch_gpu.py
   tests/gpu/test_parity_dtypes_gpu.py tests/gpu/test_parity_syncfree_gpu.py
@@ -54,7 +59,7 @@ TIER_TESTS="tests/gpu/test_nvlink_gpu.py tests/gpu/test_fp8_dispatch_gpu.py
 INTERNODE_TESTS="tests/gpu/test_internode_gpu.py tests/gpu/test_internode_leg_gpu.py"
 PYTEST=(python3 -m pytest -m gpu -q -rA -p no:cacheprovider)
 mkdir -p "$OUT"
-rm -f "$OUT/progress" "$OUT/tier.log" "$OUT/main.log"  # appended to below: this run's alone
+rm -f "$OUT/progress" "$OUT/tier.log" "$OUT/main.log" "$OUT/staging.log"  # appended to below
 # run LIMIT_S LOG command... (time_limit.sh): at most LIMIT_S and never past BUDGET_S; a piece
 # still running at its limit leaves its Python processes' stacks in LOG.
 source "$HERE/time_limit.sh"
@@ -81,11 +86,11 @@ fi
 plan=()
 for name in $PIECES; do
   case $name in
-    bench|internode|main) plan+=("$name") ;;
+    bench|internode|main|staging) plan+=("$name") ;;
     tier) for n in 2 4 8; do (( n <= NGPU )) && plan+=("tier$n"); done; plan+=(internode) ;;
     tier[0-9]|tier[0-9][0-9]) plan+=("$name") ;;
     *) echo "gpu_multi: unknown piece '$name' in PIECES (bench, tier, tier2, tier4, tier8," \
-         "internode, main)"; exit 2 ;;
+         "internode, main, staging)"; exit 2 ;;
   esac
 done
 if is_dry; then
@@ -139,11 +144,12 @@ bundle_logs() {
 # The kernels the chosen pieces use, compiled in parallel first (each rank would else compile
 # its own on first use).
 precompile() {
-  local topks=() fp8=0 row_dtypes=0 bench_kernels=0 step
+  local topks=() fp8=0 row_dtypes=0 bench_kernels=0 internode=0 step
   for step in "${plan[@]}"; do
     case $step in
       bench) topks+=(4 6 8); fp8=1; bench_kernels=1 ;;
       tier*|internode) topks+=(1 2 4 6 8 16); fp8=1; row_dtypes=1 ;;
+      staging) topks+=(8); internode=1 ;;
       main) topks+=(2) ;;
     esac
   done
@@ -155,6 +161,7 @@ precompile() {
   (( fp8 )) && args+=(--fp8 blockwise_1x128 mxfp8_1x32)
   (( row_dtypes )) && args+=(--row-dtype bf16 fp16 fp32)
   (( bench_kernels )) && args+=(--bench)
+  (( internode )) && args+=(--internode)  # under auto staging: the families of all three
   piece precompile "${PRECOMPILE_TIMEOUT:-150}" "$LOGS/precompile.log" \
     python3 -m megatron_deepep.precompile "${args[@]}"
   local result="dry run"
@@ -228,6 +235,31 @@ run_internode() {
     $INTERNODE_TESTS
 }
 
+run_staging() {
+  local per_node=$((NGPU / 2)) staging name log
+  if (( NGPU % 2 )); then
+    summary "staging" - 0 "not run: 2 virtual nodes need an even number of GPUs ($NGPU)"
+    return
+  fi
+  local -A knobs=([full]="MDEEP_INTERNODE_STAGING=full"
+                  [ring]="MDEEP_INTERNODE_STAGING=ring MDEEP_INTERNODE_NET_RING_CHUNKS=0"
+                  [net]="MDEEP_INTERNODE_STAGING=ring MDEEP_INTERNODE_NET_RING_CHUNKS=8")
+  for staging in full ring net; do
+    name="staging $staging, 2 x $per_node" log="$LOGS/staging_$staging.log"
+    # shellcheck disable=SC2086
+    piece "$name" "${STAGING_TIMEOUT:-120}" "$log" env ${knobs[$staging]} python3 \
+      scripts/multinode_check.py --spawn "$NGPU" --num-ranks-per-node "$per_node" --skip-check \
+      --sweep-tokens 4096 --sweep-hidden 7168 --json "$LOGS/staging_$staging.json"
+    summary "$name" "$PIECE_RC" "$PIECE_S" "$(report staging "$LOGS/staging_$staging.json")"
+    if ! is_dry; then
+      {
+        echo "=== $name: rc $PIECE_RC in $PIECE_S s (${knobs[$staging]})"
+        grep -E "internode staging:|^ +[0-9]+ +[0-9]+ (dispatch|combine)|Error" "$log" | head -8
+      } >> "$OUT/staging.log"
+    fi
+  done
+}
+
 run_main() {
   local dispatcher log png
   for dispatcher in deepep alltoall; do
@@ -277,6 +309,7 @@ for step in "${plan[@]}"; do
     tier*) run_tier "${step#tier}" ;;
     internode) run_internode ;;
     main) run_main ;;
+    staging) run_staging ;;
   esac
   bundle_logs
 done

@@ -3,13 +3,16 @@
     python scripts/gpu_multi_report.py bench bench_ep8.json
     python scripts/gpu_multi_report.py pytest tier_n8.log
     python scripts/gpu_multi_report.py main main_deepep.log main_alltoall.log
+    python scripts/gpu_multi_report.py staging staging_ring.json
 
 `bench`: the EP > 1 targets met (>= 340 GB/s per direction with <= 24 SMs; >= 1.1x NCCL's
 all_to_all_single of the same bytes) over every variant and op, and the worst rank's bf16 GB/s
 at the smallest SM budget per shape. `pytest`: the counts of pytest's last line and the failed
 tests. `main`: per training log, the lm loss at the first and last iteration and the median
 time per iteration (iterations after the first 3: warm-up and compiles); with two logs, the
-largest loss difference over the iterations both logged. A missing or unreadable file gives a
+largest loss difference over the iterations both logged. `staging`: the staging a
+`scripts/multinode_check.py --json` sweep ran and its dispatch and combine µs and GB/s per rank
+at each point. A missing or unreadable file gives a
 line that says so (exit status 0: the summary table is printed whatever a piece left).
 """
 
@@ -96,6 +99,21 @@ def pytest_line(path: str) -> str:
     return line + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
+def staging_line(path: str) -> str:
+    """The staging and the sweep's figures of a `scripts/multinode_check.py --json` file."""
+    text = _read(path)
+    if text is None:
+        return f"no {path}"
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        return f"{path} is not JSON ({exc})"
+    staging = (doc.get("setup") or {}).get("staging") or {}
+    points = [f"{p['tokens']}x{p['hidden']} {p['phase']} {p['us']:.0f} us "
+              f"({p['gbps_per_rank']:.1f} GB/s)" for p in doc.get("sweep", [])]
+    return f"{staging.get('name', 'staging not recorded')}: " + ("; ".join(points) or "no sweep")
+
+
 def training(path: str) -> Tuple[Dict[int, float], List[float]]:
     """Loss per iteration and step times (ms, after the warm-up) of a Megatron training log."""
     losses: Dict[int, float] = {}
@@ -137,9 +155,9 @@ def main_lines(paths: List[str]) -> List[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python scripts/gpu_multi_report.py",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("kind", choices=["bench", "pytest", "main"],
-                        help="what the files are: the bench's JSON, a pytest log, or training "
-                             "logs (one per dispatcher)")
+    parser.add_argument("kind", choices=["bench", "pytest", "main", "staging"],
+                        help="what the files are: the bench's JSON, a pytest log, training "
+                             "logs (one per dispatcher), or a multinode_check JSON")
     parser.add_argument("paths", nargs="+", help="the files to summarize")
     return parser
 
@@ -150,6 +168,8 @@ def main(argv=None) -> int:
         print(bench_line(args.paths[0]))
     elif args.kind == "pytest":
         print(pytest_line(args.paths[0]))
+    elif args.kind == "staging":
+        print(staging_line(args.paths[0]))
     else:
         print("\n".join(main_lines(args.paths)))
     return 0

@@ -211,7 +211,8 @@ def test_gpu_multi_dry_run_on_8_gpus(tmp_path):
                 and "bash examples/run_gpt_moe.sh" in commands), commands
     assert "--fp8 blockwise_1x128 mxfp8_1x32" in commands and "--bench" in commands
     progress = (out / "progress").read_text()
-    assert re.search(r"^\[\d+ s\] start: 6 steps \(bench tier2 tier4 tier8 internode main\)",
+    assert re.search(r"^\[\d+ s\] start: 7 steps \(bench tier2 tier4 tier8 internode main "
+                     r"staging\)",
                      progress, re.M), progress
     assert "| step | rc | s | result |" in progress and "| tier N=8 (nccl) | 0 |" in progress
 
@@ -320,3 +321,38 @@ def test_gpu_multi_report_pytest_and_training(tmp_path):
     assert lines[1] == "loss it1 10.4780 it6 4.0100, median step 95.0 ms"
     assert lines[2] == "max |loss difference| 0.1000 (it5) over 6 iterations"
     assert _report("main", tmp_path / "missing.log").endswith("no iteration with an lm loss")
+
+
+def test_gpu_multi_report_staging(tmp_path):
+    """One line per staging from multinode_check's JSON (its shape as session 16's sweep wrote
+    it on the H200)."""
+    point = {"tokens": 4096, "hidden": 7168, "wire": "bf16", "network_bytes_per_rank": 58548224}
+    doc = {"setup": {"staging": {"name": "ring (512 slots)", "mode": "ring", "ring_slots": 512,
+                                 "net_chunks": 0}},
+           "sweep": [dict(point, phase="dispatch", us=7189.55, gbps_per_rank=8.1435),
+                     dict(point, phase="combine", us=9144.0, gbps_per_rank=6.4029)]}
+    path = tmp_path / "staging_ring.json"
+    path.write_text(json.dumps(doc))
+    assert _report("staging", path) == ("ring (512 slots): 4096x7168 dispatch 7190 us (8.1 "
+                                        "GB/s); 4096x7168 combine 9144 us (6.4 GB/s)")
+    doc["setup"].pop("staging")
+    doc["sweep"] = []
+    path.write_text(json.dumps(doc))
+    assert _report("staging", path) == "staging not recorded: no sweep"
+    assert _report("staging", tmp_path / "none.json").startswith("no ")
+
+
+def test_gpu_multi_staging_piece_times_each_staging_over_real_gpus(tmp_path):
+    rc, stdout, _ = _gpu_multi(tmp_path, NGPU="4", PIECES="staging")
+    assert rc == 0, stdout
+    commands = _dry_commands(stdout)[1:]  # after the wheels
+    assert "--internode" in commands[0], commands  # precompile: every staging auto may pick
+    knobs = ["MDEEP_INTERNODE_STAGING=full python3",
+             "MDEEP_INTERNODE_STAGING=ring MDEEP_INTERNODE_NET_RING_CHUNKS=0 python3",
+             "MDEEP_INTERNODE_STAGING=ring MDEEP_INTERNODE_NET_RING_CHUNKS=8 python3"]
+    for command, knob in zip(commands[1:], knobs):
+        assert knob in command and "--spawn 4 --num-ranks-per-node 2 --skip-check" in command
+    assert len(commands) == 4
+    rc, stdout, _ = _gpu_multi(tmp_path, NGPU="3", PIECES="staging")
+    assert "| staging | - | 0 | not run: 2 virtual nodes need an even number of GPUs (3) |" \
+        in stdout
