@@ -41,15 +41,22 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def bench_line(path: str) -> str:
-    """The bench's targets and bf16 GB/s from its bench.json (rows of `megatron_deepep.bench`)."""
+def _read_json(path: str) -> Tuple[object, Optional[str]]:
+    """(the parsed file, None), or (None, the line that says why it could not be read)."""
     text = _read(path)
     if text is None:
-        return f"no {path}"
+        return None, f"no {path}"
     try:
-        rows = json.loads(text)
+        return json.loads(text), None
     except ValueError as exc:
-        return f"{path} is not JSON ({exc})"
+        return None, f"{path} is not JSON ({exc})"
+
+
+def bench_line(path: str) -> str:
+    """The bench's targets and bf16 GB/s from its bench.json (rows of `megatron_deepep.bench`)."""
+    rows, problem = _read_json(path)
+    if problem:
+        return problem
     counts = {"GBps": [0, 0], "nccl": [0, 0]}  # [met, measured]
     shapes = []
     for row in rows:
@@ -101,13 +108,9 @@ def pytest_line(path: str) -> str:
 
 def staging_line(path: str) -> str:
     """The staging and the sweep's figures of a `scripts/multinode_check.py --json` file."""
-    text = _read(path)
-    if text is None:
-        return f"no {path}"
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        return f"{path} is not JSON ({exc})"
+    doc, problem = _read_json(path)
+    if problem:
+        return problem
     staging = (doc.get("setup") or {}).get("staging") or {}
     points = [f"{p['tokens']}x{p['hidden']} {p['phase']} {p['us']:.0f} us "
               f"({p['gbps_per_rank']:.1f} GB/s)" for p in doc.get("sweep", [])]

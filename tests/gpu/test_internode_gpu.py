@@ -361,6 +361,21 @@ def _small_ring_worker(rank, world, per_node, num_calls):
     dist.barrier()
 
 
+def _link_small_rings(monkeypatch, stagings) -> None:
+    """Links the small-ring tests' kernels here, once: top-8 (the bit-equality Buffers) for each
+    (staging, network chunks), then the cases' top-k for the last one, whose knobs stay set."""
+    start = time.monotonic()
+    for staging, net_chunks in stagings:
+        monkeypatch.setenv("MDEEP_INTERNODE_STAGING", staging)
+        monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", str(net_chunks))
+        _link((8, None, None))
+        _link_combine((8, 0))
+    for k in sorted({CASES[i][4] for i in (0, 2, 5)} | {2, 4}):  # + back-to-back, graphs
+        _link((k, None, None))
+        _link_combine((k, 0))
+    print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 @pytest.mark.parametrize("shape", NODE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_internode_small_ring(shape, monkeypatch, require_nvshmem):
     """Ring staging with 4 slots per ring: cases, back-to-back calls and graph replays against
@@ -368,16 +383,7 @@ def test_internode_small_ring(shape, monkeypatch, require_nvshmem):
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MDEEP_INTERNODE_RING_SLOTS", str(SMALL_RING_SLOTS))
-    monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", "0")  # ring staging alone
-    start = time.monotonic()
-    for staging in ("full", "ring"):
-        monkeypatch.setenv("MDEEP_INTERNODE_STAGING", staging)
-        _link((8, None, None))
-        _link_combine((8, 0))
-    for k in sorted({CASES[i][4] for i in (0, 2, 5)} | {2, 4}):  # + back-to-back, graphs
-        _link((k, None, None))
-        _link_combine((k, 0))
-    print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    _link_small_rings(monkeypatch, [("full", 0), ("ring", 0)])  # ring staging alone
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _small_ring_worker, per_node, SMALL_RING_CALLS,
                     backend=tier_backend(), timeout_s=1200, hard_exit=True)
@@ -420,16 +426,7 @@ def test_internode_small_net_ring(shape, chunks, monkeypatch, require_nvshmem):
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MDEEP_INTERNODE_RING_SLOTS", str(SMALL_RING_SLOTS))
-    start = time.monotonic()
-    for staging, net_chunks in (("full", 0), ("ring", chunks)):
-        monkeypatch.setenv("MDEEP_INTERNODE_STAGING", staging)
-        monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", str(net_chunks))
-        _link((8, None, None))
-        _link_combine((8, 0))
-    for k in sorted({CASES[i][4] for i in (0, 2, 5)} | {2, 4}):  # + back-to-back, graphs
-        _link((k, None, None))
-        _link_combine((k, 0))
-    print(f"linked in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    _link_small_rings(monkeypatch, [("full", 0), ("ring", chunks)])
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _small_net_ring_worker, per_node, SMALL_RING_CALLS,
                     chunks, backend=tier_backend(), timeout_s=1200, hard_exit=True)
