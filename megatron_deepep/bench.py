@@ -25,6 +25,14 @@ node, everything in one call:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --standalone --nproc-per-node 8 -m megatron_deepep.bench --out .bench_ep8
+
+`--nodes MxL` runs the internode transport on virtual nodes instead (M x L processes sharing
+this machine's GPUs, `megatron_deepep.multinode_check --spawn`): its correctness against the
+reference and its timed sweep at the first shape (correctness, not speed: the processes take
+turns on a GPU), then the model of DeepSeek-V3's shape on real nodes
+(`megatron_deepep.internode_model`: bytes per network link and NVLink at 2 x 8 and 8 x 8, with
+and without node-limited routing, at assumed link rates, beside DeepEP's and HybridEP's reported
+figures).
 """
 
 from __future__ import annotations
@@ -439,6 +447,53 @@ def plot(rows: List[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def parse_nodes(text: str) -> tuple:
+    """`--nodes MxL` as (nodes, ranks per node).
+
+    Raises:
+        ValueError: not M x L with 2 <= M <= 32 and 1 <= L <= 8 (the internode transport's
+            limits).
+    """
+    try:
+        num_nodes, per_node = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--nodes {text!r}: expected MxL, e.g. 2x2") from None
+    if not (2 <= num_nodes <= 32 and 1 <= per_node <= 8):
+        raise ValueError(f"--nodes {text!r}: the internode transport takes 2-32 nodes of 1-8 "
+                         "ranks")
+    return num_nodes, per_node
+
+
+def run_virtual_nodes(nodes: tuple, shape: tuple, num_sms: int, fp8: str, out: str) -> int:
+    """`--nodes`: the internode transport's check and sweep on virtual nodes at `shape` (N, H,
+    E, K; E rounded up to a multiple of the rank count), then the model of DeepSeek-V3's shape.
+    Returns the check's exit status (0: passed)."""
+    from megatron_deepep import internode_model, multinode_check
+
+    num_nodes, per_node = nodes
+    world = num_nodes * per_node
+    tokens, hidden, experts, topk = shape
+    if experts % world:
+        experts = world * -(-experts // world)
+    os.makedirs(out, exist_ok=True)
+    argv = ["--spawn", str(world), "--num-ranks-per-node", str(per_node), "--transport",
+            "internode", "--num-experts", str(experts), "--topk", str(topk), "--check-hidden",
+            str(hidden), "--sweep-tokens", str(tokens), "--sweep-hidden", str(hidden),
+            "--num-sms", str(num_sms), "--json", os.path.join(out, "nodes.json")]
+    formats = [f for f in fp8.split(",") if f.strip()]
+    if formats:
+        argv += ["--fp8", formats[0]]
+    sys.stdout.write(f"internode transport on {num_nodes} x {per_node} virtual nodes "
+                     f"(processes sharing this machine's GPUs: correctness, not speed)\n")
+    status = multinode_check.main(argv)
+    sys.stdout.write("\nModel of DeepSeek-V3's shape on real nodes (from the layout; no kernel "
+                     "runs):\n")
+    internode_model.main(["--tokens", "4096", "--hidden", "7168", "--experts", "256", "--topk",
+                          "8", "--nodes", "2", "8", "--ranks-per-node", "8", "--node-limited",
+                          "4"])
+    return status
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megatron_deepep.bench",
                                      description=__doc__.split("\n")[0])
@@ -459,7 +514,15 @@ def main(argv=None) -> None:
     parser.add_argument("--fp8", default="blockwise_1x128,mxfp8_1x32",
                         help="FP8 formats to bench against bf16, comma-separated, as fp8= "
                              "takes them (blockwise, mxfp8 or a format name; '' for none)")
+    parser.add_argument("--nodes", default=None, metavar="MxL",
+                        help="the internode transport on M x L virtual nodes instead: its check "
+                             "and sweep at the first shape (first SM budget, first FP8 format), "
+                             "then the model of DeepSeek-V3's shape on real nodes")
     args = parser.parse_args(argv)
+    try:
+        nodes = parse_nodes(args.nodes) if args.nodes else None
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
         sys.stderr.write("megatron_deepep.bench needs a CUDA GPU; on a CPU machine run the tests "
@@ -467,14 +530,17 @@ def main(argv=None) -> None:
                          "\".[jit,test,megatron]\" && python -m pytest -q -rs tests\n")
         raise SystemExit(2)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    shapes = DEFAULT_SHAPES if args.shapes is None else [
+        tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+    if nodes is not None:  # the spawned ranks set up their own process group
+        raise SystemExit(run_virtual_nodes(nodes, shapes[0], int(args.num_sms.split(",")[0]),
+                                           args.fp8, args.out))
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl")
-    shapes = DEFAULT_SHAPES if args.shapes is None else [
-        tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     sms = [min(int(s), torch.cuda.get_device_properties(0).multi_processor_count)
            for s in args.num_sms.split(",")]
     run(shapes, sms, args.out, not args.no_megatron, args.profile, args.fp8,

@@ -73,6 +73,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.precompile": 8,  # the command that fills the kernel cache ahead of a job
     "megatron_deepep.internode_model": 8,
     "megatron_deepep.bench_network": 8,
+    "megatron_deepep.multinode_check": 8,  # correctness + GB/s per NIC on 2+ (virtual) nodes
     "megatron_deepep.balance": 8,  # the load-balance planner and its command
     "megatron_deepep.sweep": 8,  # which configuration for a model family: measure + model
 }

@@ -1,4 +1,5 @@
-"""CPU tier: `scripts/multinode_check.py` on gloo ranks with the reference transport.
+"""CPU tier: `megatron_deepep.multinode_check` (and its checkout command
+`scripts/multinode_check.py`) on gloo ranks with the reference transport.
 
 The script's GPU run (the internode transport on real or virtual nodes) is the lead's; here: its
 arguments and errors, the byte and GB/s arithmetic, its routing cases, one end-to-end run of the
@@ -8,7 +9,6 @@ check catches a transport that corrupts rows or raises.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,21 +18,11 @@ import pytest
 import torch
 
 from megatron_deepep import internode_model
+from megatron_deepep import multinode_check as mc
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "multinode_check.py")
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("_multinode_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-mc = _module()
+SCRIPT = os.path.join(ROOT, "scripts", "multinode_check.py")  # the checkout's command
 
 
 def test_every_argument_has_help():
@@ -200,7 +190,7 @@ class _Broken:
 def _check_catches(rank, world):
     import torch.distributed as dist
 
-    module = _module()
+    module = mc
     lines = []
     for mode in ("ok", "corrupt", "raise"):
         args = module.build_parser().parse_args(
