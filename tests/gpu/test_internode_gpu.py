@@ -430,3 +430,23 @@ def test_internode_small_net_ring(shape, chunks, monkeypatch, require_nvshmem):
     num_nodes, per_node = shape
     run_distributed(num_nodes * per_node, _small_net_ring_worker, per_node, SMALL_RING_CALLS,
                     chunks, backend=tier_backend(), timeout_s=1200, hard_exit=True)
+
+
+def test_bench_on_virtual_nodes(tmp_path, require_nvshmem):
+    """`python -m megatron_deepep.bench --nodes 2x1`: the internode check and sweep on virtual
+    nodes (a small shape), then the model of DeepSeek-V3's shape on real nodes."""
+    import subprocess
+    env = dict(os.environ, **{k: v for k, v in ENV.items() if k != "NVSHMEM_SYMMETRIC_SIZE"})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NVSHMEM_SYMMETRIC_SIZE"):
+        env.pop(name, None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_deepep.bench", "--nodes", "2x1", "--shapes",
+         "256,2048,16,4", "--num-sms", "8", "--fp8", "blockwise", "--out", str(tmp_path)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "internode transport on 2 x 1 virtual nodes" in out
+    assert "correctness: PASSED" in out and "internode staging: full" in out
+    assert " 64   8x8   uniform " in out  # the model's DeepSeek-V3 rows
+    assert (tmp_path / "nodes.json").exists()
