@@ -47,9 +47,6 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 CASES = ("uniform", "uneven", "skewed", "dropped", "empty", "node-limited")
 COMBINE_RTOL = 2e-2  # the forwarder rounds its node's partial sum to bf16 once more
-HEAP_HEADROOM = 512 << 20  # NVSHMEM's own allocations and torch's symmetric-memory bookkeeping
-HEAP_GRANULE = 512 << 20   # NVSHMEM_CUMEM_GRANULARITY's default
-HEAP_DEFAULT = 1 << 30     # NVSHMEM's default NVSHMEM_SYMMETRIC_SIZE
 
 
 class UsageError(Exception):
@@ -189,14 +186,14 @@ def nvshmem_heap_bytes(max_tokens: int, hidden: int, num_ranks: int, topk: int,
         UsageError: the limits or the transport are not valid for `Buffer.size_hint`.
     """
     from megatron_deepep.buffer import Buffer
+    from megatron_deepep.transport.nvshmem_heap import heap_bytes_for
 
     try:
         hint = Buffer.size_hint(max_tokens, hidden, num_ranks, topk, transport=transport,
                                 num_ranks_per_node=num_ranks_per_node)
     except ValueError as e:
         raise UsageError(f"Buffer.size_hint(transport={transport!r}) failed: {e}") from None
-    granules = math.ceil((hint + HEAP_HEADROOM) / HEAP_GRANULE)
-    return max(HEAP_DEFAULT, granules * HEAP_GRANULE)
+    return heap_bytes_for(hint)
 
 
 # ---------------------------------------------------------------------------------------------

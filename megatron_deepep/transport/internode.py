@@ -51,7 +51,7 @@ from megatron_deepep.transport.internode_regions import (CHUNK_TOKENS, MAX_NODES
                                                          InternodeRegions, choose_staging,
                                                          describe_staging, net_ring_config,
                                                          staging_config)
-from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit
+from megatron_deepep.transport.nvshmem_heap import SymmetricHeap, heap_limit, size_heap_for
 from megatron_deepep.transport.recv import (as_recv_x, dispatch_plan, empty_combine_out,
                                             empty_recv, regrow_slots)
 from megatron_deepep.transport.status import KernelStatus
@@ -137,6 +137,11 @@ class InternodeTransport(Transport):
         self.regions = InternodeRegions(self.num_ranks, self.ranks_per_node,
                                         num_max_tokens_per_rank, hidden, num_topk,
                                         self.staging, self.ring_slots, self.net_chunks)
+        heap_set = size_heap_for(self.regions.num_bytes)
+        if heap_set is not None:
+            logger.info("megatron_deepep internode: NVSHMEM_SYMMETRIC_SIZE was unset; set to %d "
+                        "for this %d-byte block (export it to choose)", heap_set,
+                        self.regions.num_bytes)
         limit = heap_limit()
         if self.regions.num_bytes > limit:
             raise ValueError(

@@ -82,6 +82,10 @@ def check_available() -> None:
 
 
 DEFAULT_HEAP_BYTES = 1 << 30  # NVSHMEM's default NVSHMEM_SYMMETRIC_SIZE
+HEAP_HEADROOM = 512 << 20     # NVSHMEM's own allocations and torch's symmetric-memory bookkeeping
+HEAP_GRANULE = 512 << 20      # NVSHMEM_CUMEM_GRANULARITY's default
+# Set by this process's first symmetric allocation: NVSHMEM has started and read its heap size.
+_started = False
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -102,6 +106,29 @@ def heap_limit() -> int:
     default (1 GiB)."""
     text: Optional[str] = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     return DEFAULT_HEAP_BYTES if not text else parse_heap_size(text)
+
+
+def heap_bytes_for(block_bytes: int) -> int:
+    """NVSHMEM_SYMMETRIC_SIZE for a symmetric block of `block_bytes` per PE: plus headroom for
+    NVSHMEM and torch, in whole 512 MiB granules, never below NVSHMEM's 1 GiB default."""
+    granules = -(-(block_bytes + HEAP_HEADROOM) // HEAP_GRANULE)
+    return max(DEFAULT_HEAP_BYTES, granules * HEAP_GRANULE)
+
+
+def size_heap_for(block_bytes: int) -> Optional[int]:
+    """Sets NVSHMEM_SYMMETRIC_SIZE to `heap_bytes_for(block_bytes)` when it is unset and NVSHMEM
+    has not started in this process (it reads the size once, at the first symmetric
+    allocation), so that a job without the Slurm templates' setting just works. Every PE of the
+    group must call it with the same block (the heap is symmetric).
+
+    Returns:
+        The bytes set, or None where the variable was set already or NVSHMEM has started.
+    """
+    if os.environ.get("NVSHMEM_SYMMETRIC_SIZE") or _started:
+        return None
+    size = heap_bytes_for(block_bytes)
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(size)
+    return size
 
 
 def use_nvshmem_backend(device: torch.device) -> None:
@@ -155,7 +182,9 @@ class SymmetricHeap:
         """
         if self._tensors is None:
             raise RuntimeError("megatron_deepep: SymmetricHeap used after destroy()")
+        global _started
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        _started = True  # the attempt starts NVSHMEM (or failed to): its size is read
         try:
             tensor = _symm_mem().empty(shape, dtype=dtype, device=self.device)
         except Exception as exc:
