@@ -450,3 +450,31 @@ def test_bench_on_virtual_nodes(tmp_path, require_nvshmem):
     assert "correctness: PASSED" in out and "internode staging: full" in out
     assert " 64   8x8   uniform " in out  # the model's DeepSeek-V3 rows
     assert (tmp_path / "nodes.json").exists()
+
+
+def _unset_heap_worker(rank, world, per_node):
+    from megatron_deepep.transport.nvshmem_heap import heap_bytes_for
+    os.environ.update({k: v for k, v in ENV.items() if k != "NVSHMEM_SYMMETRIC_SIZE"})
+    os.environ.pop("NVSHMEM_SYMMETRIC_SIZE", None)
+    os.environ["MDEEP_INTERNODE_STAGING"] = "full"
+    use_rank_device(rank, gloo_device=0)
+    inter = Buffer(dist.group.WORLD, 8192, 7168, 8, transport="internode", num_sms=8,
+                   timeout_s=60, num_ranks_per_node=per_node)
+    block = inter._transport.num_bytes
+    assert block > 1 << 30, block  # more than NVSHMEM's default heap
+    assert os.environ["NVSHMEM_SYMMETRIC_SIZE"] == str(heap_bytes_for(block))
+    ref = Buffer(cpu_group(), 8192, 7168, 8, transport="reference")
+    _case(rank, world, per_node, inter, ref, 7000 + world, *CASES[0])
+    dist.barrier()
+
+
+def test_heap_is_sized_when_the_variable_is_unset(monkeypatch, require_nvshmem):
+    """Without NVSHMEM_SYMMETRIC_SIZE the transport sets it for its block (here 1.4 GB, above
+    NVSHMEM's 1 GiB default) before NVSHMEM starts, and the Buffer works."""
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")
+    _link((8, None, None))
+    _link_combine((8, 0))
+    run_distributed(2, _unset_heap_worker, 1, backend=tier_backend(), timeout_s=600,
+                    hard_exit=True)
