@@ -224,47 +224,27 @@ class InternodeRegions:
         return regions.weight_stride(self.num_topk)
 
     def _sizes(self):
-        if self.is_net:
-            return self._net_sizes()
+        """(region, bytes) in block order: the control words first (zeroed at start), then the
+        network regions and the node's staging, each as large as the staging makes it."""
+        R, L, M = self.num_ranks, self.ranks_per_node, self.num_nodes
+        N, C, K = self.max_tokens, self.ring_slots, self.net_chunks
+        net_slot = self.row_stride + self.record_stride
+        comb_slot = self.row_stride + self.weight_stride
+        per_node = K * CHUNK_TOKENS if self.is_net else N  # slots per node, network regions
+        stage = L * C if self.is_ring else R * N             # NVLink staging slots
+        comb_stage = L * C if self.is_ring else L * M * N     # combine staging slots
+        sizes = [("notify_recv", 2 * R * COUNT_STRIDE * 4), ("notify_send", R * COUNT_STRIDE * 4),
+                 ("signals", (2 * R + 4 * M) * 8), ("flags", NUM_NODE_FLAGS * 4)]
         if self.is_ring:
-            return self._ring_sizes()
-        R, M, N = self.num_ranks, self.num_nodes, self.max_tokens
-        net_slot = self.row_stride + self.record_stride
-        comb_slot = self.row_stride + self.weight_stride
-        return [("notify_recv", 2 * R * COUNT_STRIDE * 4), ("notify_send", R * COUNT_STRIDE * 4),
-                ("signals", (2 * R + 4 * M) * 8), ("flags", NUM_NODE_FLAGS * 4),
-                ("net_send", M * N * net_slot), ("net_recv", M * N * net_slot),
-                ("stage_rows", R * N * self.row_stride), ("stage_meta", R * N * self.meta_stride),
-                ("comb_stage", self.ranks_per_node * M * N * comb_slot),
-                ("comb_send", M * N * comb_slot), ("comb_recv", M * N * comb_slot)]
-
-    def _ring_sizes(self):
-        R, L, M, N, C = (self.num_ranks, self.ranks_per_node, self.num_nodes, self.max_tokens,
-                         self.ring_slots)
-        net_slot = self.row_stride + self.record_stride
-        comb_slot = self.row_stride + self.weight_stride
-        return [("notify_recv", 2 * R * COUNT_STRIDE * 4), ("notify_send", R * COUNT_STRIDE * 4),
-                ("signals", (2 * R + 4 * M) * 8), ("flags", NUM_NODE_FLAGS * 4),
-                ("ring_words", RING_WORDS * L * C * 8),
-                ("net_send", M * N * net_slot), ("net_recv", M * N * net_slot),
-                ("stage_rows", L * C * self.row_stride), ("stage_meta", L * C * self.meta_stride),
-                ("comb_stage", L * C * comb_slot),
-                ("comb_send", M * N * comb_slot), ("comb_recv", M * N * comb_slot)]
-
-    def _net_sizes(self):
-        R, L, M, C, K = (self.num_ranks, self.ranks_per_node, self.num_nodes, self.ring_slots,
-                         self.net_chunks)
-        net_slot = self.row_stride + self.record_stride
-        comb_slot = self.row_stride + self.weight_stride
-        slots = K * CHUNK_TOKENS  # per rail peer and region
-        return [("notify_recv", 2 * R * COUNT_STRIDE * 4), ("notify_send", R * COUNT_STRIDE * 4),
-                ("signals", (2 * R + 4 * M) * 8), ("flags", NUM_NODE_FLAGS * 4),
-                ("ring_words", RING_WORDS * L * C * 8), ("net_words", NET_WORDS * M * K * 8),
-                ("net_counters", 2 * M * K * 4), ("rail_counts", M * RAIL_COUNTS_BYTES),
-                ("net_send", M * slots * net_slot), ("net_recv", M * slots * net_slot),
-                ("stage_rows", L * C * self.row_stride), ("stage_meta", L * C * self.meta_stride),
-                ("comb_stage", L * C * comb_slot),
-                ("comb_send", M * slots * comb_slot), ("comb_recv", M * slots * comb_slot)]
+            sizes.append(("ring_words", RING_WORDS * L * C * 8))
+        if self.is_net:
+            sizes += [("net_words", NET_WORDS * M * K * 8), ("net_counters", 2 * M * K * 4),
+                      ("rail_counts", M * RAIL_COUNTS_BYTES)]
+        return sizes + [
+            ("net_send", M * per_node * net_slot), ("net_recv", M * per_node * net_slot),
+            ("stage_rows", stage * self.row_stride), ("stage_meta", stage * self.meta_stride),
+            ("comb_stage", comb_stage * comb_slot),
+            ("comb_send", M * per_node * comb_slot), ("comb_recv", M * per_node * comb_slot)]
 
     @property
     def offsets(self) -> dict:
