@@ -462,6 +462,19 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
     if (threadIdx.x == 0) net::quiet();
 }
 
+// The hand-back of the last block of a kernel that consumed one call's chunks from every other
+// node (`counts[n]` tokens from node n): adds them to my running totals `seen [M]` and sets my
+// word of `ack` on the rank of my local index on that node, so its sender may reuse the staging.
+__device__ void ack_rail_peers(const InternodeArgs& a, u64* seen, const int* counts, u64* ack) {
+    const auto [R, L, M, C, N_max, node, local] = Shape(a);
+    for (int n = 0; n < M; ++n) {
+        if (n == node) continue;
+        seen[n] += num_chunks(counts[n], C);
+        net::signal(ack + node, epoch_of(a), a.pe_of_rank[n * L + local]);
+    }
+    net::quiet();
+}
+
 template <int kTopk>
 __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
     const __grid_constant__ InternodeArgs a) {
@@ -515,12 +528,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_forward(
     }
     if (last_block_done(&a.block_counters[0]) && !has_error(err)) {
         release_node<&NodeFlags::fwd_done>(peers, a);
-        for (int n = 0; n < M; ++n) {
-            if (n == node) continue;
-            a.chunks_seen[n] += num_chunks(a.fwd_count[n], C);
-            net::signal(sig.disp_ack + node, epoch_of(a), a.pe_of_rank[n * L + local]);
-        }
-        net::quiet();
+        ack_rail_peers(a, a.chunks_seen, a.fwd_count, sig.disp_ack);
     }
 }
 
@@ -804,12 +812,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_combine_reduce(
                                                a.out_weights + (i64)i * kTopk, num_int4, lane);
     }
     if (last_block_done(&a.block_counters[4]) && !has_error(err)) {
-        for (int n = 0; n < M; ++n) {
-            if (n == node) continue;
-            a.chunks_seen[M + n] += num_chunks(a.num_tokens_per_node[n], C);
-            net::signal(sig.comb_ack + node, epoch_of(a), a.pe_of_rank[n * L + local]);
-        }
-        net::quiet();
+        ack_rail_peers(a, a.chunks_seen + M, a.num_tokens_per_node, sig.comb_ack);
     }
 }
 
@@ -849,6 +852,22 @@ __device__ __forceinline__ u64* ring_word(u8* block, const InternodeArgs& a, int
 
 __device__ __forceinline__ u64* ring_seen(const InternodeArgs& a, int which, int t) {
     return a.ring_seen + which * kMaxRanksPerNode + t;
+}
+
+// A ring kernel's last block: advances my ring positions by the call's rows. A dispatch ring
+// carries `ring_base` rows to each node rank and `src_start [L][M + 1]` (ring_source_prefix)
+// rows from each forwarder; the combine rings carry them back.
+__device__ void advance_rings(const InternodeArgs& a, const int (*src_start)[kMaxNodes + 1],
+                              bool combine) {
+    const int L = a.ranks_per_node, M = a.num_nodes;
+    for (int t = 0; t < L; ++t) {
+        const u64 to_node_rank = (u64)a.ring_base[t * (M + 1) + M];
+        const u64 from_forwarder = (u64)src_start[t][M];
+        *ring_seen(a, combine ? kSeenCombSent : kSeenDispSent, t) +=
+            combine ? from_forwarder : to_node_rank;
+        *ring_seen(a, combine ? kSeenCombRecv : kSeenDispRecv, t) +=
+            combine ? to_node_rank : from_forwarder;
+    }
 }
 
 // start[u][n + 1] = start[u][n] + the tokens source (node n, local u) sent me (threads u < L):
@@ -1086,16 +1105,8 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_ring_dispatch(
         }
     }
     if (last_block_done(&a.block_counters[6]) && !has_error(err)) {
-        for (int t = 0; t < L; ++t) {
-            *ring_seen(a, kSeenDispSent, t) += (u64)a.ring_base[t * (M + 1) + M];
-            *ring_seen(a, kSeenDispRecv, t) += (u64)src_start[t][M];
-        }
-        for (int n = 0; n < M; ++n) {
-            if (n == node) continue;
-            a.chunks_seen[n] += num_chunks(a.fwd_count[n], C);
-            net::signal(sig.disp_ack + node, epoch_of(a), a.pe_of_rank[n * L + local]);
-        }
-        net::quiet();
+        advance_rings(a, src_start, false);
+        ack_rail_peers(a, a.chunks_seen, a.fwd_count, sig.disp_ack);
     }
 }
 
@@ -1235,10 +1246,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_ring_combine(
                                                         err, lane);
     }
     if (last_block_done(&a.block_counters[7]) && !has_error(err)) {
-        for (int t = 0; t < L; ++t) {
-            *ring_seen(a, kSeenCombSent, t) += (u64)src_start[t][M];
-            *ring_seen(a, kSeenCombRecv, t) += (u64)a.ring_base[t * (M + 1) + M];
-        }
+        advance_rings(a, src_start, true);
     }
 }
 
@@ -1289,6 +1297,19 @@ __device__ __forceinline__ u8* net_chunk(u8* block, i64 offset, const InternodeA
                                          int node, u64 g, i64 stride) {
     const i64 slot = (i64)node * a.net_chunks + (i64)(g % (u64)a.net_chunks);
     return block + offset + slot * a.chunk_tokens * stride;
+}
+
+// A network-ring kernel's last block: advances the chunk totals of my streams by the call's.
+// Dispatch sends my tokens for each node (num_tokens_per_node) and receives my rail peers'
+// (fwd_count); combine sends the forwarded tokens' sums back and receives my tokens' sums.
+__device__ void advance_net_streams(const InternodeArgs& a, bool combine) {
+    const int M = a.num_nodes, C = a.chunk_tokens;
+    for (int n = 0; n < M; ++n) {
+        const u64 mine = num_chunks(a.num_tokens_per_node[n], C);
+        const u64 forwarded = num_chunks(a.fwd_count[n], C);
+        a.net_sent[(combine ? M : 0) + n] += combine ? forwarded : mine;
+        a.chunks_seen[(combine ? M : 0) + n] += combine ? mine : forwarded;
+    }
 }
 
 // A warp's role in the network ring's kernels (the roles above). Every role gets its own warps
@@ -1449,14 +1470,8 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_net_dispatch(
                                                              src_start[role.sub], err, lane);
     }
     if (last_block_done(&a.block_counters[6]) && !has_error(err)) {
-        for (int t = 0; t < L; ++t) {
-            *ring_seen(a, kSeenDispSent, t) += (u64)a.ring_base[t * (M + 1) + M];
-            *ring_seen(a, kSeenDispRecv, t) += (u64)src_start[t][M];
-        }
-        for (int n = 0; n < M; ++n) {
-            a.chunks_seen[n] += num_chunks(a.fwd_count[n], C);
-            a.net_sent[n] += num_chunks(a.num_tokens_per_node[n], C);
-        }
+        advance_rings(a, src_start, false);
+        advance_net_streams(a, false);
     }
 }
 
@@ -1582,13 +1597,7 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_net_combine(
             net_reduce<kTopk, kWithWeights, kDtype>(a, member, members, err, lane);
     }
     if (last_block_done(&a.block_counters[7]) && !has_error(err)) {
-        for (int t = 0; t < L; ++t) {
-            *ring_seen(a, kSeenCombSent, t) += (u64)src_start[t][M];
-            *ring_seen(a, kSeenCombRecv, t) += (u64)a.ring_base[t * (M + 1) + M];
-        }
-        for (int n = 0; n < M; ++n) {
-            a.net_sent[M + n] += num_chunks(a.fwd_count[n], C);
-            a.chunks_seen[M + n] += num_chunks(a.num_tokens_per_node[n], C);
-        }
+        advance_rings(a, src_start, true);
+        advance_net_streams(a, true);
     }
 }
