@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepep import bench_peers, ops
+from megatron_deepep.transport.topology import (MAX_INTERNODE_NODES, MAX_RANKS_PER_NODE,
+                                                 MIN_INTERNODE_NODES)
 
 logger = logging.getLogger("megatron_deepep.bench")
 
@@ -451,16 +453,18 @@ def parse_nodes(text: str) -> tuple:
     """`--nodes MxL` as (nodes, ranks per node).
 
     Raises:
-        ValueError: not M x L with 2 <= M <= 32 and 1 <= L <= 8 (the internode transport's
-            limits).
+        ValueError: not M x L within the internode transport's limits (2-32 nodes of 1-8
+            ranks, `transport.topology`).
     """
     try:
         num_nodes, per_node = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise ValueError(f"--nodes {text!r}: expected MxL, e.g. 2x2") from None
-    if not (2 <= num_nodes <= 32 and 1 <= per_node <= 8):
-        raise ValueError(f"--nodes {text!r}: the internode transport takes 2-32 nodes of 1-8 "
-                         "ranks")
+    if not (MIN_INTERNODE_NODES <= num_nodes <= MAX_INTERNODE_NODES
+            and 1 <= per_node <= MAX_RANKS_PER_NODE):
+        raise ValueError(f"--nodes {text!r}: the internode transport takes "
+                         f"{MIN_INTERNODE_NODES}-{MAX_INTERNODE_NODES} nodes of "
+                         f"1-{MAX_RANKS_PER_NODE} ranks")
     return num_nodes, per_node
 
 

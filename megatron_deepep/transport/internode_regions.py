@@ -149,10 +149,11 @@ def choose_staging(num_ranks: int, ranks_per_node: int, max_tokens: int, hidden:
         raise ValueError(f"{knobs.PREFIX}INTERNODE_STAGING_MAX_GB={budget!r}: expected a "
                          "positive number of GB (1e9 bytes)")
     choices = [("full", 0, 0), ("ring", slots, 0), ("ring", slots, AUTO_NET_CHUNKS)]
-    sizes = [InternodeRegions(num_ranks, ranks_per_node, max_tokens, hidden, num_topk,
-                              *choice).num_bytes for choice in choices]
-    for choice, size in zip(choices, sizes):
-        if size <= budget * 1e9:
+    sizes = []
+    for choice in choices:
+        sizes.append(InternodeRegions(num_ranks, ranks_per_node, max_tokens, hidden, num_topk,
+                                      *choice).num_bytes)
+        if sizes[-1] <= budget * 1e9:
             return choice
     return choices[sizes.index(min(sizes))]
 
