@@ -31,7 +31,7 @@
 // FP8 dispatch (kFmt != bf16): the send quantizes each row once (or copies a pre-quantized
 // row), the network and the NVLink staging carry the wire row (e4m3 data, then its scales), and
 // the expand dequantizes it or hands data and scales on.
-// Built by megatron_deepep/nvshmem_link.py; launched by the ops.internode_* wrappers.
+// Built by megatron_deepep/kernels/nvshmem_link.py; launched by the ops.internode_* wrappers.
 #include "common/args.cuh"
 #include "common/copy.cuh"
 #include "common/fp8_row.cuh"

@@ -22,7 +22,7 @@ Megatron defines them as config fields itself; here they are added only when mis
 `apply_arguments` makes the parsed values the dispatcher's defaults.
 
 `MDEEP_GROUPED_MM_EXPERTS=1` (environment; the `examples/configs/` proxies set it): the experts
-are `layer_variants.GroupedMMExperts` (two `torch._grouped_mm` calls per layer) instead of
+are `megatron.grouped_experts.GroupedMMExperts` (two `torch._grouped_mm` calls per layer) instead of
 Megatron's `SequentialMLP` (a Python loop over the experts: host-bound with hundreds of small
 experts); kept, with the reason logged, where `torch._grouped_mm` fails a one-call check.
 `MDEEP_FP8_EXPERTS=1`: TE's grouped experts take the FP8 rows (`docs/fp8.md`).
@@ -96,7 +96,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     else:
         spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm)
     if knobs.get("GROUPED_MM_EXPERTS"):  # the examples/configs proxies: grouped experts
-        from megatron_deepep.layer_variants import with_grouped_mm_experts
+        from megatron_deepep.megatron.grouped_experts import with_grouped_mm_experts
 
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         grouped, note = with_grouped_mm_experts(spec, device)

@@ -14,7 +14,8 @@
 # Env: PYTHON (default python3), INSTALL=0 (install nothing), MEGATRON_LM (a Megatron-LM
 # checkout, for megatron.training with megatron-core 0.16), DISPATCHER (default deepep;
 # alltoall to compare), TRAIN_ITERS (50; the CPU demo: 20), METRICS=1 (per-layer comm/load
-# metrics, JSON lines in $OUT/metrics -> python scripts/plot_metrics.py $OUT/metrics), OUT (run
+# metrics, JSON lines in $OUT/metrics -> python -m megatron_deepep.tools.plot_metrics
+# $OUT/metrics), OUT (run
 # folder, default runs/gpt_moe_<dispatcher>).
 # The local (non-TE) layers need --no-rope-fusion and --no-persist-layer-norm without TE / Apex.
 # FP8 dispatch (README, "FP8 dispatch"; hidden size % 16 == 0): pass our flag through, e.g.

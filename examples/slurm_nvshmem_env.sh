@@ -48,7 +48,8 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 # The symmetric heap: every GPU reserves NVSHMEM_SYMMETRIC_SIZE at start-up.
 if [ -z "${NVSHMEM_SYMMETRIC_SIZE:-}" ]; then
   heap_err=$(mktemp)
-  if heap=$(python3 "${REPO:-.}/scripts/multinode_check.py" --print-nvshmem-size \
+  if heap=$(env PYTHONPATH="${REPO:-.}${PYTHONPATH:+:$PYTHONPATH}" \
+      python3 -m megatron_deepep.tools.multinode_check --print-nvshmem-size \
       --max-tokens "${MAX_TOKENS:-4096}" --max-hidden "${HIDDEN:-7168}" --ranks "${EP:-16}" \
       --topk "${TOPK:-8}" --num-ranks-per-node "${RANKS_PER_NODE:-8}" 2>"$heap_err"); then
     export NVSHMEM_SYMMETRIC_SIZE=$heap

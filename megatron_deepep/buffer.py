@@ -127,6 +127,15 @@ class Buffer:
         """Device memory this rank's transport holds (0 for the local and reference ones)."""
         return self._current()._transport.num_bytes
 
+    def __repr__(self) -> str:
+        current = self._current()
+        num_nodes = getattr(current._transport, "num_nodes", 1)
+        return (f"Buffer(transport={current.transport_name!r}, rank={self.rank}, "
+                f"num_ranks={self.num_ranks}, num_nodes={num_nodes}, "
+                f"num_max_tokens_per_rank={current.num_max_tokens_per_rank}, "
+                f"hidden={current.hidden}, num_topk={current.num_topk}, "
+                f"num_bytes={current.num_bytes})")
+
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         return self._current()._comm_stream
 
@@ -297,6 +306,27 @@ class Buffer:
             run, inputs + [topk_idx, topk_weights], previous_event, async_finish)
         new_handle.buffer_lineage = self._lineage
         return recv_x, recv_weights, new_handle, event
+
+    def cached_dispatch(self, x, handle: DispatchHandle, *,
+                        previous_event: Optional[EventHandle] = None, async_finish: bool = False,
+                        fp8=None, fp8_output: str = "fp8") -> Tuple[object, EventHandle]:
+        """Replays a previous dispatch's routing for new rows: no layout, no count exchange, no
+        host synchronization (what combine's backward runs). `dispatch(x, handle=handle)` is
+        the same call.
+
+        Args:
+            x: `[N, H]` rows of the handle's shape, as for `dispatch`.
+            handle: the `DispatchHandle` a `dispatch` of this Buffer (or the one it grew from)
+                returned.
+            previous_event, async_finish, fp8, fp8_output: as for `dispatch`.
+
+        Returns:
+            `recv_x` (in the handle's row order; the FP8 pair for FP8 output) and an event.
+        """
+        recv_x, _, _, event = self.dispatch(x, handle=handle, previous_event=previous_event,
+                                            async_finish=async_finish, fp8=fp8,
+                                            fp8_output=fp8_output)
+        return recv_x, event
 
     def _check_handle(self, handle) -> None:
         validate.check_handle(handle, hidden=self.hidden, num_topk=self.num_topk,

@@ -71,8 +71,8 @@ class Knob:
         shown_default: the default as the README shows it.
         doc: what it does, for the README.
         group: "dispatcher" (the Megatron dispatcher's options), "transport" (read when a
-            transport is built), "jit" (kernel compilation and launch) or "tests" (the GPU
-            tier).
+            transport is built) or "jit" (kernel compilation and launch); the test harness's
+            own knobs are "tests" (tests/helpers/knobs.py, not in this table).
     """
 
     name: str
@@ -104,7 +104,7 @@ _TABLE = (
     Knob("METRICS", "bool", None, "0", "per-layer communication and load metrics in Megatron's "
          "MoE tracker (TensorBoard / W&B)", "dispatcher"),
     Knob("METRICS_DIR", "str", None, "unset", "also write one JSON line per step and rank there "
-         "(for `scripts/plot_metrics.py`)", "dispatcher"),
+         "(for `python -m megatron_deepep.tools.plot_metrics`)", "dispatcher"),
     Knob("FP8_DISPATCH", "str", None, "off", "FP8 on the wire: `off`, `blockwise`, `mxfp8`, "
          "`auto` (TE's active recipe) or a format name", "dispatcher"),
     Knob("RANK_CAPACITY_FACTOR", "str", None, "unset", "sync-free dispatch: receive at most "
@@ -112,7 +112,7 @@ _TABLE = (
          "wins where it exists); more is an error. The bound CUDA graphs around the dispatch "
          "need (`docs/cuda_graphs.md`)", "dispatcher"),
     Knob("EXPERT_MAP", "str", None, "unset", "a placement from `python -m "
-         "megatron_deepep.balance --json` (per layer, or one plan for every layer): the "
+         "megatron_deepep.tools.balance --json` (per layer, or one plan for every layer): the "
          "dispatcher routes logical experts to its physical slots", "dispatcher"),
     Knob("COMM_SHARE_WARN", "int", 20, "20", "warn once per layer and crossing when "
          "(dispatch + combine) time exceeds this percent of expert compute (metrics on; 0: "
@@ -126,7 +126,7 @@ _TABLE = (
          "dispatcher"),
     Knob("GROUPED_MM_EXPERTS", "bool", False, "0", "`examples/pretrain_gpt_moe.py` swaps "
          "Megatron's `SequentialMLP` experts (a Python loop over the experts) for "
-         "`layer_variants.GroupedMMExperts` (two `torch._grouped_mm` calls); where "
+         "`megatron.grouped_experts.GroupedMMExperts` (two `torch._grouped_mm` calls); where "
          "`torch._grouped_mm` fails a one-call check it keeps `SequentialMLP` and logs why "
          "(`examples/configs/` proxies: on)", "dispatcher"),
     # Transports (read when one is built, so every rank of the EP group must agree).
@@ -156,18 +156,6 @@ _TABLE = (
     Knob("JIT_NO_CACHE", "bool", False, "0", "always recompile", "jit"),
     Knob("PDL", "bool", True, "1", "programmatic dependent launch: the EP = 1 expand starts "
          "while the layout kernel ends (`0`: after it)", "jit"),
-    # The GPU tier.
-    Knob("TEST_PROCS", "ints", (1, 2, 3, 4, 8), "1,2,3,4,8", "EP sizes (processes: sharing the "
-         "GPU under gloo, one per GPU under nccl) the GPU tier runs", "tests"),
-    Knob("TEST_BACKEND", "str", "gloo", "gloo", "control plane of the GPU tier's multi-process "
-         "tests: `gloo` (the ranks share the GPU) or `nccl` (one process per GPU, device = rank, "
-         "NCCL default group, a gloo side group for the CPU reference; skipped with fewer GPUs "
-         "than ranks)", "tests"),
-    Knob("TEST_NODES", "str", "2x1,2x2,3x2,2x3,4x2,2x4", "2x1,2x2,3x2,2x3,4x2,2x4",
-         "virtual node shapes (nodes x ranks per node) the GPU tier's internode test runs",
-         "tests"),
-    Knob("TEST_CALLS", "int", 1000, "1000", "back-to-back calls of the GPU tier's long test",
-         "tests"),
 )
 
 KNOBS: Dict[str, Knob] = {knob.name: knob for knob in _TABLE}
@@ -180,7 +168,12 @@ def get(name: str, default: Optional[object] = None):
         KeyError: `name` is not in the table (every knob must be).
         ValueError: the variable does not parse (the message names it).
     """
-    knob = KNOBS[name]
+    return read(KNOBS[name], default)
+
+
+def read(knob: Knob, default: Optional[object] = None):
+    """The parsed value of `knob`'s variable, else `default`, else the knob's default (the test
+    harness reads its own `MDEEP_TEST_*` knobs through this, outside the users' table)."""
     text = os.environ.get(knob.env_name, "")
     if text.strip() == "":
         return knob.default if default is None else default

@@ -57,10 +57,10 @@ def pytest_collection_finish(session):
     job_ids = [item.callspec.params["job"] for item in session.items
                if item.get_closest_marker("nvrtc_job")]
     if job_ids:
-        from tests import compile_jobs
+        from tests.helpers import compile_jobs
         compile_jobs.start(job_ids)
 
 
 def pytest_sessionfinish(session):
-    if "tests.compile_jobs" in sys.modules:
-        sys.modules["tests.compile_jobs"].stop()
+    if "tests.helpers.compile_jobs" in sys.modules:
+        sys.modules["tests.helpers.compile_jobs"].stop()

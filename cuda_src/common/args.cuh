@@ -1,7 +1,8 @@
 // Every kernel's argument struct: a kernel takes one of these by value (`const
 // __grid_constant__`, read from parameter space like separate parameters). The Python side
-// mirrors each one field by field, in this order (megatron_deepep/ops.py, `KernelArgs`
-// subclasses of the same name); tests/test_kernel_args.py checks sizes and offsets with NVRTC.
+// mirrors each one field by field, in this order (megatron_deepep/ops/, `KernelArgs`
+// subclasses of the same name); tests/kernels/test_kernel_args.py checks sizes and offsets with
+// NVRTC.
 // Pointers are 64-bit; `regions` points to a `Regions` in device memory (common/buffer.cuh).
 // `epoch_word`: the protocol kernels read their call's epoch from a device word that the
 // transport advances in stream order before the call, never from a launch argument, so a CUDA

@@ -2,7 +2,8 @@
 // quiet, and who am I. Dispatch and combine call only these, so a second engine (NCCL's device
 // API, GIN) can slot in by reimplementing this header, without touching their logic.
 //
-// This implementation: NVSHMEM's device API (linked by megatron_deepep/nvshmem_link.py against
+// This implementation: NVSHMEM's device API (linked by megatron_deepep/kernels/nvshmem_link.py
+// against
 // the nvidia-nvshmem-cu13 wheel's libnvshmem_device.a). Addresses passed as `dst` and `signal`
 // are symmetric: the local address of an object allocated on the symmetric heap
 // (torch's symm_mem.empty with the NVSHMEM backend); the engine translates them for `pe`.

@@ -11,7 +11,7 @@
 // by NVRTC (-rdc) without any NVSHMEM or system header, so its `unsigned long` and
 // `unsigned long long` are exactly the two spellings that mangle as the library and NVRTC do.
 // An undefined-symbol scan of our kernels against NVSHMEM 3.4.5 found only this one function
-// affected; megatron_deepep/nvshmem_link.py links this unit into every NVSHMEM cubin.
+// affected; megatron_deepep/kernels/nvshmem_link.py links this unit into every NVSHMEM cubin.
 //
 // The declarations mirror NVSHMEM's (non_abi/device/pt-to-pt/nvshmemi_transfer_api.cuh and the
 // typedef'd enums threadgroup_t / nvshmemi_amo_t, which mangle by their typedef names).

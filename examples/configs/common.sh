@@ -10,7 +10,8 @@
 #   MODE=proxy (default)  bash examples/run_gpt_moe.sh with the proxy flags appended (they
 #                         override its defaults), TRAIN_ITERS (default 30) steps, metrics on,
 #                         grouped experts (MDEEP_GROUPED_MM_EXPERTS, default 1: two grouped GEMMs
-#                         instead of a Python loop over the experts), then scripts/report.py
+#                         instead of a Python loop over the experts), then python -m
+# megatron_deepep.tools.report
 #                         renders $OUT/metrics/report.html
 #   MODE=full             sbatch examples/slurm_gpt_moe.sbatch on NODES nodes; the family's
 #                         flags reach examples/pretrain_gpt_moe.py through GPT_MOE_ARGS (Slurm
@@ -47,7 +48,8 @@ _proxy() {
   TRAIN_ITERS=${TRAIN_ITERS:-30} METRICS=${METRICS:-1} OUT=$out \
     MDEEP_GROUPED_MM_EXPERTS=$grouped bash "$REPO_DIR/examples/run_gpt_moe.sh" "${args[@]}"
   if [ -d "$out/metrics" ]; then
-    "${PYTHON:-python3}" "$REPO_DIR/scripts/report.py" "$out/metrics" || true
+    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" \
+      -m megatron_deepep.tools.report "$out/metrics" || true
   fi
 }
 

@@ -155,7 +155,7 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
 
     Expert placement (`--moe-mdeep-expert-map`, see `DeepEPOptions.expert_map`): routed logical
     experts go to their physical slots (a replicated expert's tokens spread over its copies by
-    token index), so a `megatron_deepep.balance` plan applies at a restart once the expert
+    token index), so a `megatron_deepep.tools.balance` plan applies at a restart once the expert
     weights are permuted with `balance.permute_expert_weights`. This layer's E_local is then
     the plan's slots per rank (E / EP for a plan without copies).
 

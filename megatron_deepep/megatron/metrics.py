@@ -47,7 +47,8 @@ the share has fallen back below the limit and crossed it anew.
 Under an expert map (`--moe-mdeep-expert-map`) `tokens_per_expert` counts physical slots and
 the line also holds the map's `physical_to_logical` (`balance` folds the counts back).
 Tokens per expert and per rank (vectors) go to the JSON-lines file only
-(`metrics_dir/deepep_metrics_rank<R>.jsonl`, one line per step), which `scripts/plot_metrics.py`
+(`metrics_dir/deepep_metrics_rank<R>.jsonl`, one line per step), which `python -m
+megatron_deepep.tools.plot_metrics`
 renders. Under `moe` recompute only the pass that builds the graph is counted; evaluation passes
 (no grad) are counted only without recompute.
 

@@ -49,7 +49,7 @@ class DeepEPOptions:
         metrics: collect per-layer communication and load metrics
             (`megatron_deepep.megatron.metrics`).
         metrics_dir: where `metrics` also writes one JSON line per step (for
-            `scripts/plot_metrics.py`); None writes no file.
+            `python -m megatron_deepep.tools.plot_metrics`); None writes no file.
         fp8_dispatch: FP8 on the wire (`FP8_DISPATCH_CHOICES`): "off"; "blockwise" (TE
             `Float8BlockScaling` activations: 1x128 blocks, fp32 power-of-two scales);
             "mxfp8" (TE `MXFP8BlockScaling`: 1x32 blocks, E8M0 scales); "auto" (the format of
@@ -65,8 +65,8 @@ class DeepEPOptions:
             layer's combine; the excess rows are never written), never a silent drop. Under
             `--moe-pad-expert-input-to-capacity` the dispatch is sync-free without it (the
             capacity bounds every expert).
-        expert_map: a logical-to-physical expert placement (`megatron_deepep.balance`): the
-            path of `python -m megatron_deepep.balance --json` output (a plan per layer
+        expert_map: a logical-to-physical expert placement (`megatron_deepep.tools.balance`): the
+            path of `python -m megatron_deepep.tools.balance --json` output (a plan per layer
             number; a single layer "0" applies to every layer), a plan dict, or a
             `physical_to_logical` list. Physical slot p lives on EP rank p // E_local and
             holds logical expert `physical_to_logical[p]`; the expert weights must be

@@ -86,7 +86,7 @@ ARGUMENTS = [
              "(Megatron's --moe-expert-rank-capacity-factor wins where it exists)")),
     ("--moe-mdeep-expert-map", dict(
         type=str, default=None,
-        help="expert placement JSON from python -m megatron_deepep.balance --json (expert "
+        help="expert placement JSON from python -m megatron_deepep.tools.balance --json (expert "
              "weights permuted to match)")),
 ]
 

@@ -126,7 +126,7 @@ def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk
     if resolved == "internode":
         kwargs["num_ranks_per_node"] = num_ranks_per_node
         if name == "auto":
-            from megatron_deepep.nvshmem_link import NvshmemUnavailable
+            from megatron_deepep.kernels.nvshmem_link import NvshmemUnavailable
             from megatron_deepep.transport.nvshmem_heap import check_available
             try:
                 check_available()

@@ -5,7 +5,8 @@ every writer first waits for its reader's flag of the previous epoch. An epoch p
 launch argument would be frozen into a captured graph: its replays would reuse the captured
 values and race with the flags they left. So each transport keeps three words on the device
 (notify, dispatch, combine), advances them in stream order before each call (one small torch
-kernel on the stream the call's kernels go to, captured with them), and the kernels read their epoch from the word
+kernel on the stream the call's kernels go to, captured with them), and the kernels read their
+epoch from the word
 (`epoch_word` in `cuda_src/common/args.cuh`). Eager calls and graph replays then share one
 sequence per buffer.
 """

@@ -264,8 +264,8 @@ class InternodeTransport(Transport):
     # ------------------------------------------------------------------ dispatch
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         self.check_errors()
-        return ops.layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
-                          self.status.errors, timeout_ns=self.timeout_ns)
+        return ops.dispatch_layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
+                                   self.status.errors, timeout_ns=self.timeout_ns)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  num_experts: int, expert_alignment: int = 1,
@@ -287,8 +287,9 @@ class InternodeTransport(Transport):
         self.host_epoch += 1
         is_sync = num_max_recv_rows is None
         if layout is None:
-            layout = ops.layout(topk_idx, num_experts, num_ranks, self.rank, self.status.errors,
-                                timeout_ns=self.timeout_ns, arena=arena)
+            layout = ops.dispatch_layout(topk_idx, num_experts, num_ranks, self.rank,
+                                         self.status.errors, timeout_ns=self.timeout_ns,
+                                         arena=arena)
         fields = self._fields(self.epochs.dispatch, topk_idx, num_experts, layout, arena, nodes,
                               hidden)
         fields.update(x=x.data_ptr(), topk_weights=topk_weights.data_ptr(),

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_deepep.cuda_calls import cu_check
+from megatron_deepep.kernels.cuda_calls import cu_check
 
 logger = logging.getLogger(__name__)
 

@@ -73,8 +73,8 @@ class LocalTransport(Transport):
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         self.check_errors()
-        return ops.layout(topk_idx.contiguous(), num_experts, 1, 0, self.status.errors,
-                          timeout_ns=self.timeout_ns)
+        return ops.dispatch_layout(topk_idx.contiguous(), num_experts, 1, 0, self.status.errors,
+                                   timeout_ns=self.timeout_ns)
 
     @staticmethod
     def _rows_before_wait(num_tokens: int, num_topk: int, num_local: int,
@@ -113,16 +113,17 @@ class LocalTransport(Transport):
             local_recv = ops.LocalRecv(recv=arena, host_info_ptr=0 if expand_publishes else
                                        host_info, alignment=expert_alignment,
                                        max_recv_rows=bound, epoch=self.epoch)
-            layout = ops.layout(topk_idx, num_experts, 1, 0, self.status.errors,
-                                timeout_ns=self.timeout_ns, arena=arena, local_recv=local_recv)
+            layout = ops.dispatch_layout(topk_idx, num_experts, 1, 0, self.status.errors,
+                                         timeout_ns=self.timeout_ns, arena=arena,
+                                         local_recv=local_recv)
         else:
             self.epochs.advance_dispatch()
-            ops.notify(peer_bases=self._meta_bases, rank=0, num_ranks=1,
-                       epoch_word=self.epochs.notify, lay=layout, num_local=num_experts,
-                       hidden=x.shape[1], num_topk=num_topk, alignment=expert_alignment,
-                       max_recv_rows=bound, recv=arena, host_info_ptr=host_info,
-                       host_epoch=self.epoch, timeout_ns=self.timeout_ns,
-                       errors=self.status.errors)
+            ops.notify_counts(peer_bases=self._meta_bases, rank=0, num_ranks=1,
+                              epoch_word=self.epochs.notify, lay=layout, num_local=num_experts,
+                              hidden=x.shape[1], num_topk=num_topk, alignment=expert_alignment,
+                              max_recv_rows=bound, recv=arena, host_info_ptr=host_info,
+                              host_epoch=self.epoch, timeout_ns=self.timeout_ns,
+                              errors=self.status.errors)
         if not is_sync:
             num_rows = num_max_recv_rows
         elif rows_before_wait is None:

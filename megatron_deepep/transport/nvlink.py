@@ -80,8 +80,8 @@ class NVLinkTransport(Transport):
     # ------------------------------------------------------------------ dispatch
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
         self.check_errors()
-        return ops.layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
-                          self.status.errors, timeout_ns=self.timeout_ns)
+        return ops.dispatch_layout(topk_idx.contiguous(), num_experts, self.num_ranks, self.rank,
+                                   self.status.errors, timeout_ns=self.timeout_ns)
 
     def _peers(self, epoch_word: int) -> dict:
         """The arguments every protocol kernel of one call takes."""
@@ -108,15 +108,16 @@ class NVLinkTransport(Transport):
         self.host_epoch += 1
         is_sync = num_max_recv_rows is None
         if layout is None:
-            layout = ops.layout(topk_idx, num_experts, num_ranks, self.rank, self.status.errors,
-                                timeout_ns=self.timeout_ns, arena=arena)
-        ops.notify(peer_bases=self.sym.peer_bases, rank=self.rank, num_ranks=num_ranks,
-                   epoch_word=self.epochs.notify, lay=layout, num_local=num_local,
-                   hidden=x.shape[1], num_topk=num_topk, alignment=expert_alignment,
-                   max_recv_rows=-1 if is_sync else num_max_recv_rows, recv=arena,
-                   host_info_ptr=self.status.host_info_ptr if is_sync else 0,
-                   host_epoch=self.host_epoch, timeout_ns=self.timeout_ns,
-                   errors=self.status.errors)
+            layout = ops.dispatch_layout(topk_idx, num_experts, num_ranks, self.rank,
+                                         self.status.errors, timeout_ns=self.timeout_ns,
+                                         arena=arena)
+        ops.notify_counts(peer_bases=self.sym.peer_bases, rank=self.rank, num_ranks=num_ranks,
+                          epoch_word=self.epochs.notify, lay=layout, num_local=num_local,
+                          hidden=x.shape[1], num_topk=num_topk, alignment=expert_alignment,
+                          max_recv_rows=-1 if is_sync else num_max_recv_rows, recv=arena,
+                          host_info_ptr=self.status.host_info_ptr if is_sync else 0,
+                          host_epoch=self.host_epoch, timeout_ns=self.timeout_ns,
+                          errors=self.status.errors)
         peers = self._peers(self.epochs.dispatch)
         ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, cached=False, fp8=fp8,
                           num_local=num_local, **peers)

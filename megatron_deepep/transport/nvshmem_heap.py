@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from megatron_deepep.nvshmem_link import PIP_PACKAGES, NvshmemUnavailable, cumodule_init
+from megatron_deepep.kernels.nvshmem_link import PIP_PACKAGES, NvshmemUnavailable, cumodule_init
 
 logger = logging.getLogger(__name__)
 

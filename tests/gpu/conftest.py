@@ -27,7 +27,7 @@ def megatron_env():
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
 
-    from megatron_deepep.layer_variants import init_megatron
+    from megatron_deepep.bench.layer_variants import init_megatron
 
     init_megatron("cuda")  # NCCL, TP = EP = 1, Megatron's CUDA seeds, deepep registered
     yield
@@ -38,7 +38,7 @@ def megatron_env():
 def require_nvshmem():
     """Skips the test (with the reason) unless NVSHMEM can start here through torch and its
     wheel's device library is there to link against."""
-    from megatron_deepep import nvshmem_link
+    from megatron_deepep.kernels import nvshmem_link
     from megatron_deepep.transport import nvshmem_heap
     try:
         nvshmem_heap.check_available()

@@ -7,7 +7,7 @@ import torch
 
 from megatron_deepep.fp8 import te_bridge
 
-#: A test of the GPU tier that needs Transformer Engine (run by scripts/gpu_te.sh): skipped,
+#: A test of the GPU tier that needs Transformer Engine (run by dev/gpu/gpu_te.sh): skipped,
 #: saying why, without a CUDA GPU or without TE.
 TE_GPU = [
     pytest.mark.gpu,

@@ -17,8 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import bench, bench_peers, ops
-from tests.distributed import free_port, run_distributed
+from megatron_deepep import ops
+from megatron_deepep.ops.bench import ceiling as ceiling_ops
+from megatron_deepep.bench import peers as bench_peers
+from megatron_deepep.bench import run as bench
+from tests.helpers.distributed import free_port, run_distributed
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +44,7 @@ def _peer_copy_worker(rank, world):
 def _broken_peer_copy_worker(rank, world):
     """A copy that writes nothing: every rank must raise, naming the ceiling."""
     _init_device()
-    ops.peer_copy = lambda *args, **kwargs: None  # this process only (spawned)
+    ceiling_ops.peer_copy = lambda *args, **kwargs: None  # this process only (spawned)
     with pytest.raises(RuntimeError, match="peer_copy .* wrote wrong bytes.*not valid"):
         bench_peers.peer_copy_ceiling(4096, [4], bench.time_cuda)
 

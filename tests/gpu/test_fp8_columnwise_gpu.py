@@ -21,7 +21,7 @@ from megatron_deepep import ops
 from megatron_deepep.fp8 import columnwise as C
 from megatron_deepep.fp8 import formats as F
 from tests.gpu.test_fp8_gpu import _assert_fp8_equal, _assert_scales_equal
-from tests.test_fp8_formats import KINDS, make_input
+from tests.fp8.test_fp8_formats import KINDS, make_input
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from megatron_deepep.buffer import Buffer
 from megatron_deepep.fp8 import FORMATS
 from megatron_deepep.fp8.dispatch import Fp8Dispatch
-from tests.cases import make_inputs
-from tests.distributed import cpu_group, run_distributed, tier_backend
+from tests.helpers.cases import make_inputs
+from tests.helpers.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron_deepep import ops
 from megatron_deepep.fp8 import formats as F
-from tests.test_fp8_formats import ALL_FORMATS, FORMAT_IDS, HIDDENS, KINDS, make_input
+from tests.fp8.test_fp8_formats import ALL_FORMATS, FORMAT_IDS, HIDDENS, KINDS, make_input
 
 pytestmark = [
     pytest.mark.gpu,

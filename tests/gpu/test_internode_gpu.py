@@ -40,21 +40,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepep import knobs
+from tests.helpers import knobs as test_knobs
 from megatron_deepep.buffer import Buffer
-from megatron_deepep.node_layout import compute_node_layout
+from megatron_deepep.transport.node_layout import compute_node_layout
 from megatron_deepep.transport.errors import PeerTimeoutError
 from megatron_deepep.transport.internode_regions import choose_staging
 from megatron_deepep.transport.topology import Topology
-from tests.cases import expert_scale, make_inputs
+from tests.helpers.cases import expert_scale, make_inputs
 from tests.gpu import test_fp8_dispatch_gpu as fp8_gpu
 from tests.gpu import test_nvlink_gpu as nvlink_gpu
-from tests.distributed import cpu_group, run_distributed, tier_backend, use_rank_device
+from tests.helpers.distributed import cpu_group, run_distributed, tier_backend, use_rank_device
 
 pytestmark = pytest.mark.gpu
 
 # (nodes, ranks per node); MDEEP_TEST_NODES picks some, e.g. "2x1,2x2".
-NODE_SHAPES = [tuple(int(v) for v in s.split("x")) for s in knobs.get("TEST_NODES").split(",")]
-NUM_CALLS = knobs.get("TEST_CALLS")
+NODE_SHAPES = [tuple(int(v) for v in s.split("x")) for s in test_knobs.get("TEST_NODES").split(",")]
+NUM_CALLS = test_knobs.get("TEST_CALLS")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_SYMMETRIC_SIZE": "2G"}
 # test_internode_small_ring: slots per ring (a ring carries up to nodes x tokens per rank rows
@@ -237,7 +238,8 @@ def _mode() -> str:
 
 
 def _link(family) -> None:
-    from megatron_deepep import jit, nvshmem_link, ops
+    from megatron_deepep import ops
+    from megatron_deepep.kernels import jit, nvshmem_link
     from megatron_deepep.fp8.dispatch import Fp8Dispatch
     topk, fmt, output = family
     fp8 = None if fmt is None else Fp8Dispatch(fp8_gpu.FORMATS[fmt], output)
@@ -247,7 +249,8 @@ def _link(family) -> None:
 
 
 def _link_combine(family) -> None:
-    from megatron_deepep import jit, nvshmem_link, ops
+    from megatron_deepep import ops
+    from megatron_deepep.kernels import jit, nvshmem_link
     topk, row_dtype = family
     expressions = ops.internode_families(_mode())[1]
     nvshmem_link.link_cubin("internode.cu", list(expressions(topk, row_dtype)),

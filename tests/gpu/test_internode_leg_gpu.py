@@ -1,4 +1,5 @@
-"""GPU tier: the network leg (cuda_src/internode_leg.cu over net.cuh on NVSHMEM) on virtual nodes.
+"""GPU tier: the network leg (cuda_src/bench/internode_leg.cu over net.cuh on NVSHMEM) on virtual
+nodes.
 
 4 processes share the GPU as 2 virtual nodes x 2 ranks (NVSHMEM's limited several-processes-
 per-GPU mode; gloo is the control plane). Each PE bootstraps the symmetric heap through torch
@@ -19,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import jit
+from megatron_deepep.kernels import jit
 from megatron_deepep.transport.errors import PeerTimeoutError, error_from_record
-from tests.distributed import run_distributed, tier_backend, use_rank_device
+from tests.helpers.distributed import run_distributed, tier_backend, use_rank_device
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +51,7 @@ def _pattern(src_rank: int, round_: int) -> torch.Tensor:
 def _leg_worker(rank, world):
     os.environ.update(ENV)
     from megatron_deepep import ops
+    from megatron_deepep.ops.bench import internode_leg
     from megatron_deepep.transport.nvshmem_heap import SymmetricHeap
 
     use_rank_device(rank, gloo_device=0)
@@ -70,8 +72,8 @@ def _leg_worker(rank, world):
 
     for round_ in range(1, NUM_ROUNDS + 1):
         send.copy_(_pattern(rank, round_))
-        ops.internode_leg_send(recv, send, signals, peer, NUM_SEND_BLOCKS, errors)
-        ops.internode_leg_wait(signals, source, round_ * NUM_SEND_BLOCKS, WAIT_TIMEOUT_NS,
+        internode_leg.internode_leg_send(recv, send, signals, peer, NUM_SEND_BLOCKS, errors)
+        internode_leg.internode_leg_wait(signals, source, round_ * NUM_SEND_BLOCKS, WAIT_TIMEOUT_NS,
                                errors, info)
         torch.cuda.synchronize()
         error = error_from_record(error_record.cpu().numpy(), WAIT_TIMEOUT_NS / 1e9)
@@ -86,9 +88,10 @@ def _leg_worker(rank, world):
 
     # The planted stall: STALLED_RANK sends nothing; its receiver must time out, naming it.
     round_ = NUM_ROUNDS + 1
-    ops.internode_leg_send(recv, send, signals, -1 if rank == STALLED_RANK else peer,
+    internode_leg.internode_leg_send(recv, send, signals, -1 if rank == STALLED_RANK else peer,
                            NUM_SEND_BLOCKS, errors)
-    ops.internode_leg_wait(signals, source, round_ * NUM_SEND_BLOCKS, STALL_TIMEOUT_NS, errors,
+    internode_leg.internode_leg_wait(signals, source, round_ * NUM_SEND_BLOCKS, STALL_TIMEOUT_NS,
+                                     errors,
                            info)
     torch.cuda.synchronize()
     record = error_record.cpu().numpy()
@@ -108,10 +111,10 @@ def _leg_worker(rank, world):
 
 
 def test_internode_leg_on_virtual_nodes(monkeypatch, require_nvshmem):
-    from megatron_deepep import nvshmem_link
+    from megatron_deepep.kernels import nvshmem_link
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     # Link once here, so the ranks find the cubins in the disk cache instead of all linking.
     for kernel in KERNELS:
-        nvshmem_link.link_cubin("internode_leg.cu", [kernel], jit.device_arch())
+        nvshmem_link.link_cubin("bench/internode_leg.cu", [kernel], jit.device_arch())
     run_distributed(NUM_NODES * RANKS_PER_NODE, _leg_worker, backend=tier_backend(), timeout_s=300)

@@ -1,4 +1,4 @@
-"""GPU tier: the layout kernel (`ops.layout`) against `layout.compute_layout`, one process.
+"""GPU tier: the layout kernel (`ops.dispatch_layout`) against `layout.compute_layout`, one process.
 
 The layout kernel works in chunks of tokens that find their offsets from the earlier chunks'
 published counts (cuda_src/layout.cu). The NVLink tests send at most 64 tokens per rank, one
@@ -52,7 +52,7 @@ def _ids(kind, num_tokens, topk, num_experts, gen):
 
 
 def _check(topk_idx, num_experts, num_ranks, sink, claim, record, chunk_tokens=None):
-    got = ops.layout(topk_idx, num_experts, num_ranks, 0, sink, chunk_tokens=chunk_tokens)
+    got = ops.dispatch_layout(topk_idx, num_experts, num_ranks, 0, sink, chunk_tokens=chunk_tokens)
     torch.cuda.synchronize()
     exc = error_from_record(record.words, 1.0)
     assert exc is None and int(claim.item()) == 0, exc
@@ -106,10 +106,10 @@ def test_layout_back_to_back_two_streams_and_a_graph(errors):
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        ops.layout(ids, 256, 2, 0, sink)  # the workspace exists before capture
+        ops.dispatch_layout(ids, 256, 2, 0, sink)  # the workspace exists before capture
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
-            lay = ops.layout(ids, 256, 2, 0, sink)
+            lay = ops.dispatch_layout(ids, 256, 2, 0, sink)
     for _ in range(3):
         ids.copy_(_ids("random", 4096, 8, 256, gen).cuda())
         graph.replay()
@@ -124,7 +124,7 @@ def test_layout_bad_expert_id_is_reported(errors):
     claim, record, sink = errors
     ids = _ids("random", 3000, 4, 64, torch.Generator().manual_seed(3)).cuda()
     ids[2500, 1] = 64
-    ops.layout(ids, 64, 2, 0, sink)
+    ops.dispatch_layout(ids, 64, 2, 0, sink)
     torch.cuda.synchronize()
     exc = error_from_record(record.words, 1.0)
     assert isinstance(exc, ValueError) and "token 2500" in str(exc) and "64" in str(exc)
@@ -153,7 +153,7 @@ def test_layout_writes_the_ep1_receive_layout(errors, num_tokens, topk, num_expe
     try:
         for epoch in (5, 6):  # a second call on the same workspace publishes its own epoch
             local = ops.LocalRecv(arena, host.device_ptr, alignment, bound, epoch)
-            lay = ops.layout(ids, num_experts, 1, 0, sink, arena=arena, local_recv=local)
+            lay = ops.dispatch_layout(ids, num_experts, 1, 0, sink, arena=arena, local_recv=local)
             torch.cuda.synchronize()
             assert error_from_record(record.words, 1.0) is None and int(claim.item()) == 0
             exp_lay = compute_layout(ids.cpu(), num_experts, 1)
@@ -182,7 +182,7 @@ def test_layout_ep1_row_bound_overflow_is_reported(errors):
     arena = ArenaPlan(layout_fields(100, 4, 16, 1) + recv_fields(1, 16, 100, 4)).allocate("cuda")
     host = MappedHostArray(HOST_INFO_WORDS)
     try:
-        ops.layout(ids, 16, 1, 0, sink, arena=arena,
+        ops.dispatch_layout(ids, 16, 1, 0, sink, arena=arena,
                    local_recv=ops.LocalRecv(arena, host.device_ptr, 1, 399, 1))
         torch.cuda.synchronize()
         exc = error_from_record(record.words, 1.0)

@@ -22,20 +22,22 @@ Megatron's training loop drives its graph managers:
 
 Every case runs on a side stream, as megatron.training runs graphed training (the eager
 steps' autograd nodes a capture reuses must not be on the legacy default stream), and builds its
-norms from `tests/graph_norm.py` (they save the layer input where the local graphs see it; with
+norms from `tests/helpers/graph_norm.py` (they save the layer input where the local graphs see it;
+with
 `torch.nn.LayerNorm` the local impl, TE installed, frees the graph's input buffer before the
 backward capture, and every replayed backward reads a clobbered input).
 
 Dispatch modes: "pad" (capacity factor 1, `--moe-pad-expert-input-to-capacity`, Megatron's
 SequentialMLP), "rank" (`--moe-expert-rank-capacity-factor 2`: sync-free with device counts, so
-the experts are `layer_variants.GroupedMMExperts`; SequentialMLP / TEGroupedMLP read the counts
+the experts are `megatron.grouped_experts.GroupedMMExperts`; SequentialMLP / TEGroupedMLP read the
+counts
 on the host), "sync" (no bound: only scopes that end before the dispatch). Every step compares
 the output, the input gradient and every parameter's gradient (norm, router, experts) with the
 eager layer. The test also checks that graphs were made and which dispatcher hooks still ran in
 Python during replays: none that a graph holds, the dispatch exactly where
 `options.graph_captures_dispatch` says it is not captured.
 
-Run: `bash scripts/gpu_graphs.sh` (installs the megatron-core and TE wheels from .whl/).
+Run: `bash dev/gpu/gpu_graphs.sh` (installs the megatron-core and TE wheels from .whl/).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def megatron_env(megatron_env):
     from megatron.core.transformer import enums
 
     if not hasattr(enums, "CudaGraphModule"):
-        pytest.skip("needs megatron-core 0.19+ (CudaGraphModule; scripts/gpu_graphs.sh "
+        pytest.skip("needs megatron-core 0.19+ (CudaGraphModule; dev/gpu/gpu_graphs.sh "
                     "installs the 0.19.2 wheel from .whl/)")
     import megatron_deepep.megatron as mdm
 
@@ -178,8 +180,8 @@ def _layer(config, mode, layer_kind):
         TransformerLayerSubmodules,
     )
 
-    from megatron_deepep.layer_variants import GroupedMMExperts
-    from tests.graph_norm import SavedInputLayerNorm
+    from megatron_deepep.megatron.grouped_experts import GroupedMMExperts
+    from tests.helpers.graph_norm import SavedInputLayerNorm
 
     if layer_kind == "gpt_te":
         from megatron.core.extensions.transformer_engine import TENorm
@@ -199,7 +201,8 @@ def _layer(config, mode, layer_kind):
             submodules = get_gpt_layer_local_submodules(num_experts=NUM_EXPERTS)
             submodules.mlp = mlp
             # The local spec's norms, saving their input where the local graphs see it (the
-            # input norm reads the graph's input buffer in its backward; tests/graph_norm.py).
+            # input norm reads the graph's input buffer in its backward;
+            # tests/helpers/graph_norm.py).
             submodules.input_layernorm = SavedInputLayerNorm
             submodules.pre_mlp_layernorm = SavedInputLayerNorm
         else:
@@ -316,7 +319,7 @@ def _expected_python_calls(config):
 
 
 def _grouped_mm_skip(mode, layer_kind):
-    from megatron_deepep.layer_variants import grouped_mm_reason
+    from megatron_deepep.megatron.grouped_experts import grouped_mm_reason
 
     if mode == "rank" and layer_kind != "gpt_te":
         reason = grouped_mm_reason("cuda")
@@ -418,7 +421,7 @@ def _ep_worker(rank, world, impl):
     import megatron_deepep.megatron as mdm
     from megatron.core import parallel_state as ps
 
-    from tests.test_parity_ep import _drop_buffers
+    from tests.megatron.test_parity_ep import _drop_buffers
 
     warnings.filterwarnings("ignore")
     torch.cuda.set_device(0)
@@ -437,7 +440,7 @@ def _ep_worker(rank, world, impl):
 def test_whole_layer_graphs_at_ep_2(megatron_env, impl):
     """Two processes sharing the GPU: the whole layer (dispatch and combine over the NVLink
     kernels) captured by Megatron's manager, replayed with the eager twin's calls between."""
-    from tests.distributed import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     _grouped_mm_skip("rank", "gpt")
     if impl == TE_IMPL and _te_reason():

@@ -7,7 +7,7 @@ its gradient flows through the probs) must be equal within accumulation-order to
 (Megatron #1603: the same tokens arrive in another order).
 
 Runs as one process (`python -m pytest -m gpu tests/gpu/test_megatron_layer_gpu.py`); needs
-megatron-core (scripts/gpu_tier.sh installs the wheel from .whl/).
+megatron-core (dev/gpu/gpu_tier.sh installs the wheel from .whl/).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU tier: `scripts/multinode_check.py` on one GPU, processes sharing it.
+"""GPU tier: `python -m megatron_deepep.tools.multinode_check` on one GPU, processes sharing it.
 
 The nvlink transport at 2 ranks (one node: the harness against a kernel transport), then the
 internode transport on 2 virtual nodes x 2 ranks (skipped until the transport exists). Each run
@@ -20,13 +20,13 @@ from megatron_deepep.buffer import TRANSPORTS
 pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "multinode_check.py")
+COMMAND = [sys.executable, "-m", "megatron_deepep.tools.multinode_check"]
 
 
 def _run(tmp_path, *args):
     out = tmp_path / "check.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, SCRIPT, "--check-tokens", "128", "--sweep-tokens",
+    done = subprocess.run([*COMMAND, "--check-tokens", "128", "--sweep-tokens",
                            "512,4096", "--sweep-hidden", "7168", "--warmup", "2", "--iters", "5",
                            "--json", str(out), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)

@@ -17,18 +17,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepep import knobs, ops
+from tests.helpers import knobs as test_knobs
 from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
 from megatron_deepep import buffer as buffer_module
 from megatron_deepep.buffer import Buffer, get_buffer
 from megatron_deepep.transport.errors import PeerTimeoutError
-from tests.cases import expert_scale, make_inputs
-from tests.distributed import cpu_group, run_distributed, tier_backend
+from tests.helpers.cases import expert_scale, make_inputs
+from tests.helpers.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
 
-NUM_PROCS = list(knobs.get("TEST_PROCS"))
-NUM_CALLS = knobs.get("TEST_CALLS")
+NUM_PROCS = list(test_knobs.get("TEST_PROCS"))
+NUM_CALLS = test_knobs.get("TEST_CALLS")
 
 # kind, tokens per rank, hidden, experts per rank, top-k, alignment
 CASES = [

@@ -14,15 +14,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepep import knobs, ops
+from tests.helpers import knobs as test_knobs
 from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
 from megatron_deepep.buffer import Buffer
-from tests.cases import expert_scale, make_inputs
-from tests.distributed import cpu_group, run_distributed, tier_backend
+from tests.helpers.cases import expert_scale, make_inputs
+from tests.helpers.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
 
-NUM_PROCS = list(knobs.get("TEST_PROCS"))
+NUM_PROCS = list(test_knobs.get("TEST_PROCS"))
 DTYPES = (torch.float16, torch.float32, torch.bfloat16)
 # kind, tokens per rank, hidden, experts per rank, top-k, alignment
 CASES = [
@@ -31,7 +32,7 @@ CASES = [
     ("uneven", None, 1024, 3, 2, 1),
     ("random", 0, 1024, 1, 1, 1),
 ]
-TOPKS = (1, 2, 8)  # every top-k used here (scripts/gpu_parity.sh precompiles these)
+TOPKS = (1, 2, 8)  # every top-k used here (dev/gpu/gpu_parity.sh precompiles these)
 
 
 def _case(rank, world, kern, ref, dev, seed, dtype, kind, num_tokens, hidden, per_rank, topk,
@@ -97,7 +98,7 @@ def _autograd(rank, world, kern, ref, kern_dev, seed, dtype):
 
 def _worker(rank, world):
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    if rank == 0:  # (scripts/gpu_parity.sh precompiles them in parallel first)
+    if rank == 0:  # (dev/gpu/gpu_parity.sh precompiles them in parallel first)
         ops.warm_up(TOPKS, row_dtypes=("bf16", "fp16", "fp32"))
     dist.barrier()
     group = dist.group.WORLD

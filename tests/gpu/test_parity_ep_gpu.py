@@ -1,9 +1,10 @@
 """GPU tier: Megatron's MoELayer with `deepep` at EP = R (R processes sharing the GPU, the
 NVLink kernels) equals the same layer at EP = 1 (the local kernels) on the same tokens and
 weights: outputs, input and router gradients, and every expert's weight gradient (the worker of
-tests/test_parity_ep.py). R from `MDEEP_TEST_PROCS` (1 is skipped: nothing to compare); with
+tests/megatron/test_parity_ep.py). R from `MDEEP_TEST_PROCS` (1 is skipped: nothing to compare);
+with
 `MDEEP_TEST_BACKEND=nccl` one process per GPU, Megatron's groups over NCCL. Needs
-megatron-core (scripts/gpu_parity.sh installs the wheel from .whl/).
+megatron-core (dev/gpu/gpu_parity.sh installs the wheel from .whl/).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import pytest
 
 from megatron_deepep import knobs
-from tests.distributed import run_distributed, tier_backend
-from tests.test_parity_ep import ep_worker
+from tests.helpers import knobs as test_knobs
+from tests.helpers.distributed import run_distributed, tier_backend
+from tests.megatron.test_parity_ep import ep_worker
 
 pytestmark = pytest.mark.gpu
 
-NUM_PROCS = [n for n in knobs.get("TEST_PROCS") if n > 1]
+NUM_PROCS = [n for n in test_knobs.get("TEST_PROCS") if n > 1]
 
 
 def _both_dtypes(rank, world):

@@ -11,7 +11,8 @@ each replay must equal an eager run of an identical layer. Two sync-free modes:
   `tokens_per_expert.tolist()` themselves).
 
 Without a row bound the dispatch waits for the host, so `check_config` refuses graphs around it
-at configuration time (tests/test_parity_config.py). Needs megatron-core (scripts/gpu_parity.sh
+at configuration time (tests/megatron/test_parity_config.py). Needs megatron-core
+(dev/gpu/gpu_parity.sh
 installs the wheel from .whl/).
 """
 
@@ -88,7 +89,7 @@ def _eager(layer, x, grad):
 
 def _graphed(layer, inputs, grads_in):
     """Captures forward + backward once, replays on each input; returns the results."""
-    from megatron_deepep.layer_variants import capture_forward_backward
+    from megatron_deepep.bench.layer_variants import capture_forward_backward
 
     static_x = inputs[0].clone().requires_grad_(True)
     static_g = grads_in[0].clone()

@@ -14,16 +14,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepep import knobs, ops
+from tests.helpers import knobs as test_knobs
 from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
 from megatron_deepep.buffer import Buffer
-from tests.cases import make_inputs
-from tests.distributed import cpu_group, run_distributed, tier_backend
+from tests.helpers.cases import make_inputs
+from tests.helpers.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("megatron.core")  # the dispatcher's sync-free helpers live with it
 
-NUM_PROCS = list(knobs.get("TEST_PROCS"))
+NUM_PROCS = list(test_knobs.get("TEST_PROCS"))
 
 
 def _step(buf, dev, x, idx, w, grad, experts, bound, dtype):

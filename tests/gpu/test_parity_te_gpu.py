@@ -1,6 +1,7 @@
 """GPU tier with Transformer Engine: the parity options the CPU matrix cannot run.
 
-`tests/test_parity_matrix.py` lists them in `GPU_ONLY`: grouped GEMM experts (`TEGroupedMLP`),
+`tests/megatron/test_parity_matrix.py` lists them in `GPU_ONLY`: grouped GEMM experts
+(`TEGroupedMLP`),
 MoE latent projections (`--moe-latent-size`, TE linears) and `--recompute-modules moe_act`
 (grouped GEMM only), plus TE's `SequentialMLP`. For each, Megatron's MoELayer from its TE spec
 with `deepep` (EP = 1, our kernels) and with `alltoall`, same weights and inputs (bf16, and fp32
@@ -8,7 +9,7 @@ once): outputs and the gradients of the input and of every parameter (router and
 compared by relative norm, must be within the dtype's rounding of `alltoall`'s, or no further
 from them than a second `alltoall` layer's run (TE's GEMMs need not be bit-reproducible).
 
-Needs megatron-core 0.19.2 and TE (`bash scripts/gpu_te.sh` installs both and runs this file).
+Needs megatron-core 0.19.2 and TE (`bash dev/gpu/gpu_te.sh` installs both and runs this file).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _config(dispatcher: str, overrides: dict):
 
 
 def _layer(dispatcher: str, overrides: dict):
-    from megatron_deepep.layer_variants import te_moe_layer
+    from megatron_deepep.bench.layer_variants import te_moe_layer
 
     config = _config(dispatcher, overrides)
     layer, _ = te_moe_layer(config, NUM_EXPERTS, fp8_experts=False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_deepep import sweep
+from megatron_deepep.tools import sweep
 
 pytestmark = pytest.mark.gpu
 

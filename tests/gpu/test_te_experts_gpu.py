@@ -8,8 +8,8 @@
    dequantized rows; every result is also checked against the exact (fp32) product.
 2. Megatron's `MoELayer` with the `deepep` dispatcher: FP8 dispatch handed to `FP8GroupedMLP`
    (`with_fp8_experts`) against bf16 dispatch into `TEGroupedMLP`, same weights (needs
-   megatron-core; scripts/gpu_te.sh installs the wheels from .whl/).
-Run by scripts/gpu_te.sh; skipped without TE or a GPU.
+   megatron-core; dev/gpu/gpu_te.sh installs the wheels from .whl/).
+Run by dev/gpu/gpu_te.sh; skipped without TE or a GPU.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def test_columnwise_time_kernel_against_dequantize():
 def _moe_layer(hidden, ffn, num_experts, topk, fp8_experts, fp8_dispatch):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_deepep.layer_variants import te_moe_layer
+    from megatron_deepep.bench.layer_variants import te_moe_layer
     from megatron_deepep.megatron.options import set_default_options
 
     set_default_options(transport="auto", fp8_dispatch=fp8_dispatch)

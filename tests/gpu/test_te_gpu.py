@@ -3,7 +3,7 @@
 Blockwise 1x128 end to end (TE's quantizer, dequantize and `te.Linear` on bridged tensors) at the
 shapes where GEMM-ready and compact scale layouts coincide (N == ceil(H / 128), N % 4 == 0:
 N=4 H=512, N=56 H=7168) and elsewhere; MXFP8 for layout and fallback only on Hopper (TE's MXFP8
-kernels need sm_100). Run by scripts/gpu_te.sh; skipped without TE or a GPU.
+kernels need sm_100). Run by dev/gpu/gpu_te.sh; skipped without TE or a GPU.
 """
 
 from __future__ import annotations

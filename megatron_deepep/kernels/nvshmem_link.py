@@ -1,0 +1,415 @@
+"""Cubins for `cuda_src/` kernels that call NVSHMEM's device API: NVRTC, then nvJitLink.
+
+Layer 1, beside `jit` (knows no kernel). A kernel that uses the device API (put with signal,
+signal wait, quiet; `cuda_src/internode/net.cuh`) cannot be a plain NVRTC cubin: it calls into
+NVSHMEM's device library. So `link_cubin` compiles the kernel source with `-rdc=true`, compiles
+our ABI thunk (`cuda_src/internode/nvshmem_abi_thunk.cu`: the library mangles uint64_t as
+`unsigned long`, NVRTC as `unsigned long long`), and links both with the `nvidia-nvshmem-cu13`
+wheel's `lib/libnvshmem_device.a` through nvJitLink into one cubin. None of it needs a GPU, so CI
+links every internode kernel for sm_90. `get_kernel` loads the cubin, fills its NVSHMEM state
+(`nvshmemx_cumodule_init`, through torch) and hands back a `jit.Kernel`.
+
+Headers come from pip wheels (no NVSHMEM or CUDA toolkit install): NVSHMEM's from
+`nvidia-nvshmem-cu13`, the CUDA runtime's from `nvidia-cuda-runtime` (else /usr/local/cuda), and
+CCCL's `cuda/std` from `nvidia-cuda-cccl` (else the toolkit's). NVSHMEM 3.4.5's headers use
+`std::is_integral / is_signed / is_unsigned`, which NVRTC lacks: a pre-included shim maps them to
+`cuda::std` (written into the cache directory, since the package may be read-only).
+
+The linked cubin is cached on disk (knob CACHE_DIR, default `~/.cache/megatron_deepep`), keyed
+by the source and every `cuda_src/` header it includes, the thunk, the options, the arch, the
+NVRTC and nvJitLink versions and the device library's content hash. Knobs (`knobs.py`, prefix
+MDEEP_): CACHE_DIR, JIT_DEBUG, JIT_LINEINFO, JIT_NO_CACHE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_deepep import knobs
+from megatron_deepep.kernels.cuda_calls import cu_check, ensure_context
+from megatron_deepep.kernels.jit import (CompileError, Kernel, compile_program, cuda_src_dir,
+                                         device_arch, pack_entry, read_entry,
+                                         render_template_arg, write_atomic)
+
+logger = logging.getLogger(__name__)
+
+PIP_PACKAGES = "nvidia-nvshmem-cu13 nvidia-cuda-runtime nvidia-cuda-cccl nvidia-nvjitlink"
+THUNK_FILE = "internode/nvshmem_abi_thunk.cu"
+_CUDA_HOME_INCLUDE = Path("/usr/local/cuda/include")
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+# NVSHMEM 3.4.5's headers name these std traits; NVRTC has no <type_traits> of its own.
+_SHIM = ("// megatron_deepep/kernels/nvshmem_link.py: std traits NVSHMEM's headers use, from "
+         "CCCL.\n"
+         "#pragma once\n"
+         "#include <cuda/std/type_traits>\n"
+         "namespace std {\n"
+         "using cuda::std::is_integral;\n"
+         "using cuda::std::is_signed;\n"
+         "using cuda::std::is_unsigned;\n"
+         "}  // namespace std\n")
+
+
+class NvshmemUnavailable(RuntimeError):
+    """NVSHMEM's device library or a header set it needs is not installed; the message says
+    what to pip install and how to fall back."""
+
+
+class LinkError(CompileError):
+    """NVRTC or nvJitLink rejected an NVSHMEM kernel; the message carries the source, kernel
+    names, options and the compiler's or linker's log."""
+
+
+def _unavailable(what: str, looked_in: Sequence[object]) -> NvshmemUnavailable:
+    places = ", ".join(str(p) for p in looked_in) or "nowhere (no `nvidia` package on sys.path)"
+    return NvshmemUnavailable(
+        f"megatron_deepep: the internode transport needs {what}, which was not found (looked "
+        f"in: {places}). Install the CUDA 13 wheels with `pip install {PIP_PACKAGES}` (or "
+        "`pip install megatron-deepep[jit]`), or use transport='reference', which works "
+        "without NVSHMEM.")
+
+
+@dataclasses.dataclass(frozen=True)
+class NvshmemPaths:
+    """Where the pieces of an NVSHMEM link come from.
+
+    Attributes:
+        nvshmem_include: holds nvshmem.h and nvshmemx.h.
+        device_library: libnvshmem_device.a.
+        cuda_include: holds cuda_runtime.h.
+        cccl_include: holds cuda/std/type_traits.
+    """
+
+    nvshmem_include: Path
+    device_library: Path
+    cuda_include: Path
+    cccl_include: Path
+
+
+def _nvidia_roots() -> List[Path]:
+    """Every directory of the `nvidia` namespace package (pip's NVIDIA wheels install there)."""
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return [Path(p) for p in spec.submodule_search_locations]
+
+
+def _first(candidates: Sequence[Path], relative: str) -> Optional[Path]:
+    for base in candidates:
+        if (base / relative).is_file():
+            return base
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def nvshmem_paths() -> NvshmemPaths:
+    """The NVSHMEM headers and device library, CUDA runtime headers and CCCL, as found.
+
+    Raises:
+        NvshmemUnavailable: one is missing; the message names it, where it looked, and the
+            pip packages to install.
+    """
+    roots = _nvidia_roots()
+    nvshmem_dirs = [root / "nvshmem" for root in roots]
+    nvshmem = _first([d / "include" for d in nvshmem_dirs], "nvshmem.h")
+    if nvshmem is None or not (nvshmem / "nvshmemx.h").is_file():
+        raise _unavailable("NVSHMEM's headers (wheel nvidia-nvshmem-cu13: "
+                           "nvidia/nvshmem/include/nvshmem.h)", nvshmem_dirs)
+    library = nvshmem.parent / "lib" / "libnvshmem_device.a"
+    if not library.is_file():
+        raise _unavailable("NVSHMEM's device library (wheel nvidia-nvshmem-cu13: "
+                           "nvidia/nvshmem/lib/libnvshmem_device.a)", [library.parent])
+    cuda_candidates = [root / "cu13" / "include" for root in roots] + [_CUDA_HOME_INCLUDE]
+    cuda = _first(cuda_candidates, "cuda_runtime.h")
+    if cuda is None:
+        raise _unavailable("the CUDA runtime headers (wheel nvidia-cuda-runtime: "
+                           "nvidia/cu13/include/cuda_runtime.h)", cuda_candidates)
+    cccl_candidates = ([root / "cu13" / "include" / "cccl" for root in roots]
+                       + [root / "cu13" / "include" for root in roots]
+                       + [_CUDA_HOME_INCLUDE / "cccl", _CUDA_HOME_INCLUDE])
+    cccl = _first(cccl_candidates, "cuda/std/type_traits")
+    if cccl is None:
+        raise _unavailable("CCCL's headers (wheel nvidia-cuda-cccl: cuda/std/type_traits)",
+                           cccl_candidates)
+    return NvshmemPaths(nvshmem, library, cuda, cccl)
+
+
+def _bindings():
+    """cuda.bindings' nvrtc and nvjitlink (the latter loads libnvJitLink from its wheel)."""
+    try:
+        from cuda.bindings import nvjitlink, nvrtc
+        nvjitlink.version()
+    except Exception as exc:  # ImportError, or the shared library failed to load
+        raise NvshmemUnavailable(
+            f"megatron_deepep: linking NVSHMEM kernels needs cuda-bindings with nvJitLink "
+            f"({type(exc).__name__}: {exc}). Install `pip install cuda-bindings {PIP_PACKAGES}`, "
+            "or use transport='reference', which works without NVSHMEM.") from exc
+    return nvrtc, nvjitlink
+
+
+def _cache_dir() -> Path:
+    return Path(knobs.get("CACHE_DIR") or Path.home() / ".cache" / "megatron_deepep")
+
+
+def link_cache_dir(cache_dir: Optional[Path] = None) -> Path:
+    """Where linked modules are kept: `nvshmem/` under the kernel cache (`cache_dir`, default
+    the knob CACHE_DIR's)."""
+    return (Path(cache_dir) if cache_dir is not None else _cache_dir()) / "nvshmem"
+
+
+def _shim_path() -> Path:
+    """The pre-included std-traits shim, written once into the cache directory (by content)."""
+    digest = hashlib.sha256(_SHIM.encode()).hexdigest()[:16]
+    path = _cache_dir() / "nvshmem" / f"std_traits_shim_{digest}.h"
+    if not path.is_file():
+        write_atomic(path, _SHIM.encode())
+    return path
+
+
+def _source_files(source_file: str, paths: NvshmemPaths) -> List[Path]:
+    """`cuda_src/<source_file>` and every `cuda_src/` header it includes, depth first.
+
+    Includes that resolve in NVSHMEM's include directory are allowed (the device library's hash
+    covers the wheel); any other include outside `cuda_src/` is refused, like `jit`'s.
+    """
+    root = cuda_src_dir()
+    files: List[Path] = []
+
+    def visit(path: Path, stack: Tuple[Path, ...]) -> None:
+        if path in stack:
+            raise CompileError(f"include cycle: {' -> '.join(str(p) for p in stack + (path,))}")
+        if path in files:
+            return
+        files.append(path)
+        for name in _INCLUDE_RE.findall(path.read_text()):
+            target = root / name
+            if target.is_file():
+                visit(target, stack + (path,))
+            elif not (paths.nvshmem_include / name).is_file():
+                raise CompileError(f"{path.name} includes {name!r}, which is neither under "
+                                   f"{root} nor NVSHMEM's {paths.nvshmem_include}")
+
+    visit(root / source_file, ())
+    return files
+
+
+@functools.lru_cache(maxsize=8)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _library_digest(path: Path) -> str:
+    stat = path.stat()
+    return _file_digest(path, stat.st_size, stat.st_mtime_ns)
+
+
+def _base_options(arch: str) -> List[str]:
+    """Options both units (kernel and thunk) compile with."""
+    opts = [f"--gpu-architecture={arch}", "-rdc=true", "-std=c++17", "-default-device",
+            "-DNDEBUG"]
+    if knobs.get("JIT_LINEINFO"):
+        opts.append("-lineinfo")
+    return opts
+
+
+def _kernel_options(arch: str, paths: NvshmemPaths) -> List[str]:
+    return _base_options(arch) + [
+        f"-I{cuda_src_dir()}", f"-I{paths.nvshmem_include}", f"-I{paths.cuda_include}",
+        f"-I{paths.cccl_include}", f"--pre-include={_shim_path()}"]
+
+
+def _nvrtc_compile(nvrtc, code: bytes, name: str, name_expressions: Sequence[str],
+                   opts: List[str]) -> Tuple[bytes, Dict[str, str]]:
+    """One NVRTC unit to a relocatable cubin, and the lowered names of `name_expressions`
+    (`nvrtc`: checked available by the caller)."""
+    return compile_program(code, name, name_expressions, opts, error=LinkError)
+
+
+def _nvjitlink(nvjitlink, units: Sequence[Tuple[str, bytes]], library: Path, arch: str,
+               context: str) -> bytes:
+    """Links relocatable cubins with NVSHMEM's device library into one executable cubin."""
+    opts = [f"-arch={arch}"]
+    handle = nvjitlink.create(len(opts), opts)
+    try:
+        try:
+            for name, cubin in units:
+                nvjitlink.add_data(handle, nvjitlink.InputType.CUBIN, cubin, len(cubin), name)
+            nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, str(library))
+            nvjitlink.complete(handle)
+        except Exception as exc:  # nvJitLinkError: the log says which symbol or input
+            log = bytearray(nvjitlink.get_error_log_size(handle))
+            nvjitlink.get_error_log(handle, log)
+            raise LinkError(f"nvJitLink failed linking {context}: {exc}\n  inputs: "
+                            f"{[n for n, _ in units]} + {library}\n  options: {opts}\n"
+                            f"  nvJitLink log:\n{log.decode(errors='replace').rstrip(chr(0))}"
+                            ) from None
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+        return bytes(cubin)
+    finally:
+        nvjitlink.destroy(handle)
+
+
+def _cache_key(files: Sequence[Path], thunk: Path, name_expressions: Sequence[str],
+               kernel_opts: List[str], thunk_opts: List[str], arch: str, paths: NvshmemPaths,
+               nvrtc, nvjitlink) -> str:
+    root = cuda_src_dir()
+    digest = hashlib.sha256()
+    for f in list(files) + [thunk]:
+        digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    digest.update(json.dumps({
+        "names": sorted(name_expressions), "kernel_options": kernel_opts,
+        "thunk_options": thunk_opts, "arch": arch, "nvrtc": list(nvrtc.nvrtcVersion()[1:]),
+        "nvjitlink": list(nvjitlink.version()),
+        "device_library": _library_digest(paths.device_library)}).encode())
+    return digest.hexdigest()[:32]
+
+
+def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "sm_90",
+               cache_dir: Optional[Path] = None) -> Tuple[bytes, Dict[str, str]]:
+    """Compiles `cuda_src/<source_file>` and links it with NVSHMEM's device library (no GPU).
+
+    Args:
+        source_file: path relative to `cuda_src/`, e.g. "bench/internode_leg.cu".
+        name_expressions: kernels to keep, e.g. ["internode_leg_send"] or template
+            instantiations like ["net_dispatch<8, 448>"].
+        arch: target, e.g. "sm_90".
+        cache_dir: the kernel cache (default: knob CACHE_DIR, else ~/.cache/megatron_deepep).
+
+    Returns:
+        The linked cubin (load it with cuModuleLoadData, then `nvshmemx_cumodule_init`) and a
+        map from name expression to lowered (mangled) name for cuModuleGetFunction.
+
+    Raises:
+        NvshmemUnavailable: the wheels are missing (the message says what to pip install and
+            that transport='reference' works without them).
+        LinkError: NVRTC or nvJitLink failed; the message has the source, kernel names,
+            options and the log.
+    """
+    paths = nvshmem_paths()
+    nvrtc, nvjitlink = _bindings()
+    root = cuda_src_dir()
+    files = _source_files(source_file, paths)
+    thunk = root / THUNK_FILE
+    kernel_opts, thunk_opts = _kernel_options(arch, paths), _base_options(arch)
+    key = _cache_key(files, thunk, name_expressions, kernel_opts, thunk_opts, arch, paths,
+                     nvrtc, nvjitlink)
+    entry_path = link_cache_dir(cache_dir) / f"{key}.kernel"  # one file: names and cubin
+    if not knobs.get("JIT_NO_CACHE"):
+        entry = read_entry(entry_path, name_expressions)  # None: absent or unusable
+        if entry is not None:
+            return entry
+    start = time.perf_counter()
+    kernel, lowered = _nvrtc_compile(nvrtc, files[0].read_bytes(), source_file,
+                                     name_expressions, kernel_opts)
+    thunk_cubin, _ = _nvrtc_compile(nvrtc, thunk.read_bytes(), THUNK_FILE, (), thunk_opts)
+    linked = _nvjitlink(nvjitlink, [(source_file, kernel), (THUNK_FILE, thunk_cubin)],
+                        paths.device_library, arch,
+                        f"{source_file} {list(name_expressions)}")
+    logger.info("megatron_deepep: linked %s %s for %s against NVSHMEM's device library in "
+                "%.1f s", source_file, list(name_expressions), arch,
+                time.perf_counter() - start)
+    if not knobs.get("JIT_NO_CACHE"):
+        write_atomic(entry_path, pack_entry(linked, lowered))
+    return linked, lowered
+
+
+_FALLBACK = "or use transport='reference', which works without NVSHMEM"
+
+
+def cumodule_init():
+    """torch's binding of nvshmemx_cumodule_init (only in builds with NVSHMEM).
+
+    Raises:
+        NvshmemUnavailable: this torch was built without NVSHMEM.
+    """
+    import torch
+    init = getattr(torch._C._distributed_c10d, "_nvshmemx_cumodule_init", None)
+    if init is None:
+        raise NvshmemUnavailable(
+            f"megatron_deepep: torch {torch.__version__} was built without NVSHMEM (no "
+            f"torch._C._distributed_c10d._nvshmemx_cumodule_init); the internode transport "
+            f"needs torch >= 2.11 built for CUDA 13 with NVSHMEM, {_FALLBACK}.")
+    return init
+
+
+def init_module(module) -> None:
+    """Fills a loaded module's NVSHMEM device state (`nvshmemx_cumodule_init`); call it once per
+    module, after NVSHMEM has started (after this process's first `SymmetricHeap.empty`) and
+    before launching any of its kernels.
+
+    Args:
+        module: the CUmodule (a `cuda.bindings.driver.CUmodule` or its address as an int).
+
+    Raises:
+        NvshmemUnavailable: this torch cannot do it.
+        RuntimeError: NVSHMEM refused (not started yet, or the cubin lacks its device state).
+    """
+    init = cumodule_init()
+    try:
+        init(int(module))
+    except Exception as exc:
+        raise RuntimeError(
+            f"megatron_deepep: nvshmemx_cumodule_init failed: {exc}. It needs NVSHMEM started "
+            "(a symmetric allocation first) and a cubin linked by nvshmem_link.link_cubin."
+            ) from exc
+
+
+def load_module(cubin: bytes):
+    """Loads a linked cubin into the current device's context and inits its NVSHMEM state.
+
+    Returns:
+        The `cuda.bindings.driver.CUmodule`.
+    """
+    import torch
+    from cuda.bindings import driver
+    ensure_context(torch.cuda.current_device())
+    module = cu_check(driver.cuModuleLoadData(cubin), "cuModuleLoadData(NVSHMEM cubin)")
+    init_module(module)
+    return module
+
+
+def get_kernel(source_file: str, name: str, template_args: Sequence = ()) -> Kernel:
+    """`name<template_args...>` of an NVSHMEM-linked `cuda_src/<source_file>`, linked, loaded
+    and initialized for the current device once; launched like any `jit.Kernel`. NVSHMEM must
+    have started in this process (a symmetric allocation) before the first call."""
+    import torch
+    return _get_kernel(source_file, name, tuple(template_args), torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _get_kernel(source_file: str, name: str, template_args: tuple,
+                device_index: int) -> Kernel:
+    args = ", ".join(render_template_arg(a) for a in template_args)
+    expr = f"{name}<{args}>" if template_args else name
+    return get_kernels(source_file, (expr,), device_index)[expr]
+
+
+@functools.lru_cache(maxsize=None)
+def get_kernels(source_file: str, name_expressions: Tuple[str, ...],
+                device_index: int) -> Dict[str, Kernel]:
+    """Several kernels of `cuda_src/<source_file>` linked into one module (one NVRTC compile,
+    one link, one NVSHMEM module init): name expression -> `jit.Kernel`."""
+    from cuda.bindings import driver
+    start = time.perf_counter()
+    cubin, lowered = link_cubin(source_file, list(name_expressions), device_arch())
+    module = load_module(cubin)
+    kernels = {}
+    for expr in name_expressions:
+        function = cu_check(driver.cuModuleGetFunction(module, lowered[expr].encode()),
+                            f"cuModuleGetFunction({expr})")
+        kernels[expr] = Kernel(expr, function, device_index)
+    logger.info("loaded %d kernels from %s (NVSHMEM-linked) in %.1f s", len(kernels),
+                source_file, time.perf_counter() - start)
+    return kernels

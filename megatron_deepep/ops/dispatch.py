@@ -1,0 +1,156 @@
+"""The NVLink and EP = 1 dispatch kernels (cuda_src/dispatch.cu): send rows to peers' staging
+regions, expand them into the expert-major `recv_x`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_deepep.arena import Arena
+from megatron_deepep.kernels import jit
+from megatron_deepep.kernels.jit import F32, I32, U32, U64, KernelArgs, Ptr
+from megatron_deepep.layout import DispatchLayout
+from megatron_deepep.ops.launch import (
+    COMM_THREADS, ErrorSink, addr, index_type_name, launch_stream, wire_format)
+
+
+class DispatchSendArgs(KernelArgs):
+    c_name = "mdeep::DispatchSendArgs<long long>"
+    _fields_ = [
+        ("x", Ptr), ("x_scales", Ptr), ("num_tokens", I32), ("hidden", I32),
+        ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr), ("pos_in_expert", Ptr),
+        ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr), ("peer_bases", Ptr),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32),
+        ("epoch_word", Ptr),
+        ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+
+
+class DispatchRecvArgs(KernelArgs):
+    c_name = "mdeep::DispatchRecvArgs<int>"
+    _fields_ = [
+        ("recv_x", Ptr), ("recv_scales", Ptr), ("recv_weights", Ptr), ("max_rows", I32),
+        ("hidden", I32), ("num_recv_tokens_per_rank", Ptr), ("num_recv_tokens_per_expert", Ptr),
+        ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("slot_rows", Ptr), ("x", Ptr),
+        ("x_scales", Ptr), ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr),
+        ("pos_in_expert", Ptr), ("slot_token", Ptr), ("num_tokens", I32), ("peer_bases", Ptr),
+        ("regions", Ptr), ("rank", I32), ("num_ranks", I32), ("num_local", I32),
+        ("epoch_word", Ptr),
+        ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
+
+
+class DispatchLocalArgs(KernelArgs):
+    c_name = "mdeep::DispatchLocalArgs<long long>"
+    _fields_ = [
+        ("recv_x", Ptr), ("recv_scales", Ptr), ("recv_weights", Ptr), ("max_rows", I32),
+        ("hidden", I32), ("num_recv_tokens_per_expert", Ptr), ("expert_row_start", Ptr),
+        ("slot_rows", Ptr), ("x", Ptr), ("x_scales", Ptr), ("amax_epsilon", F32),
+        ("topk_idx", Ptr), ("topk_weights", Ptr), ("pos_in_expert", Ptr),
+        ("token_slot_in_rank", Ptr), ("num_tokens", I32), ("num_local", I32), ("host_info", Ptr),
+        ("tokens_per_expert", Ptr), ("host_epoch", U32)]
+
+
+def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                  topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
+                  fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
+                  num_ranks: int, num_local: int, epoch_word: int, num_sms: int, timeout_ns: int,
+                  errors: ErrorSink) -> None:
+    """Writes every token row (quantized when `fp8` is given) into each peer's staging region.
+
+    `x` is `[N, H]` bf16, or e4m3 data with its `x_scales` (pre-quantized); `fp8` an
+    `Fp8Dispatch` or None.
+    """
+    num_tokens, hidden = x.shape
+    fmt, _, amax_epsilon = wire_format(fp8)
+    kernel = jit.get_kernel("dispatch.cu", "dispatch_send",
+                            [topk_idx.shape[1], cached, index_type_name(topk_idx), fmt])
+    args = DispatchSendArgs.fill(
+        x=x.data_ptr(), x_scales=addr(x_scales), num_tokens=num_tokens, hidden=hidden,
+        amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
+        topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
+        is_token_in_rank=lay.address("is_token_in_rank"),
+        token_slot_in_rank=lay.address("token_slot_in_rank"),
+        peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
+        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
+
+
+def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                  recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
+                  x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                  topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
+                  fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
+                  num_ranks: int, num_local: int, epoch_word: int, num_sms: int, timeout_ns: int,
+                  errors: ErrorSink) -> None:
+    """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`.
+
+    `recv_x` is `[M, H]` bf16, or e4m3 rows with `recv_scales` when `fp8` keeps FP8; `recv`
+    holds the dispatch's `recv_fields` arrays (`slot_rows` written unless `cached`).
+    """
+    fmt, dequant, amax_epsilon = wire_format(fp8)
+    kernel = jit.get_kernel("dispatch.cu", "dispatch_recv",
+                            [topk_idx.shape[1], cached, index_type_name(topk_idx), fmt, dequant])
+    a = recv.address
+    args = DispatchRecvArgs.fill(
+        recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
+        recv_weights=addr(recv_weights), max_rows=recv_x.shape[0], hidden=recv_x.shape[1],
+        num_recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
+        num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
+        expert_row_start=a("expert_row_start"), src_expert_offset=a("src_expert_offset"),
+        slot_rows=a("slot_rows"), x=x.data_ptr(), x_scales=addr(x_scales),
+        amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
+        topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
+        slot_token=lay.address("slot_token"), num_tokens=x.shape[0],
+        peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
+        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
+
+
+def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                   recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
+                   x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                   topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
+                   fp8, num_local: int, num_sms: int, after_layout: bool = False,
+                   host_info_ptr: int = 0, host_epoch: int = 0) -> None:
+    """EP = 1: expands `x [N, H]` into the expert-major `recv_x` with no protocol; the same
+    outputs as `dispatch_recv` on one rank (`recv_weights` and `recv`'s `slot_rows` written
+    unless `cached`, which reads `slot_rows`). `after_layout`: the previous kernel on this
+    stream is the layout kernel of `lay`, so the launch may overlap its end (the kernel reads
+    only `x`, complete before that layout began, until the layout has finished).
+    `host_info_ptr` (a synchronous call launched before its host wait): the kernel publishes
+    `recv`'s receive layout there with `host_epoch` once the layout has finished."""
+    fmt, dequant, amax_epsilon = wire_format(fp8)
+    kernel = jit.get_kernel("dispatch.cu", "dispatch_local",
+                            [topk_idx.shape[1], cached, index_type_name(topk_idx), fmt, dequant])
+    threads = 1024 if fmt == 0 else COMM_THREADS  # DispatchLocalThreads in dispatch.cu
+    stage_bytes = _dispatch_stage_bytes(x.shape[1], threads) if fmt == 0 and not cached else 0
+    a = recv.address
+    args = DispatchLocalArgs.fill(
+        recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
+        recv_weights=addr(recv_weights), max_rows=recv_x.shape[0], hidden=recv_x.shape[1],
+        num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
+        expert_row_start=a("expert_row_start"), slot_rows=a("slot_rows"), x=x.data_ptr(),
+        x_scales=addr(x_scales), amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
+        topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
+        token_slot_in_rank=lay.address("token_slot_in_rank"), num_tokens=x.shape[0],
+        num_local=num_local, host_info=host_info_ptr, tokens_per_expert=a("tokens_per_expert"),
+        host_epoch=host_epoch & 0xFFFFFFFF)
+    kernel.launch(num_sms, threads, args, launch_stream(), shared_mem=stage_bytes,
+                  programmatic=after_layout)
+
+
+# Dynamic shared memory per dispatch_local block for staging its warps' first rows (227 KB is
+# sm_90's most per block; the kernel's own shared memory is static and small).
+DISPATCH_STAGE_MAX_BYTES = 224 * 1024
+
+
+def _dispatch_stage_bytes(hidden: int, threads: int) -> int:
+    """Bytes a bf16 dispatch_local stages per block: the part of each warp's first row
+    (`hidden` bf16) past the chunk it holds in registers (copy.cuh's 32 x 8 words), whole
+    words per lane, within DISPATCH_STAGE_MAX_BYTES."""
+    warps, first_chunk_words = threads // 32, 32 * 8
+    words = max(hidden // 8 - first_chunk_words, 0)
+    words_per_lane = min(-(-words // 32), DISPATCH_STAGE_MAX_BYTES // (warps * 32 * 16))
+    return warps * words_per_lane * 32 * 16

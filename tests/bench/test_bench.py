@@ -1,0 +1,63 @@
+"""CPU tier: the bench's ceiling helpers describe the layout our expand writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_deepep.bench import run as bench
+from megatron_deepep.layout import compute_layout
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,num_topk", [(37, 16, 4), (64, 256, 8),
+                                                              (5, 3, 3), (0, 8, 2)])
+def test_expert_major_rows_match_the_layout(num_tokens, num_experts, num_topk):
+    g = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
+    topk_idx = torch.rand(num_tokens, num_experts, generator=g).topk(num_topk, dim=1).indices
+    rows = bench.expert_major_rows(topk_idx)
+
+    layout = compute_layout(topk_idx, num_experts, num_ranks=1)
+    counts = layout.num_tokens_per_expert.long()
+    starts = torch.cumsum(counts, 0) - counts
+    expected = starts[topk_idx.flatten()] + layout.pos_in_expert.flatten().long()
+    assert rows.dtype == torch.int32
+    assert torch.equal(rows.long(), expected)
+    assert torch.equal(torch.sort(rows).values, torch.arange(num_tokens * num_topk,
+                                                              dtype=torch.int32))
+
+
+@pytest.mark.parametrize("text, expected", [("2x2", (2, 2)), ("3X1", (3, 1)), ("32x8", (32, 8))])
+def test_nodes_parse(text, expected):
+    assert bench.parse_nodes(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [("2", "expected MxL"), ("2x2x2", "expected MxL"),
+                                           ("1x4", "2-32 nodes of 1-8 ranks"),
+                                           ("2x9", "2-32 nodes of 1-8 ranks")])
+def test_bad_nodes_name_the_flag(text, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--nodes", text])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--nodes" in err and message in err
+
+
+def test_virtual_nodes_run_the_check_then_the_model(monkeypatch, tmp_path, capsys):
+    """`--nodes`: multinode_check on spawned virtual nodes at the first shape (experts rounded
+    up to a multiple of the ranks), then the model of DeepSeek-V3's shape at 2 x 8 and 8 x 8."""
+    from megatron_deepep.tools import internode_model, multinode_check
+    calls = []
+    monkeypatch.setattr(multinode_check, "main", lambda argv: calls.append(argv) or 1)
+    monkeypatch.setattr(internode_model, "main", lambda argv: calls.append(argv) or {})
+    status = bench.run_virtual_nodes((3, 2), (512, 2048, 64, 4), 24, "blockwise_1x128,mxfp8",
+                                     str(tmp_path))
+    assert status == 1  # the check's status
+    check, model = calls
+    flags = dict(zip(check[::2], check[1::2]))
+    assert flags == {"--spawn": "6", "--num-ranks-per-node": "2", "--transport": "internode",
+                     "--num-experts": "66", "--topk": "4", "--check-hidden": "2048",
+                     "--sweep-tokens": "512", "--sweep-hidden": "2048", "--num-sms": "24",
+                     "--json": str(tmp_path / "nodes.json"), "--fp8": "blockwise_1x128"}
+    assert model[model.index("--nodes") + 1:model.index("--nodes") + 3] == ["2", "8"]
+    assert "--node-limited" in model
+    assert "correctness, not speed" in capsys.readouterr().out

@@ -1,0 +1,228 @@
+"""CPU tier: every struct the Python side mirrors has the CUDA side's size and field offsets.
+
+For each mirror a tiny CUDA source with `static_assert`s on `sizeof` and every field's offset
+(taken from the Python side) is compiled with NVRTC (no GPU): a field added, removed, retyped or
+moved on one side only fails to compile. Every kernel must take exactly one argument, the struct
+`ops.KERNEL_ARGS` names. The ops wrappers' fills run with fake addresses, so a field they miss
+raises here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_deepep import ops
+from megatron_deepep.ops.bench import ceiling
+from megatron_deepep.kernels import jit
+from megatron_deepep.transport import errors, status
+from megatron_deepep.transport.regions import BufferRegions
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+# Further instantiations of templated structs (their layout must not depend on the argument).
+_MORE_C_NAMES = {
+    ops.LayoutArgs: ["mdeep::LayoutArgs<long long>"],
+    ops.DispatchSendArgs: ["mdeep::DispatchSendArgs<int>"],
+    ops.DispatchRecvArgs: ["mdeep::DispatchRecvArgs<long long>"],
+    ops.DispatchLocalArgs: ["mdeep::DispatchLocalArgs<int>"],
+    ops.QuantizeArgs: ["mdeep::QuantizeArgs<mdeep::u8>"],
+    ops.DequantizeArgs: ["mdeep::DequantizeArgs<mdeep::u8>"],
+}
+
+
+_OFFSETOF = {}
+
+
+def _has_offsetof() -> bool:
+    """Whether this NVRTC takes `__builtin_offsetof` in a constant expression (13.0's does not;
+    13.5's does): without it only the sizes are compared."""
+    if "ok" not in _OFFSETOF:
+        try:
+            jit.compile_code('struct S { int a; long long b; };\n'
+                             'static_assert(__builtin_offsetof(S, b) == 8, "b");\n',
+                             "offsetof_probe.cu")
+            _OFFSETOF["ok"] = True
+        except jit.CompileError:
+            _OFFSETOF["ok"] = False
+    return _OFFSETOF["ok"]
+
+
+def _require_offsetof():
+    if not _has_offsetof():
+        pytest.skip("this NVRTC has no __builtin_offsetof (NVRTC 13.0); the field offsets are "
+                    "checked with a newer one (CI's 3.11 leg), the sizes here")
+
+
+def _asserts(c_name: str, size: int, offsets: dict) -> str:
+    lines = [f'static_assert(sizeof({c_name}) == {size}, "sizeof({c_name})");']
+    if not _has_offsetof():
+        return lines[0]
+    lines += [f'static_assert(__builtin_offsetof({c_name}, {field}) == {offset}, '
+              f'"offsetof({c_name}, {field})");' for field, offset in offsets.items()]
+    return "\n".join(lines)
+
+
+def _mirror_asserts(cls) -> str:
+    offsets = {name: getattr(cls, name).offset for name, _ in cls._fields_}
+    return "\n".join(_asserts(c_name, ctypes.sizeof(cls), offsets)
+                     for c_name in [cls.c_name] + _MORE_C_NAMES.get(cls, []))
+
+
+def _compile(body: str) -> None:
+    jit.compile_code('#include "common/args.cuh"\n' + body + "\n", "mirror_check.cu")
+
+
+def _mirrors():
+    return sorted(set(ops.KERNEL_ARGS.values()), key=lambda c: c.__name__)
+
+
+def test_every_argument_struct_matches_its_cuda_struct():
+    _compile("\n".join(_mirror_asserts(cls) for cls in _mirrors()))
+
+
+def test_a_field_on_one_side_only_fails():
+    class Extra(ops.CombineLocalArgs):
+        _fields_ = [("more", jit.I32)]  # appended after the CUDA struct's fields
+
+    Extra.c_name = ops.CombineLocalArgs.c_name
+    with pytest.raises(jit.CompileError, match="sizeof"):
+        _compile(_mirror_asserts(Extra))
+
+    class Swapped(jit.KernelArgs):
+        c_name = "mdeep::FanInArgs"
+        _fields_ = [("src_rows", jit.Ptr), ("src", jit.Ptr), ("dst", jit.Ptr),
+                    ("num_rows", jit.I32), ("num_int4", jit.I32)]
+
+    _require_offsetof()
+    with pytest.raises(jit.CompileError, match="offsetof"):
+        _compile(_mirror_asserts(Swapped))
+
+
+def test_mirrors_are_the_struct_names():
+    for cls in _mirrors():
+        assert cls.c_name.split("::")[-1].split("<")[0] == cls.__name__
+
+
+_KERNEL_RE = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?"
+                        r"(\w+)\s*\(([^)]*)\)")
+
+
+@pytest.mark.parametrize("source", ["layout.cu", "notify.cu", "dispatch.cu", "combine.cu",
+                                    "fp8.cu", "fp8_columnwise.cu", "bench/ceiling.cu"])
+def test_every_kernel_takes_its_one_argument_struct(source):
+    text = (jit.cuda_src_dir() / source).read_text()
+    kernels = dict(_KERNEL_RE.findall(text))
+    assert kernels, source
+    for kernel, params in kernels.items():
+        cls = ops.KERNEL_ARGS.get((source, kernel))
+        assert cls is not None, f"{source}: {kernel} has no entry in ops.KERNEL_ARGS"
+        match = re.fullmatch(r"\s*const __grid_constant__ (?:mdeep::)?(\w+)(?:<[^>]*>)? args\s*",
+                             params)
+        assert match, f"{kernel}({params.strip()}): expected one argument struct `args`"
+        assert match.group(1) == cls.__name__, kernel
+    assert {k for s, k in ops.KERNEL_ARGS if s == source} == set(kernels)
+
+
+def test_regions_host_info_and_error_record_mirrors():
+    # Regions: where BufferRegions.as_device_struct puts each field (found by value).
+    regions = BufferRegions(3, 1000, 7168, 5)
+    raw = regions.as_device_struct("cpu").numpy().tobytes()
+    words64, words32 = np.frombuffer(raw, np.int64), np.frombuffer(raw, np.int32)
+    offsets = {}
+    for name in ("dispatch_rows", "dispatch_meta", "combine_rows", "combine_weights",
+                 "row_stride", "meta_stride", "weight_stride"):
+        (where,) = np.nonzero(words64 == getattr(regions, name))[0]
+        offsets[name] = 8 * int(where)
+    taken = {o + d for o in offsets.values() for d in (0, 4)}  # the 64-bit fields' halves
+    for name in ("max_tokens", "workspace"):
+        (where,) = [i for i in range(len(words32))
+                    if i * 4 not in taken and words32[i] == getattr(regions, name)]
+        offsets[name] = 4 * where
+    body = _asserts("mdeep::Regions", len(raw), offsets)
+    # HostInfo: the words transport/status.py reads (epoch, rows, then the per-expert rows).
+    body += "\n" + _asserts("mdeep::HostInfo", 4 * status.HOST_INFO_WORDS,
+                            {"epoch": 0, "num_recv_rows": 4, "tokens_per_expert": 16})
+    # ErrorRecord: the words transport/errors.py decodes.
+    body += "\n" + _asserts("mdeep::ErrorRecord", 4 * errors.ERROR_RECORD_WORDS,
+                            {"code": 0, "rank": 4, "peer": 8, "phase": 12, "detail": 16,
+                             "expected": 24, "seen": 32})
+    _compile(body)
+
+
+class _Recorder:
+    def __init__(self):
+        self.launches = []
+
+    def get_kernel(self, source, name, template_args=()):
+        recorder = self
+
+        class _Kernel:
+            def launch(self, grid, block, args, stream, shared_mem=0, programmatic=False):
+                assert isinstance(args, ops.KERNEL_ARGS[(source, name)])
+                recorder.launches.append((name, grid, block, args.as_dict()))
+
+        return _Kernel()
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(jit, "get_kernel", rec.get_kernel)
+    monkeypatch.setattr(jit, "current_raw_stream", lambda: jit.RawStream(7, 0))
+    return rec
+
+
+def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
+    from megatron_deepep.fp8 import BLOCKWISE_1x128, MXFP8_1x32
+
+    src = torch.zeros(4, 64, dtype=torch.bfloat16)
+    rows = torch.zeros(4 * 8, dtype=torch.int32)
+    dst = torch.zeros(32, 64, dtype=torch.bfloat16)
+    ceiling.fill(dst, 3)
+    ceiling.fan_out_copy(src, rows, dst, 8, 2)
+    ceiling.fan_in_sum(dst, rows.view(4, 8), src, 2)
+    slots = torch.zeros(3, 64, dtype=torch.uint8)
+    bases = torch.zeros(3, dtype=torch.int64)
+    ceiling.peer_copy(slots, bases, 1, 24)
+    monkeypatch.setattr(ops.fp8, "_check_bf16_rows", lambda x: None)
+    for fmt in (BLOCKWISE_1x128, MXFP8_1x32):
+        q, scales = ops.quantize_rows(src, fmt)
+        ops.dequantize_rows(q, scales, fmt)
+    by_name = {name: (grid, block, fields) for name, grid, block, fields in recorder.launches}
+    assert by_name["fill_kernel"] == (3, 256, dict(dst=dst.data_ptr(), num_int4=32 * 64 * 2 // 16))
+    assert by_name["fan_out_copy"][2] == dict(src=src.data_ptr(), dst_rows=rows.data_ptr(),
+                                              dst=dst.data_ptr(), num_rows=4, num_int4=8,
+                                              fan_out=8)
+    assert by_name["fan_in_sum"][2] == dict(src=dst.data_ptr(), src_rows=rows.data_ptr(),
+                                            dst=src.data_ptr(), num_rows=4, num_int4=8)
+    assert by_name["peer_copy"] == (24, ceiling.PEER_COPY_THREADS, dict(
+        src=slots.data_ptr(), peer_bases=bases.data_ptr(), num_int4_per_peer=4, rank=1,
+        num_ranks=3))
+    quantize = by_name["quantize_mxfp8"][2]
+    assert quantize["x"] == src.data_ptr() and quantize["num_tokens"] == 4
+    assert quantize["hidden"] == 64 and quantize["q"] != 0 and quantize["scales"] != 0
+    assert by_name["dequantize_blockwise"][2]["num_tokens"] == 4
+
+
+def test_columnwise_wrapper_fills_every_field(recorder, monkeypatch):
+    """`ops.columnwise_from_rowwise`: the scales' strides, the grid (token blocks x column
+    tiles), the packed outputs and the epsilon."""
+    monkeypatch.setattr(ops.fp8_columnwise, "_check_columnwise_args", lambda *args: None)
+    q = torch.zeros(272, 384, dtype=torch.uint8)
+    scales = torch.zeros(3, 276).t()[:272]  # TE's GEMM-ready buffer, seen as [rows, blocks]
+    offsets = torch.tensor([0, 16, 16, 272], dtype=torch.int32)
+    data, scale_inv = ops.columnwise_from_rowwise(q, scales, offsets, 4, power_2_scale=False,
+                                                  amax_epsilon=0.5)
+    assert data.shape == (384 * 272,) and scale_inv.shape == (4, 384)
+    ((name, grid, block, fields),) = recorder.launches
+    assert (name, grid, block) == ("columnwise_from_rowwise", 4 * 3, ops.COLUMNWISE_THREADS)
+    assert fields == dict(q=q.data_ptr(), scales=scales.data_ptr(), token_stride=1,
+                          block_stride=276, row_offsets=offsets.data_ptr(),
+                          col_data=data.data_ptr(), col_scales=scale_inv.data_ptr(),
+                          num_experts=3, num_rows=272, hidden=384, scale_cols=384, num_blocks=4,
+                          amax_epsilon=0.5)

@@ -1,0 +1,156 @@
+"""CPU tier: the README's main job (`bash examples/run_gpt_moe.sh`) and its one test command.
+
+`examples/prepare_env.py` picks the path and what to install from what it finds (checked here on
+made-up environments: no side effects); the CPU demonstration trains the tiny GPT-MoE with
+`deepep` (reference transport) and `alltoall` on 2 gloo ranks and prints matching losses; every
+hint that names a test command names the README's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from tests.helpers import REPO_ROOT
+
+ROOT = REPO_ROOT
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples",
+                                                                     name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+prepare = _load("prepare_env")
+
+
+def _found(**kw):
+    base = dict(python=(3, 11, 7), num_gpus=0, torch=None, megatron_core=None,
+                megatron_training=False, pyyaml=None, nvrtc=False)
+    base.update(kw)
+    return prepare.Found(**base)
+
+
+def test_fresh_cpu_machine_installs_the_pinned_torch_and_megatron_core_for_the_demo():
+    todo = prepare.plan(_found())
+    assert todo.path == "cpu-demo"
+    assert todo.requirements == [prepare.TORCH_PIN, "megatron-core" + prepare.MEGATRON_CORE]
+
+
+def test_cpu_machine_with_everything_installs_nothing():
+    todo = prepare.plan(_found(torch="2.13.0+cpu", megatron_core="0.16.1"))
+    assert (todo.path, todo.requirements, todo.notes) == ("cpu-demo", [], [])
+
+
+@pytest.mark.parametrize("python", [(3, 12, 1), (3, 13, 0)])
+def test_gpu_with_a_new_python_trains_with_megatron_training(python):
+    todo = prepare.plan(_found(python=python, num_gpus=8), root="/repo")
+    assert todo.path == "megatron-training"
+    assert todo.requirements == [prepare.TORCH_PIN, "megatron-core>=0.17,<0.20", "pyyaml",
+                                 "-e", "/repo[gpu]"]
+
+
+@pytest.mark.parametrize("python", [(3, 10, 13), (3, 11, 7)])
+def test_gpu_with_an_older_python_trains_on_megatron_core_alone_and_says_why(python):
+    todo = prepare.plan(_found(python=python, num_gpus=1), root="/repo")
+    assert todo.path == "megatron-core"
+    assert todo.requirements == [prepare.TORCH_PIN, "megatron-core>=0.16,<0.20",
+                                 "-e", "/repo[gpu]"]
+    assert any("megatron.training" in note and "MEGATRON_LM" in note for note in todo.notes)
+
+
+def test_gpu_with_a_megatron_lm_checkout_trains_with_it_and_keeps_the_users_torch():
+    todo = prepare.plan(_found(num_gpus=2, torch="2.11.0+cu130", megatron_training=True,
+                               pyyaml="6.0", nvrtc=True))
+    assert (todo.path, todo.requirements) == ("megatron-training", [])
+    assert any("keeping the installed torch 2.11.0+cu130" in note for note in todo.notes)
+
+
+def test_gpu_with_megatron_core_016_on_python_312_stays_and_names_the_upgrade():
+    todo = prepare.plan(_found(python=(3, 12, 1), num_gpus=1, torch="2.13.0",
+                               megatron_core="0.16.1", nvrtc=True))
+    assert (todo.path, todo.requirements) == ("megatron-core", [])
+    assert any("megatron-core>=0.17" in note for note in todo.notes)
+
+
+def test_unsupported_megatron_core_is_replaced_by_a_supported_one():
+    todo = prepare.plan(_found(torch="2.13.0", megatron_core="0.15.3"))
+    assert todo.requirements == ["megatron-core" + prepare.MEGATRON_CORE]
+    assert any("0.15.3 is not supported" in note for note in todo.notes)
+
+
+def test_missing_nvrtc_on_a_gpu_installs_the_gpu_extra_only():
+    todo = prepare.plan(_found(python=(3, 12, 1), num_gpus=1, torch="2.13.0",
+                               megatron_core="0.19.2", megatron_training=True, pyyaml="6.0"),
+                        root="/repo")
+    assert todo.requirements == ["-e", "/repo[gpu]"]
+
+
+def _readme_test_command():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    block = text[text.index("```bash"):]
+    block = block[:block.index("```", 3)]
+    lines = [ln for ln in block.splitlines() if "pytest" in ln]
+    assert len(lines) == 1, lines
+    return lines[0].strip()
+
+
+def test_one_test_command_everywhere():
+    """The README's test command is prepare_env's, uses its torch pin, and is the one every
+    hint in examples/ prints; .ci/run installs the same torch."""
+    command = _readme_test_command()
+    assert command == prepare.TEST_COMMAND
+    assert prepare.TORCH_PIN in command
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert prepare.TORCH_PIN in f.read()
+    hints = []
+    examples = os.path.join(ROOT, "examples")
+    for folder, _, files in sorted(os.walk(examples)):
+        for name in sorted(files):
+            if name == "prepare_env.py":  # defines TEST_COMMAND (compared above)
+                continue
+            with open(os.path.join(folder, name), errors="replace") as f:
+                hints += [(name, m)
+                          for m in re.findall(r"[^'\n]*python -m pytest[^'\n]*", f.read())]
+    for module in ("run.py", "network.py"):  # the benchmarks' no-GPU hints
+        with open(os.path.join(ROOT, "megatron_deepep", "bench", module)) as f:
+            text = f.read().replace('" "', "").replace('\\"', '"')
+        hints += [(module, m) for m in re.findall(r"pip install torch[^'\n]*pytest[^'\n]*", text)]
+    assert hints, "run_gpt_moe.sh names the test command"
+    for name, hint in hints:
+        assert prepare.TEST_COMMAND in hint, (name, hint)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+def test_cpu_demo_trains_deepep_beside_alltoall_with_the_same_losses(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(ROOT, "examples", "compare_dispatchers.py"), "--cpu", "--steps", "4",
+         "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout[done.stdout.index("LM loss per step"):].splitlines()
+    assert table[1].split() == ["step", "deepep", "alltoall", "|diff|"]
+    rows = [ln.split() for ln in table[2:6]]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    losses = [(float(r[1]), float(r[2])) for r in rows]
+    assert all(abs(a - b) < 1e-3 for a, b in losses), losses
+    assert losses[-1][0] < losses[0][0]  # it learns
+
+
+def test_supported_megatron_core_range_is_the_readmes():
+    low, end = prepare.MEGATRON_CORE_MIN, prepare.MEGATRON_CORE_END
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert f"megatron-core {low[0]}.{low[1]} to {end[0]}.{end[1] - 1}" in text
+    assert prepare.MEGATRON_CORE == f">={low[0]}.{low[1]},<{end[0]}.{end[1]}"
