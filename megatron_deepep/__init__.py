@@ -1,4 +1,11 @@
-"""megatron_deepep: a Megatron-LM MoE token dispatcher on our own NVLink kernels."""
+"""megatron_deepep: a Megatron-LM MoE token dispatcher on our own run-time compiled kernels.
+
+Expert-parallel dispatch and combine over NVLink inside a node and NVSHMEM between nodes, on
+CUDA kernels compiled at run time (NVRTC, nvJitLink), with a pure-torch reference transport
+(the tests' oracle, and the fallback without CUDA). `Buffer` / `get_buffer` are the API,
+`autograd` wraps them for training, `megatron_deepep.megatron` plugs them into Megatron-LM as
+`--moe-token-dispatcher-type deepep`. Design: docs/design.md.
+"""
 
 from megatron_deepep import autograd
 from megatron_deepep.buffer import Buffer, get_buffer

@@ -1,4 +1,4 @@
-"""The intranode NVLink transport (EP 2-8): the protocol of DESIGN.md on our kernels.
+"""The intranode NVLink transport (EP 2-8): the protocol of docs/design.md on our kernels.
 
 Per dispatch: layout (local) -> notify (counts to every peer, epoch flag) -> dispatch_send (each
 token once per destination rank into its staging region) -> [one host wait for the row count,
