@@ -62,7 +62,7 @@ def test_no_old_prefix_in_docs_and_scripts():
 
 
 def test_removed_scripts_are_not_referenced():
-    """Deleted probes live on in git history and in docs/perf_notes.md (which may name them as
+    """Deleted probes live on in git history and in the benchmarks/ notes (which may name them as
     such); the README, CONTRIBUTING and the scripts must not send anyone to run them."""
     removed = ("probe_write.py", "probe_phases.py", "probe_layout.py", "probe_copy.py",
                "ab_knobs.sh")
@@ -72,3 +72,78 @@ def test_removed_scripts_are_not_referenced():
         text = path.read_text()
         for name in removed:
             assert name not in text, f"{path.name} mentions the removed script {name}"
+
+
+# A repository path in backticks: a top-level folder of this repository, then a file name.
+REPO_PATH = re.compile(
+    r"`((?:docs|benchmarks|examples|patches|cuda_src|megatron_deepep|dev|tests|\.ci)/"
+    r"[A-Za-z0-9_./-]*[A-Za-z0-9_/-])`")
+MODULE_COMMAND = re.compile(r"-m\s+(megatron_deepep(?:\.[a-z_]+)*)")
+
+
+def _user_docs():
+    files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+    files += sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "benchmarks").glob("*.md"))
+    return [path for path in files if path.exists()]
+
+
+@pytest.mark.parametrize("path", _user_docs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_paths_the_docs_name_exist(path):
+    """Every repository path a user doc names in backticks is there (moved files leave none
+    behind). A benchmarks file's bare names are relative to benchmarks/ and checked there."""
+    text = path.read_text()
+    missing = sorted({name for name in REPO_PATH.findall(text)
+                      if "*" not in name and not (ROOT / name).exists()})
+    if path.parent.name == "benchmarks":
+        missing += sorted({name for name in re.findall(r"`(h200_[A-Za-z0-9_./-]+)`", text)
+                           if not (path.parent / name).exists()})
+    assert not missing, f"{path.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", _user_docs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_commands_the_docs_give_exist(path):
+    """`python -m megatron_deepep.X` and `torchrun ... -m megatron_deepep.X` name real modules."""
+    import importlib.util
+
+    def exists(name):
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a parent that is a module, not a package
+            return False
+
+    missing = sorted({name for name in MODULE_COMMAND.findall(path.read_text())
+                      if not exists(name)})
+    assert not missing, f"{path.relative_to(ROOT)} gives commands of missing modules: {missing}"
+
+
+def test_readme_is_short_and_links_the_latest_benchmarks():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250, "the README is for users: keep it to 250 lines"
+    linked = set(re.findall(r"benchmarks/(h200_[0-9-]+_[a-z0-9_]+\.md)", text))
+    assert linked, "the README links its measurements in benchmarks/"
+    latest = {}
+    for path in (ROOT / "benchmarks").glob("*_*_*.md"):
+        device, date, topic = path.stem.split("_", 2)
+        if date > latest.get((device, topic), ("", ""))[0]:
+            latest[(device, topic)] = (date, path.name)
+    stale = sorted(name for name in linked
+                   if name not in {file for _, file in latest.values()})
+    assert not stale, f"the README links benchmarks a newer file replaces: {stale}"
+
+
+def test_nothing_cites_files_outside_the_repository():
+    """Docs and code name only what is in the repository: no guidance files of a workplace."""
+    outside = ("DESIGN" + ".md", "../" + "shared")
+    offenders = []
+    for top in ("README.md", "CONTRIBUTING.md", "docs", "benchmarks", "megatron_deepep",
+                "cuda_src", "examples", "patches", "scripts", "dev", "tests", ".ci"):
+        path = ROOT / top
+        if not path.exists():
+            continue
+        for child in ([path] if path.is_file() else sorted(path.rglob("*"))):
+            if child.is_file() and child.suffix in (".md", ".py", ".sh", ".cu", ".cuh", ".txt",
+                                                    ".sbatch", ".patch", ""):
+                text = child.read_text(errors="replace")
+                offenders += [f"{child.relative_to(ROOT)}: {name}" for name in outside
+                              if name in text]
+    assert not offenders, offenders
