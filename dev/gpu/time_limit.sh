@@ -5,8 +5,9 @@
 # A piece still running at its limit gets SIGABRT in every Python process of its tree, deepest
 # first, so that each prints its threads' Python stacks into LOG (PYTHONFAULTHANDLER=1, exported
 # here) before it ends: where a stalled step waits. The tree is walked by parent PID, since
-# torchrun's workers run in sessions of their own (out of reach of `timeout`'s process-group
-# signal). Three seconds later whatever is left gets SIGTERM, ten more and SIGKILL.
+# torchrun's workers run under setsid, in process groups of their own (out of reach of
+# `timeout`'s process-group signal). Three seconds later whatever is left gets SIGTERM, ten
+# more and SIGKILL.
 export PYTHONFAULTHANDLER=1
 
 # The PIDs below $1 (children before their parents), then $1.

@@ -3,7 +3,7 @@
 `python -m megatron_deepep.bench.layer` (one GPU, EP = 1, one process), or `--cpu` (a tiny shape
 on the CPU with the pure-torch reference transport: a smoke test of this script, no speed).
 
-Table A (issue 18): a bf16 `MoELayer` (default H 4096, 64 experts, top-6, 8192 tokens, grouped
+Table A: a bf16 `MoELayer` (default H 4096, 64 experts, top-6, 8192 tokens, grouped
 GEMM experts) with Megatron's `alltoall` dispatcher, `deepep` synchronizing (one host wait per
 dispatch for the received row count), `deepep` sync-free (a rank capacity factor: a fixed row
 bound, `DeepEPOptions.rank_capacity_factor`) and `deepep` sync-free captured in one CUDA graph
@@ -11,7 +11,7 @@ bound, `DeepEPOptions.rank_capacity_factor`) and `deepep` sync-free captured in 
 (`--experts auto`); it reads the counts on the host (`tokens_per_expert.tolist()`), so a graph
 cannot hold it. The graph row therefore runs `GroupedMMExperts` (two `torch._grouped_mm` GEMMs
 whose group offsets stay on the GPU), and `deepep-syncfree-gmm` runs the same experts eagerly,
-the graph's like-for-like row. Table B (issue 22, `--te`): TE layers under the blockwise FP8
+the graph's like-for-like row. Table B (`--te`): TE layers under the blockwise FP8
 recipe (`Float8BlockScaling`): `alltoall`, `deepep` bf16 dispatch, `deepep` FP8 dispatch
 dequantized into `TEGroupedMLP`, and `deepep` FP8 dispatch handed to our FP8 experts
 (`te_experts.with_fp8_experts`, what `MDEEP_FP8_EXPERTS=1` selects in the example), whose wgrad

@@ -25,7 +25,7 @@ destination rank, from the dispatch layout; the self part rows[r, r] is an HBM c
   of wire rows: bf16 or FP8 bytes), and for combine the reverse splits of bf16 rows; timed back
   to back like ours. Skipped, saying why, when the group's backend is not NCCL (gloo cannot
   all-to-all CUDA tensors; processes sharing one GPU cannot use NCCL).
-- Targets (issue 20): NVLink GB/s >= 340 per direction with <= 24 SMs, for dispatch and for
+- Targets: NVLink GB/s >= 340 per direction with <= 24 SMs, for dispatch and for
   combine; dispatch and combine each >= 1.1x NCCL's all-to-all of the same bytes (NCCL µs / our
   µs). Marked met / not met per row ("n/a" above 24 SMs, "skipped" without NCCL).
 """

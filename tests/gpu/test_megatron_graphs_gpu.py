@@ -1,4 +1,4 @@
-"""GPU tier: the deepep MoE layer under Megatron's own CUDA-graph machinery (issue 18, item 4).
+"""GPU tier: the deepep MoE layer under Megatron's own CUDA-graph machinery.
 
 megatron-core 0.19.2, one process at EP = 1 (the local kernels), and whole-layer graphs at
 EP = 2 (two processes sharing the GPU, the NVLink kernels, whose protocol epochs live in device

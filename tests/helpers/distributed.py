@@ -1,7 +1,7 @@
 """Multi-process launcher for tests: one process per rank over gloo (CPU) or NCCL.
 
 On a machine without a GPU (the CPU tier), ranks are forked from one forkserver that has
-imported torch once per test session (`FORKSERVER_PRELOAD`), so a rank starts in milliseconds
+imported torch once per pytest run (`FORKSERVER_PRELOAD`), so a rank starts in milliseconds
 instead of a second of `import torch`; each rank takes the parent's environment and working
 directory at launch time. With a GPU, ranks are spawned fresh, as the GPU tier was validated.
 

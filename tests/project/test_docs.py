@@ -19,7 +19,7 @@ KNOB_NAME = re.compile(r"\bMDEEP_([A-Z0-9_]+)")
 
 def _doc_files():
     files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
-    files += sorted((ROOT / "docs").glob("*.md"))
+    files += sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "benchmarks").glob("*.md"))
     files += sorted((ROOT / "dev" / "gpu").glob("*.sh"))
     return [path for path in files if path.exists()]
 
@@ -45,6 +45,20 @@ def test_readme_knob_table_is_generated_from_knobs():
         "`python -c \"from megatron_deepep import knobs; print(knobs.markdown_table())\"`")
 
 
+def test_contributing_lists_the_harness_knobs_and_the_readme_does_not():
+    """The users' table (README) has no test-harness knob; CONTRIBUTING's table between its
+    test-knobs markers is `tests/helpers/knobs.py`'s, row for row."""
+    readme = (ROOT / "README.md").read_text().split(BEGIN, 1)[1].split(END, 1)[0]
+    assert "MDEEP_TEST_" not in readme
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    begin, end = "<!-- test-knobs:begin -->", "<!-- test-knobs:end -->"
+    assert text.count(begin) == 1 and text.count(end) == 1, "CONTRIBUTING needs one block"
+    block = text.split(begin, 1)[1].split(end, 1)[0].strip().splitlines()
+    rows = [f"| `{k.env_name}` | {k.shown_default} | {k.doc} |"
+            for k in test_knobs.TEST_KNOBS.values()]
+    assert block == ["| variable | default | what it does |", "|---|---|---|"] + rows
+
+
 @pytest.mark.parametrize("path", _doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_mentioned_knob_exists(path):
     names = {m.group(1).rstrip("_") for m in KNOB_NAME.finditer(path.read_text())}
@@ -67,7 +81,7 @@ def test_removed_scripts_are_not_referenced():
     removed = ("probe_write.py", "probe_phases.py", "probe_layout.py", "probe_copy.py",
                "ab_knobs.sh")
     for path in _doc_files():
-        if path.parent.name == "docs":
+        if path.parent.name in ("docs", "benchmarks"):
             continue
         text = path.read_text()
         for name in removed:

@@ -1,7 +1,7 @@
 """CPU tier: the GPU-harness scripts in `dev/gpu/` and the metrics tools explain every argument,
 name missing dependencies, and plot metrics that make sense at EP = 1 (no bandwidth axis when no bytes cross ranks) and EP = 2;
 the GPU scripts' time limit (`time_limit.sh`) leaves the Python stacks of a stalled piece in its
-log, those of processes in sessions of their own (torchrun's workers) included."""
+log, those of processes started under setsid (torchrun's workers) included."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_sanitize_ep1_without_a_gpu(capsys):
 _STALLED = r"""
 import subprocess, sys
 child = "def stalled_in_a_worker():\n    import time\n    time.sleep(120)\nstalled_in_a_worker()\n"
-# As torchrun starts its workers: in a session of their own.
+# As torchrun starts its workers: under setsid, in a process group of their own.
 subprocess.Popen([sys.executable, "-c", child], start_new_session=True).wait()
 """
 
@@ -330,7 +330,7 @@ def test_gpu_multi_report_pytest_and_training(tmp_path):
 
 
 def test_gpu_multi_report_staging(tmp_path):
-    """One line per staging from multinode_check's JSON (its shape as session 16's sweep wrote
+    """One line per staging from multinode_check's JSON (its shape as an earlier sweep wrote
     it on the H200)."""
     point = {"tokens": 4096, "hidden": 7168, "wire": "bf16", "network_bytes_per_rank": 58548224}
     doc = {"setup": {"staging": {"name": "ring (512 slots)", "mode": "ring", "ring_slots": 512,
