@@ -148,7 +148,16 @@ _TABLE = (
          "still pick K = 8)", "transport"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
-         "by source and included headers, options, arch and NVRTC version", "jit"),
+         "by source and included headers, options, arch and NVRTC version. Its folder and "
+         "entries are used only when owned by a trusted owner and writable by nobody else "
+         "(`MDEEP_CACHE_TRUST`); a new folder is made 0700", "jit"),
+    Knob("CACHE_TRUST", "str", None, "unset", "whose kernel cache files are used; unset: the "
+         "current user's alone (entries written 0600). A shared cache is this explicit choice: "
+         "`user:NAME` (or `user:UID`): also what that account wrote (entries 0644, e.g. filled "
+         "by `python -m megatron_deepep.tools.precompile`); `group:NAME` (or `group:GID`): "
+         "what members of that group wrote, in a folder of that group writable by no one "
+         "else (entries 0640, new folders 2770). An untrusted folder or entry is ignored with one "
+         "warning and the kernel compiled again", "jit"),
     Knob("ARCH", "str", None, "the current GPU", "NVRTC target, e.g. `sm_90`", "jit"),
     Knob("JIT_DEBUG", "bool", False, "0", "log every compile with its options and NVRTC log",
          "jit"),

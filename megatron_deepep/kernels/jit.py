@@ -25,10 +25,8 @@ import hashlib
 import json
 import logging
 import operator
-import os
 import re
 import struct
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,6 +35,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_deepep import knobs
 from megatron_deepep.kernels.cuda_calls import (  # noqa: F401
     CudaError, cu_check, ensure_context, error_name)
+from megatron_deepep.kernels.cache_trust import TEMP_PREFIX, write_atomic  # noqa: F401
+from megatron_deepep.kernels.cache_trust import (checked_dir, default_cache_dir, read_checked,
+                                                 write_checked)
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ FAST_COMPILE_OPTIONS = ("--Ofast-compile=max",)
 
 
 def _cache_dir() -> Path:
-    return Path(knobs.get("CACHE_DIR") or Path.home() / ".cache" / "megatron_deepep")
+    return default_cache_dir()
 
 
 def device_arch() -> str:
@@ -410,35 +411,11 @@ class Kernel:
 # network filesystems), so a reader sees a whole entry or none, and the names always belong to
 # the cubin beside them. A reader that finds a short, corrupt or foreign entry recompiles and
 # replaces it. Concurrent writers of one key write the same bytes; the last rename wins.
+# The checksum proves an entry whole, not who wrote it: `cache_trust` decides whether a folder
+# and an entry are used at all (owner and mode), before they are read.
 
 _ENTRY_MAGIC = b"MDEEP-KERNEL 1\n"
 _ENTRY_SUFFIX = ".kernel"
-TEMP_PREFIX = ".tmp-"  # temporary files in the cache directory (never read as entries)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Writes `path` through a temporary file in its directory, fsync and a rename.
-
-    Readers (other ranks, other nodes) see the old file, or the whole new one, never a part.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache is read by other users
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-
 def pack_entry(cubin: bytes, lowered: Dict[str, str]) -> bytes:
     """A cache entry: the cubin and its lowered names in one self-checking blob."""
     header = json.dumps({"names": lowered, "size": len(cubin),
@@ -475,15 +452,10 @@ def unpack_entry(data: bytes, name_expressions: Sequence[str]) -> Tuple[bytes, D
 
 def read_entry(path: Path, name_expressions: Sequence[str]
                ) -> Optional[Tuple[bytes, Dict[str, str]]]:
-    """The entry at `path`, or None when it is absent or unusable (logged; the caller rebuilds
-    and replaces it)."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        logger.warning("megatron_deepep: cannot read cache entry %s (%s); recompiling", path,
-                       exc)
+    """The entry at `path`, or None when it is absent, not trusted (`cache_trust`: owner and
+    mode) or unusable (logged; the caller rebuilds and replaces it)."""
+    data = read_checked(path, "cache entry")
+    if data is None:
         return None
     try:
         return unpack_entry(data, name_expressions)
@@ -518,7 +490,7 @@ class Build:
         lowered: the mangled name of `name_expr` (for cuModuleGetFunction).
         seconds: the time it took (compile, or read).
         from_cache: found in the disk cache (no compile).
-        path: its cache entry (None with MDEEP_JIT_NO_CACHE).
+        path: its cache entry (None with MDEEP_JIT_NO_CACHE or an untrusted cache folder).
     """
 
     source_file: str
@@ -547,13 +519,17 @@ def build(source_file: str, name_expr: str, arch: str, cache_dir: Optional[Path]
         return Build(source_file, name_expr, arch, cubin, lowered[name_expr],
                      time.perf_counter() - start, False, None)
     path = cache_path(source_file, name_expr, arch, cache_dir)
+    if not checked_dir(path.parent):  # not trusted: neither read nor written (warned once)
+        cubin, lowered = compile_cubin(source_file, [name_expr], arch)
+        return Build(source_file, name_expr, arch, cubin, lowered[name_expr],
+                     time.perf_counter() - start, False, None)
     entry = read_entry(path, [name_expr])
     if entry is not None:
         cubin, lowered = entry
         return Build(source_file, name_expr, arch, cubin, lowered[name_expr],
                      time.perf_counter() - start, True, path)
     cubin, lowered = compile_cubin(source_file, [name_expr], arch)
-    write_atomic(path, pack_entry(cubin, {name_expr: lowered[name_expr]}))
+    write_checked(path, pack_entry(cubin, {name_expr: lowered[name_expr]}))
     return Build(source_file, name_expr, arch, cubin, lowered[name_expr],
                  time.perf_counter() - start, False, path)
 

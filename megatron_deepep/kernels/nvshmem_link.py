@@ -13,16 +13,18 @@ Headers come from pip wheels (no NVSHMEM or CUDA toolkit install): NVSHMEM's fro
 `nvidia-nvshmem-cu13`, the CUDA runtime's from `nvidia-cuda-runtime` (else /usr/local/cuda), and
 CCCL's `cuda/std` from `nvidia-cuda-cccl` (else the toolkit's). NVSHMEM 3.4.5's headers use
 `std::is_integral / is_signed / is_unsigned`, which NVRTC lacks: a pre-included shim maps them to
-`cuda::std` (written into the cache directory, since the package may be read-only).
+`cuda::std` (written into the cache directory, since the package may be read-only; used only
+when `cache_trust` trusts its owner and mode and its bytes are exactly ours, else rewritten).
 
 The linked cubin is cached on disk (knob CACHE_DIR, default `~/.cache/megatron_deepep`), keyed
 by the source and every `cuda_src/` header it includes, the thunk, the options, the arch, the
 NVRTC and nvJitLink versions and the device library's content hash. Knobs (`knobs.py`, prefix
-MDEEP_): CACHE_DIR, JIT_DEBUG, JIT_LINEINFO, JIT_NO_CACHE.
+MDEEP_): CACHE_DIR, CACHE_TRUST, JIT_DEBUG, JIT_LINEINFO, JIT_NO_CACHE.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
@@ -30,15 +32,18 @@ import importlib.util
 import json
 import logging
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_deepep import knobs
+from megatron_deepep.kernels import cache_trust
 from megatron_deepep.kernels.cuda_calls import cu_check, ensure_context
 from megatron_deepep.kernels.jit import (CompileError, Kernel, compile_program, cuda_src_dir,
                                          device_arch, pack_entry, read_entry,
-                                         render_template_arg, write_atomic)
+                                         render_template_arg)
 
 logger = logging.getLogger(__name__)
 
@@ -158,22 +163,36 @@ def _bindings():
     return nvrtc, nvjitlink
 
 
-def _cache_dir() -> Path:
-    return Path(knobs.get("CACHE_DIR") or Path.home() / ".cache" / "megatron_deepep")
-
-
 def link_cache_dir(cache_dir: Optional[Path] = None) -> Path:
     """Where linked modules are kept: `nvshmem/` under the kernel cache (`cache_dir`, default
     the knob CACHE_DIR's)."""
-    return (Path(cache_dir) if cache_dir is not None else _cache_dir()) / "nvshmem"
+    base = Path(cache_dir) if cache_dir is not None else cache_trust.default_cache_dir()
+    return base / "nvshmem"
+
+
+_private_shim_dir: List[Path] = []  # this process's own folder, when the cache's is not trusted
 
 
 def _shim_path() -> Path:
-    """The pre-included std-traits shim, written once into the cache directory (by content)."""
-    digest = hashlib.sha256(_SHIM.encode()).hexdigest()[:16]
-    path = _cache_dir() / "nvshmem" / f"std_traits_shim_{digest}.h"
-    if not path.is_file():
-        write_atomic(path, _SHIM.encode())
+    """The pre-included std-traits shim: in the cache directory (by content) when that folder
+    is trusted and the file there is ours byte for byte (else rewritten, warned once), in a
+    private temporary folder of this process when the cache folder is not trusted."""
+    data = _SHIM.encode()
+    name = f"std_traits_shim_{hashlib.sha256(data).hexdigest()[:16]}.h"
+    folder = link_cache_dir()
+    if not (cache_trust.checked_dir(folder.parent) and cache_trust.checked_dir(folder)):
+        if not _private_shim_dir:
+            _private_shim_dir.append(Path(tempfile.mkdtemp(prefix="mdeep-shim-")))
+            atexit.register(shutil.rmtree, _private_shim_dir[0], True)
+        folder = _private_shim_dir[0]
+    path = folder / name
+    found = cache_trust.read_checked(path, "NVSHMEM shim header")
+    if found is not None and found != data:
+        cache_trust.warn_once(path, "its content differs from the shim this version writes",
+                              "rewriting it")
+    if found != data:
+        cache_trust.write_atomic(path, data, cache_trust.policy().file_mode,
+                                 cache_trust.policy().gid)
     return path
 
 
@@ -268,6 +287,9 @@ def _cache_key(files: Sequence[Path], thunk: Path, name_expressions: Sequence[st
     digest = hashlib.sha256()
     for f in list(files) + [thunk]:
         digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    # The shim by its name (which carries its content hash), not the folder it was written to.
+    kernel_opts = [f"--pre-include={Path(o.split('=', 1)[1]).name}"
+                   if o.startswith("--pre-include=") else o for o in kernel_opts]
     digest.update(json.dumps({
         "names": sorted(name_expressions), "kernel_options": kernel_opts,
         "thunk_options": thunk_opts, "arch": arch, "nvrtc": list(nvrtc.nvrtcVersion()[1:]),
@@ -306,8 +328,11 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
     key = _cache_key(files, thunk, name_expressions, kernel_opts, thunk_opts, arch, paths,
                      nvrtc, nvjitlink)
     entry_path = link_cache_dir(cache_dir) / f"{key}.kernel"  # one file: names and cubin
-    if not knobs.get("JIT_NO_CACHE"):
-        entry = read_entry(entry_path, name_expressions)  # None: absent or unusable
+    use_cache = not knobs.get("JIT_NO_CACHE") and (
+        cache_trust.checked_dir(entry_path.parent.parent)
+        and cache_trust.checked_dir(entry_path.parent))
+    if use_cache:
+        entry = read_entry(entry_path, name_expressions)  # None: absent, untrusted or unusable
         if entry is not None:
             return entry
     start = time.perf_counter()
@@ -320,8 +345,8 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
     logger.info("megatron_deepep: linked %s %s for %s against NVSHMEM's device library in "
                 "%.1f s", source_file, list(name_expressions), arch,
                 time.perf_counter() - start)
-    if not knobs.get("JIT_NO_CACHE"):
-        write_atomic(entry_path, pack_entry(linked, lowered))
+    if use_cache:
+        cache_trust.write_checked(entry_path, pack_entry(linked, lowered))
     return linked, lowered
 
 

@@ -5,7 +5,9 @@
 A first dispatch compiles each kernel it meets (seconds each, logged at INFO), on every rank
 that has no cache entry yet. This tool compiles them all at once, in parallel, with NVRTC only,
 so a cluster can fill a shared cache on a login node; jobs then point `MDEEP_CACHE_DIR` at that
-directory and load instead of compiling. The entries are keyed by the sources, options, arch and
+directory and load instead of compiling. Jobs load only entries their own user wrote unless told
+whom else to trust: run both with `MDEEP_CACHE_TRUST=user:<the account that fills it>` (entries
+0644) or `group:<team>` (`megatron_deepep/kernels/cache_trust.py`). The entries are keyed by the sources, options, arch and
 NVRTC version: build with the same install (or the same code and cuda-bindings) as the job, for
 the job's GPU (`--arch`, sm_90 for H100/H200). With a blockwise `--fp8` format and FP8 output
 it also builds the FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise.cu`).
@@ -259,7 +261,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Compile every kernel a model shape needs into the kernel cache, ahead of "
                     "a job. Needs NVRTC (pip install cuda-bindings), no GPU; run it on a login "
                     "node into a shared directory and give jobs MDEEP_CACHE_DIR=<that "
-                    "directory>.")
+                    "directory> (and, when another account fills it, MDEEP_CACHE_TRUST="
+                    "user:<that account> or group:<team> to both).")
     parser.add_argument("--topk", type=int, nargs="+", required=True, metavar="K",
                         help="the router's top-k (Megatron's --moe-router-topk), 1-16; several "
                              "values allowed")

@@ -14,7 +14,7 @@ import multiprocessing
 
 import pytest
 
-from megatron_deepep.kernels import jit
+from megatron_deepep.kernels import cache_trust, jit
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC compile checks need cuda-bindings: "
                     "pip install cuda-bindings")
@@ -106,7 +106,7 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(jit.os, "replace", broken_replace)
+    monkeypatch.setattr(cache_trust.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         jit.write_atomic(target, b"data")
     assert list(tmp_path.iterdir()) == []
