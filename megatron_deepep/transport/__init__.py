@@ -10,13 +10,15 @@
 `create` picks one for "auto" (and "nvlink" at EP = 1, where there are no peers) from the group
 and the machine; the caller never asks its name again. An EP group that spans hosts (or declares
 virtual nodes with `num_ranks_per_node`) gets `internode` under "auto", and the pure-torch
-reference (a logged warning) where NVSHMEM cannot start.
+reference (a logged warning) where NVSHMEM cannot start. Each rank resolves on its own machine,
+so the ranks then compare their choices (`agree`) and all raise, naming who chose what and why,
+when they differ.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,12 +106,101 @@ def size_hint(name: str, num_ranks: int, num_max_tokens_per_rank: int, hidden: i
     return cls.size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk)
 
 
+class TransportMismatchError(RuntimeError):
+    """The ranks of an EP group resolved different transports (or some could not resolve one);
+    raised on every rank, before any transport is built."""
+
+
+def _resolve_here(name: str, num_ranks: int, num_nodes: int) -> Tuple[str, str]:
+    """This rank's transport for `name` and why (not collective: each rank judges its own
+    machine, so the ranks compare the results afterwards).
+
+    Raises:
+        ValueError: `resolve`'s, for a transport this rank cannot serve.
+    """
+    cuda = torch.cuda.is_available()
+    where = (f"{num_ranks} ranks on {num_nodes} node{'s' if num_nodes > 1 else ''}, "
+             f"{'a CUDA device' if cuda else 'no CUDA device'}")
+    resolved = resolve(name, num_ranks, cuda, num_nodes)
+    if name != "auto":
+        return resolved, f"asked for transport={name!r} ({where})"
+    if resolved == "reference" and num_nodes > 1:
+        logger.warning("megatron_deepep: the EP group spans %d nodes but torch sees no CUDA "
+                       "device; transport='auto' runs the pure-torch reference", num_nodes)
+    if resolved == "internode":
+        from megatron_deepep.kernels.nvshmem_link import NvshmemUnavailable
+        from megatron_deepep.transport.nvshmem_heap import check_available
+        try:
+            check_available()
+        except NvshmemUnavailable as exc:
+            logger.warning("megatron_deepep: the EP group spans %d nodes, but NVSHMEM "
+                           "cannot start (%s); transport='auto' runs the pure-torch "
+                           "reference", num_nodes, exc)
+            return "reference", f"auto: {where}, no NVSHMEM ({type(exc).__name__}: {exc})"
+        return resolved, f"auto: {where}, NVSHMEM available"
+    return resolved, f"auto: {where}"
+
+
+def _rank_ranges(ranks: List[int]) -> str:
+    """[0, 1, 2, 5] -> "ranks 0-2, 5"."""
+    spans: List[List[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def agree(name: str, choice: Tuple[str, str], group) -> str:
+    """Every rank's (transport, reason) goes round the group; returns the one transport.
+
+    A collective on `group` (`all_gather_object`; gloo or any backend), before any transport
+    is built, so a rank that resolved differently fails the whole group at once instead of
+    leaving its peers waiting for data that never comes.
+
+    Args:
+        choice: this rank's (transport, reason), or ("error", the message) when it could not
+            resolve one.
+
+    Returns:
+        The transport every rank resolved ("error" when none could: each raises its own).
+
+    Raises:
+        TransportMismatchError: on every rank, naming each rank's choice and reason.
+    """
+    choices: List[Optional[Tuple[str, str]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(choices, tuple(choice), group=group)
+    if len({c[0] for c in choices}) == 1:
+        return choices[0][0]  # "error" on every rank: each raises its own ValueError
+    ranks_of: Dict[Tuple[str, str], List[int]] = {}
+    for rank, c in enumerate(choices):
+        ranks_of.setdefault(tuple(c), []).append(rank)
+    lines = [f"  {_rank_ranges(ranks)}: "
+             + (f"could not resolve one ({reason})" if chosen == "error"
+                else f"{chosen} ({reason})")
+             for (chosen, reason), ranks in sorted(ranks_of.items(), key=lambda kv: kv[1][0])]
+    raise TransportMismatchError(
+        f"megatron_deepep: the {len(choices)} ranks of the EP group did not agree on one "
+        f"transport for transport={name!r}; every rank must run the same one, so none is "
+        "built:\n" + "\n".join(lines) + "\nGive every rank the same software and devices, or "
+        "name the transport explicitly (transport='reference' runs anywhere).")
+
+
 def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
            num_sms: int, timeout_s: float,
            num_ranks_per_node: Optional[int] = None) -> Transport:
-    """Builds the transport `name` resolves to for `group` (collective for the kernel
-    transports). `num_ranks_per_node` declares nodes of that many contiguous ranks (virtual
-    nodes); by default nodes are the ranks' hosts."""
+    """Builds the transport `name` resolves to for `group` (collective: the ranks first check
+    that they all resolved the same one, `agree`, then the kernel transports set up their
+    buffers). `num_ranks_per_node` declares nodes of that many contiguous ranks (virtual
+    nodes); by default nodes are the ranks' hosts.
+
+    Raises:
+        TransportMismatchError: the ranks resolved different transports (on every rank).
+        ValueError: a transport that cannot serve this group (on every rank: `agree` carries
+            the rank's message to the others).
+    """
     num_ranks = dist.get_world_size(group)
     num_nodes = 1
     if num_ranks_per_node is not None:
@@ -118,25 +209,21 @@ def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk
     elif name != "reference" and num_ranks > 1:
         from megatron_deepep.transport.topology import count_hosts
         num_nodes = count_hosts(group)
-    resolved = resolve(name, num_ranks, torch.cuda.is_available(), num_nodes)
-    if name == "auto" and resolved == "reference" and num_nodes > 1:
-        logger.warning("megatron_deepep: the EP group spans %d nodes but torch sees no CUDA "
-                       "device; transport='auto' runs the pure-torch reference", num_nodes)
+    try:
+        resolved, reason = _resolve_here(name, num_ranks, num_nodes)
+    except ValueError as exc:
+        if num_ranks == 1:
+            raise
+        agree(name, ("error", str(exc)), group)  # raises unless every rank failed alike
+        raise
+    if num_ranks > 1:
+        resolved = agree(name, (resolved, reason), group)
     kwargs = dict(num_sms=num_sms, timeout_s=timeout_s)
     if resolved == "internode":
         kwargs["num_ranks_per_node"] = num_ranks_per_node
-        if name == "auto":
-            from megatron_deepep.kernels.nvshmem_link import NvshmemUnavailable
-            from megatron_deepep.transport.nvshmem_heap import check_available
-            try:
-                check_available()
-            except NvshmemUnavailable as exc:
-                logger.warning("megatron_deepep: the EP group spans %d nodes, but NVSHMEM "
-                               "cannot start (%s); transport='auto' runs the pure-torch "
-                               "reference", num_nodes, exc)
-                resolved, kwargs = "reference", dict(num_sms=num_sms, timeout_s=timeout_s)
     return transport_class(resolved)(group, num_max_tokens_per_rank, hidden, num_topk,
                                      **kwargs)
 
 
-__all__ = ["TRANSPORT_NAMES", "Transport", "create", "resolve", "size_hint", "transport_class"]
+__all__ = ["TRANSPORT_NAMES", "Transport", "TransportMismatchError", "agree", "create", "resolve",
+           "size_hint", "transport_class"]
