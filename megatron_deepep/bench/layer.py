@@ -279,10 +279,13 @@ def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
         hook.remove()
     row["experts_input"] = seen.get("experts_input")
     dispatcher = layer.token_dispatcher
+    # The transport our dispatcher's Buffer ran (None for Megatron's own dispatchers).
+    buffer = getattr(dispatcher, "_buffer", None)
+    row["transport"] = buffer.transport_name if buffer is not None else None
     if variant.sync_free:
         row["rank_capacity_factor"] = capacity_factor
         row["num_max_recv_rows"] = dispatcher.num_max_recv_rows(shape[0])
-    del layer, fn, setup, dispatcher
+    del layer, fn, setup, dispatcher, buffer
     return row
 
 
@@ -354,7 +357,8 @@ def _add_ratios(rows: List[dict]) -> None:
 
 
 def markdown_table(rows: List[dict]) -> str:
-    """The rows as a markdown table (variant, shape, experts, times, torch syncs, ratio)."""
+    """The rows as a markdown table (variant with the transport it ran, shape, experts, times,
+    torch syncs, ratio)."""
     lines = ["| table | variant | shape (N,H,E,K,F) | experts | fwd+bwd ms | host ms/layer | "
              "torch syncs/call | x alltoall |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -371,7 +375,8 @@ def markdown_table(rows: List[dict]) -> str:
             experts += f" (replay vs eager output: rel {r['graph_vs_eager_rel']:.1e})"
         syncs = "-" if r.get("syncs") is None else str(r["syncs"])
         ratio = f"{r['ratio_to_alltoall']:.2f}" if "ratio_to_alltoall" in r else "-"
-        lines.append(f"| {r['table']} | {r['variant']} | {shape} | {experts} | "
+        variant = r["variant"] + (f" ({r['transport']})" if r.get("transport") else "")
+        lines.append(f"| {r['table']} | {variant} | {shape} | {experts} | "
                      f"{r['fwd_bwd_ms']:.3f} | {r['host_ms']:.3f} | {syncs} | {ratio} |")
     return "\n".join(lines)
 

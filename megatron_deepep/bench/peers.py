@@ -28,6 +28,8 @@ destination rank, from the dispatch layout; the self part rows[r, r] is an HBM c
 - Targets: NVLink GB/s >= 340 per direction with <= 24 SMs, for dispatch and for
   combine; dispatch and combine each >= 1.1x NCCL's all-to-all of the same bytes (NCCL µs / our
   µs). Marked met / not met per row ("n/a" above 24 SMs, "skipped" without NCCL).
+- A row records the transport that ran (`transport`, the Buffer's); a row of the reference
+  transport gets no GB/s (`transport.bandwidth_refusal`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.distributed as dist
 
 from megatron_deepep.ops.bench import ceiling as ceiling_ops
 from megatron_deepep.layout import compute_layout
+from megatron_deepep.transport import bandwidth_refusal
 from megatron_deepep.transport.ipc import SymmetricBuffer
 
 logger = logging.getLogger(__name__)
@@ -439,6 +442,10 @@ def format_table(rows: List[dict]) -> List[str]:
         "combine µs | NVLink GB/s | x NCCL | x ceiling | targets"]
     for e in rows:
         shape, peers = tuple(e["shape"]), e["peers"]
+        refusal = bandwidth_refusal(e["transport"]) if "transport" in e else None
+        if refusal:  # the transport that ran moved nothing over NVLink
+            lines.append(f"{shape} | NVLink GB/s: none, {refusal}")
+            continue
         skipped = peers["nccl"].get("skipped")
         nccl_absent = "skipped (no NCCL)" if skipped else "- (not measured)"
         for key, v in peers["variants"].items():

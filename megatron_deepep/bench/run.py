@@ -45,13 +45,14 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_deepep.ops.bench import ceiling as ceiling_ops
 from megatron_deepep.bench import peers as bench_peers
+from megatron_deepep.transport import bandwidth_refusal
 from megatron_deepep.transport.topology import (MAX_INTERNODE_NODES, MAX_RANKS_PER_NODE,
                                                  MIN_INTERNODE_NODES)
 
@@ -313,6 +314,7 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
         for num_sms in num_sms_list:
             buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, transport="nvlink",
                          num_sms=num_sms)
+            entry["transport"] = buf.transport_name  # the one that ran: local at EP = 1
             for mode, res in bench_ours(buf, xs, idxs, ws, num_experts).items():
                 entry["variants"][f"ours {num_sms} SMs {mode}"] = res
             for spec in fp8_specs:
@@ -378,10 +380,18 @@ def _profile_last(first, num_sms: int, kernels: bool, host: bool) -> None:
     buf.destroy()
 
 
-def _cell(num_bytes: float, floor_us: float, us) -> str:
+def _cell(num_bytes: float, floor_us: float, us, refused: bool = False) -> str:
     if us is None:
         return "- | - | -"
+    if refused:
+        return f"{us:.1f} | - | -"
     return f"{us:.1f} | {num_bytes / us / 1e3:.0f} | {floor_us / us:.2f}"
+
+
+def row_refusal(entry: dict) -> Optional[str]:
+    """Why a bench row gets no GB/s (`transport.bandwidth_refusal` of the transport it records
+    having run), or None; rows of files written before the bench recorded it are shown."""
+    return bandwidth_refusal(entry["transport"]) if "transport" in entry else None
 
 
 def print_table(rows: List[dict]) -> None:
@@ -390,6 +400,9 @@ def print_table(rows: List[dict]) -> None:
     for e in rows:
         shape = tuple(e["shape"])
         bf16_sync = {}
+        refusal = row_refusal(e)
+        if refusal:
+            lines.append(f"{shape} | {e['ep']} | GB/s and floor ratios: none, {refusal}")
         for key, res in e["variants"].items():
             if "error" in res:
                 lines.append(f"{shape} | {e['ep']} | {key} | {res['error']}")
@@ -410,8 +423,9 @@ def print_table(rows: List[dict]) -> None:
                              f"x{res['dispatch_us'] / base:.2f} of bf16]")
             lines.append(
                 f"{shape} | {e['ep']} | {key}{extra} | "
-                f"{_cell(num_bytes, floor, res['dispatch_us'])} | "
-                f"{_cell(e['dispatch_bytes'], e['floor_us'], res.get('combine_us'))} | {host}")
+                f"{_cell(num_bytes, floor, res['dispatch_us'], bool(refusal))} | "
+                f"{_cell(e['dispatch_bytes'], e['floor_us'], res.get('combine_us'), bool(refusal))}"
+                f" | {host}")
         lines.append(f"{shape} | floor {e['floor_us']:.1f} µs ({e['dispatch_bytes'] / 1e6:.0f} MB"
                      f" at copy {e['copy_GBps']:.0f} GB/s; M = {e['num_recv_rows']} rows); "
                      f"writing the M rows alone at fill {e['fill_GBps']:.0f} GB/s: "

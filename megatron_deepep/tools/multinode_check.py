@@ -8,8 +8,9 @@ the no-sync mode (bit-exact), and combine, plain and weighted (within the fp32-a
 tolerance: the stand-in expert scales rows by positive factors, so no sum cancels). Then it
 sweeps token counts x hidden sizes: per-rank bytes that cross the network and NVLink come from
 `megatron_deepep.transport.node_layout` (the rows the hierarchical path moves), the time from CUDA
-events
-(the slowest rank's median), and rank 0 prints GB/s per rank and per NIC.
+events (the slowest rank's median), and rank 0 prints GB/s per rank and per NIC. It names the
+transport that ran (the Buffer's, which `auto` may resolve to the reference) and gives no GB/s
+for the reference transport: those times are torch's collectives, not a network or NVLink.
 
 Launch, one process per GPU (the first node's address as the rendezvous), from any install
 (`python -m megatron_deepep.tools.multinode_check` in a checkout is the same command):
@@ -472,8 +473,10 @@ def _row_bytes(hidden: int, fp8: Optional[str]) -> int:
 
 def run_sweep(ctx) -> List[dict]:
     """Times dispatch and combine at every (tokens, hidden); rank 0 prints the table."""
-    from megatron_deepep.tools import internode_model
-    from megatron_deepep.transport.node_layout import compute_node_layout, node_limited_topk
+`megatron_deepep.transport.node_layout` (the rows the hierarchical path moves), the time from CUDA
+events (the slowest rank's median), and rank 0 prints GB/s per rank and per NIC. It names the
+transport that ran (the Buffer's, which `auto` may resolve to the reference) and gives no GB/s
+for the reference transport: those times are torch's collectives, not a network or NVLink.
     from megatron_deepep.transport.topology import Topology
 
     args, shape = ctx.args, ctx.shape
@@ -520,9 +523,22 @@ def run_sweep(ctx) -> List[dict]:
                              wire=(args.fp8 or "bf16") if phase == "dispatch" else "bf16")
                 points.append(point)
     tested.destroy()
+    refusal = bandwidth_refusal(ctx.transport_ran)
+    if refusal:
+        points = [refuse_bandwidth(p, refusal) for p in points]
     if shape.rank == 0:
         ctx.say(format_sweep(points))
     return points
+
+
+_GBPS_FIELDS = ("gbps_per_rank", "gbps_per_nic", "nvlink_gbps_per_rank")
+
+
+def refuse_bandwidth(point: dict, reason: str) -> dict:
+    """A sweep point without its GB/s (the times and bytes stay), saying why."""
+    out = {k: v for k, v in point.items() if k not in _GBPS_FIELDS}
+    out["gbps_refused"] = reason
+    return out
 
 
 def format_sweep(points: Sequence[dict]) -> str:
@@ -531,11 +547,16 @@ def format_sweep(points: Sequence[dict]) -> str:
               f"{'NVL MB':>7} {'us':>9} {'GB/s/rank':>9} {'GB/s/NIC':>9} {'NVL GB/s':>9}")
     lines = [header, "  " + "-" * (len(header) - 2)]
     for p in points:
+        rates = (f"{'-':>9} {'-':>9} {'-':>9}" if "gbps_refused" in p else
+                 f"{p['gbps_per_rank']:>9.2f} {p['gbps_per_nic']:>9.2f} "
+                 f"{p['nvlink_gbps_per_rank']:>9.2f}")
         lines.append(
             f"  {p['tokens']:>6} {p['hidden']:>6} {p['phase']:<8} {p['wire']:<16} "
             f"{p['network_bytes_per_rank'] / 1e6:>7.2f} {p['nvlink_bytes_per_rank'] / 1e6:>7.2f}"
-            f" {p['us']:>9.1f} {p['gbps_per_rank']:>9.2f} {p['gbps_per_nic']:>9.2f} "
-            f"{p['nvlink_gbps_per_rank']:>9.2f}")
+            f" {p['us']:>9.1f} {rates}")
+    refused = next((p["gbps_refused"] for p in points if "gbps_refused" in p), None)
+    if refused:
+        lines.append(f"  GB/s: none, {refused}")
     lines.append("  MB: 1e6 bytes on the busiest rank (NIC), the larger of send and receive; "
                  "us: the slowest rank's median; GB/s = those bytes / us (DeepEP's bottleneck "
                  "bandwidth)")
@@ -545,10 +566,11 @@ def format_sweep(points: Sequence[dict]) -> str:
 def measured_rates(points: Sequence[dict], source: str) -> dict:
     """What `internode_model --measured-json` reads: per phase, the GB/s per NIC of the point
     with the most network bytes (the least dominated by fixed costs). Empty phases (one node: no
-    network bytes) are left out."""
+    network bytes) and points without GB/s (the reference transport's) are left out."""
     out = {"source": source}
     for phase in ("dispatch", "combine"):
-        mine = [p for p in points if p["phase"] == phase and p["network_bytes_per_nic"] > 0]
+        mine = [p for p in points if p["phase"] == phase and p["network_bytes_per_nic"] > 0
+                and "gbps_refused" not in p]
         if mine:
             best = max(mine, key=lambda p: (p["network_bytes_per_nic"], -p["us"]))
             out[phase] = {"network_gbps": best["gbps_per_nic"]}
@@ -563,6 +585,7 @@ class Context:
 
     def __init__(self, args, device: torch.device, ctrl, shape: Shape, seed: int):
         self.args, self.device, self.ctrl, self.shape, self.seed = args, device, ctrl, shape, seed
+        self.transport_ran: Optional[str] = None  # the tested Buffer's transport_name
 
     def say(self, text: str) -> None:
         sys.stdout.write(text + "\n")
@@ -621,6 +644,11 @@ class Context:
                         self.say(f"  rank {r}: Buffer(transport={self.args.transport!r}) "
                                  f"failed: {e}")
             return None
+        if buf.transport_name != self.transport_ran:
+            self.transport_ran = buf.transport_name
+            if self.shape.rank == 0:
+                self.say(f"  transport that ran: {buf.transport_name} (--transport "
+                         f"{self.args.transport})")
         return buf
 
 
@@ -764,14 +792,15 @@ def _run_rank(args, device: torch.device, backend: str) -> int:
     if ok and not args.skip_sweep:
         points = run_sweep(ctx)
     if rank == 0 and args.json:
-        source = (f"multinode_check {args.transport}, {topo.num_nodes} x "
+        source = (f"multinode_check {ctx.transport_ran or args.transport}, {topo.num_nodes} x "
                   f"{topo.num_ranks_per_node} on {len(set(hosts))} host(s), "
                   f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
         doc = measured_rates(points, source)
         doc.update(passed=ok, seed=int(seed), sweep=points,
                    setup={"ranks": world, "nodes": topo.num_nodes,
                           "ranks_per_node": topo.num_ranks_per_node, "hosts": len(set(hosts)),
-                          "transport": args.transport, "experts": num_experts,
+                          "transport": args.transport, "transport_ran": ctx.transport_ran,
+                          "experts": num_experts,
                           "topk": args.topk, "fp8": args.fp8,
                           "nics_per_node": args.nics_per_node or topo.num_ranks_per_node,
                           "staging": staging})

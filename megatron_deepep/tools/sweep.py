@@ -227,6 +227,7 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
     from megatron_deepep.bench import run as bench
     from megatron_deepep.buffer import Buffer
     from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.transport import bandwidth_refusal
 
     own_group = not dist.is_initialized()
     if own_group:
@@ -235,7 +236,7 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", rank=0, world_size=1)
     props = torch.cuda.get_device_properties(0)
-    kernels, experts, points = {}, {}, []
+    kernels, experts, points, ran = {}, {}, [], set()
     xs = [torch.randn(tokens, shape.hidden, device="cuda").to(torch.bfloat16) for _ in range(3)]
     fp8 = as_fp8_dispatch(fp8_format, "fp8")
     for topk in topks:
@@ -244,6 +245,11 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
             num_sms = min(num_sms, props.multi_processor_count)
             buf = Buffer(dist.group.WORLD, tokens, shape.hidden, topk, transport="auto",
                          num_sms=num_sms)
+            ran.add(buf.transport_name)
+            refusal = bandwidth_refusal(buf.transport_name)
+            if refusal:  # its times would fit the kernel model to torch's collectives
+                buf.destroy()
+                raise RuntimeError(f"sweep: no kernel measurement: {refusal}")
             for n in fit_token_counts(tokens):
                 x_n = [x[:n] for x in xs]
                 idxs, ws = [r[0][:n] for r in routing], [r[1][:n] for r in routing]
@@ -268,7 +274,7 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
     if own_group:
         dist.destroy_process_group()
     return {"source": f"measured on {props.name} ({props.multi_processor_count} SMs)",
-            "fp8_format": fp8.fmt.name, "kernels": kernels, "experts": experts,
+            "transport": ",".join(sorted(ran)), "fp8_format": fp8.fmt.name, "kernels": kernels, "experts": experts,
             "points": points}
 
 
@@ -307,6 +313,21 @@ def _expert_gemm_us(shape: Shape, tokens: int, topk: int, ep: int) -> float:
     us = time_cuda(run, iters=10, warmup=3)
     del x, w1, w2, shared
     return us
+
+
+def check_measured_transport(measured: dict, path: str) -> None:
+    """Refuses measurements whose kernel times came from a transport that runs no kernels
+    (`transport.bandwidth_refusal`); files without the field predate it and are read.
+
+    Raises:
+        ValueError: naming the file and the transport.
+    """
+    from megatron_deepep.transport import bandwidth_refusal
+
+    for name in filter(None, measured.get("transport", "").split(",")):
+        refusal = bandwidth_refusal(name)
+        if refusal:
+            raise ValueError(f"--measurements {path}: {refusal}")
 
 
 def assumed_measurements(shape: Shape, tokens: int, topks: Sequence[int],
@@ -787,6 +808,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.measurements:
         with open(args.measurements, encoding="utf-8") as f:
             measured = json.load(f)["measurements"]
+        check_measured_transport(measured, args.measurements)
     else:
         gpu = False
         fp8 = args.fp8 or FAMILY_FP8.get(args.family, "blockwise")

@@ -106,6 +106,21 @@ def size_hint(name: str, num_ranks: int, num_max_tokens_per_rank: int, hidden: i
     return cls.size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk)
 
 
+# The transports whose times say something of our kernels, NVLink and the network.
+KERNEL_TRANSPORTS = ("local", "nvlink", "internode")
+
+
+def bandwidth_refusal(name: str) -> Optional[str]:
+    """Why the times of the transport `name` (a Buffer's `transport_name`: the one that ran)
+    give no NVLink or network GB/s, or None when they do. Benchmarks print and record no GB/s
+    of the reference transport, which `auto` falls back to without CUDA or NVSHMEM."""
+    if name in KERNEL_TRANSPORTS:
+        return None
+    return (f"the {name} transport ran (pure torch over all_to_all_single, the fallback "
+            f"without CUDA or NVSHMEM): its times are torch's collectives, not our kernels, "
+            f"NVLink or the network, so no GB/s is given")
+
+
 class TransportMismatchError(RuntimeError):
     """The ranks of an EP group resolved different transports (or some could not resolve one);
     raised on every rank, before any transport is built."""
@@ -225,5 +240,5 @@ def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk
                                      **kwargs)
 
 
-__all__ = ["TRANSPORT_NAMES", "Transport", "TransportMismatchError", "agree", "create", "resolve",
-           "size_hint", "transport_class"]
+__all__ = ["KERNEL_TRANSPORTS", "TRANSPORT_NAMES", "Transport", "TransportMismatchError", "agree",
+           "bandwidth_refusal", "create", "resolve", "size_hint", "transport_class"]

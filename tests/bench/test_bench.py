@@ -61,3 +61,21 @@ def test_virtual_nodes_run_the_check_then_the_model(monkeypatch, tmp_path, capsy
     assert model[model.index("--nodes") + 1:model.index("--nodes") + 3] == ["2", "8"]
     assert "--node-limited" in model
     assert "correctness, not speed" in capsys.readouterr().out
+
+
+def _bench_row(transport):
+    res = {"dispatch_us": 100.0, "combine_us": 120.0, "num_recv_rows": 64}
+    return {"shape": [64, 1024, 8, 2], "ep": 1, "variants": {"ours 24 SMs sync": res},
+            "transport": transport, "dispatch_bytes": 2e6, "floor_us": 50.0, "copy_GBps": 40.0,
+            "fill_GBps": 30.0, "num_recv_rows": 64, "dispatch_write_floor_us": 10.0}
+
+
+def test_the_table_names_no_gbps_for_the_reference_transport(capsys):
+    bench.print_table([_bench_row("local")])
+    kernels = capsys.readouterr().out
+    assert "| ours 24 SMs sync | 100.0 | 20 | 0.50 | 120.0 | 17 | 0.42 |" in kernels
+    assert "none" not in kernels
+    bench.print_table([_bench_row("reference")])
+    fallback = capsys.readouterr().out
+    assert "| ours 24 SMs sync | 100.0 | - | - | 120.0 | - | - |" in fallback
+    assert "GB/s and floor ratios: none, the reference transport ran" in fallback

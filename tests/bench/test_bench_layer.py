@@ -47,6 +47,10 @@ def test_rows_of_both_dispatchers_have_finite_times(cpu_run):
     assert rows["alltoall"]["ratio_to_alltoall"] == pytest.approx(1.0)
     assert rows["deepep-sync"]["dispatcher"] == "deepep"
     assert rows["deepep-syncfree"]["num_max_recv_rows"] == 64 * 2  # factor 1 at EP = 1
+    # The transport that ran, recorded per row: the reference on the CPU, none for alltoall.
+    assert rows["deepep-sync"]["transport"] == rows["deepep-syncfree"]["transport"] == \
+        "reference"
+    assert rows["alltoall"]["transport"] is None
     assert report["environment"]["device"] == "cpu"
 
 
@@ -61,7 +65,8 @@ def test_graph_and_te_rows_are_skipped_with_a_reason(cpu_run):
     assert all(r.get("skipped") for r in te_rows), te_rows
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| table | variant | shape")
-    for name in ("alltoall", "deepep-sync", "deepep-syncfree", "deepep-syncfree-graph"):
+    for name in ("alltoall", "deepep-sync (reference)", "deepep-syncfree (reference)",
+                 "deepep-syncfree-graph"):
         assert any(f"| {name} |" in line for line in table), name
     assert any("skipped: CUDA graphs need a GPU" in line for line in table)
 

@@ -158,8 +158,9 @@ def test_summary_figures_and_targets():
         50 * MB / 180 / 1e3)
 
 
-def _row(peers):
-    return {"shape": [4096, 7168, 256, 8], "ep": 2, "variants": {}, "peers": peers}
+def _row(peers, transport="nvlink"):
+    return {"shape": [4096, 7168, 256, 8], "ep": 2, "variants": {}, "peers": peers,
+            "transport": transport}
 
 
 def test_table_marks_met_and_not_met():
@@ -192,6 +193,14 @@ def test_table_says_why_nccl_was_skipped():
     assert f"NCCL all-to-all: skipped: {SKIPPED}" in text
     assert "1.1x NCCL skipped (no NCCL)" in text
     assert "| 320.0 | 312 | - | 1.25 |" in text
+
+
+def test_a_reference_row_gets_no_nvlink_gbps():
+    peers = bench_peers.summarize(_per_rank(True), BYTES, 50 * MB, None, WIRES)
+    text = "\n".join(bench_peers.format_table([_row(peers, "reference")]))
+    assert "NVLink GB/s: none, the reference transport ran" in text
+    assert "| ours " not in text and "312" not in text
+    assert "| ours 24 SMs sync |" in "\n".join(bench_peers.format_table([_row(peers)]))
 
 
 def test_no_table_at_ep_1():

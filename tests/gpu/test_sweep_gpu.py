@@ -15,6 +15,7 @@ def test_measurements_on_this_gpu():
     shape = sweep.Shape(hidden=7168, experts=32, topk=8, moe_ffn_hidden=1024, moe_layers=4)
     measured = sweep.measure_gpu(shape, 4096, [2, 8], [24, 132], [1, 8])
     assert measured["source"].startswith("measured on")
+    assert measured["transport"] == "local"  # the EP = 1 kernels ran, not the reference
     kernels = measured["kernels"]
     assert len(kernels) >= 2 * 2 * 1  # top-k x wire (x SM budgets, deduplicated at the cap)
     for key, k in kernels.items():

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_deepep.tools import internode_model
+from megatron_deepep import transport
 from megatron_deepep.tools import multinode_check as mc
 from tests.helpers.distributed import run_distributed
 from tests.helpers import REPO_ROOT
@@ -153,15 +154,40 @@ def test_cli_end_to_end_on_cpu(tmp_path):
     for case in ("uneven", "dropped", "empty", "node-limited"):
         assert f"check {case}" in text
     assert "correctness: PASSED" in text and "GB/s/NIC" in text
+    assert "transport that ran: reference (--transport reference)" in text
+    # The reference transport's times are torch's gloo all-to-all: no GB/s, saying why.
+    assert "GB/s: none, the reference transport ran" in text
+    sweep_rows = [line for line in text.splitlines() if line.strip().startswith("16 ")]
+    assert len(sweep_rows) == 2 and all(line.split()[-3:] == ["-"] * 3 for line in sweep_rows)
     doc = json.loads(out.read_text())
     assert doc["passed"] and doc["seed"] == 7 and doc["setup"]["nodes"] == 3
+    assert doc["setup"]["transport_ran"] == "reference"
     assert {(p["phase"], p["wire"]) for p in doc["sweep"]} == {("dispatch", "blockwise"),
                                                                 ("combine", "bf16")}
-    assert all(p["network_bytes_per_rank"] > 0 for p in doc["sweep"])
+    assert all(p["network_bytes_per_rank"] > 0 and p["us"] > 0 for p in doc["sweep"])
+    assert not any(k.startswith("gbps") for p in doc["sweep"] for k in p if k != "gbps_refused")
+    assert "dispatch" not in doc and "combine" not in doc  # no rates for the model
     model = internode_model.main(["--tokens", "16", "--hidden", "64", "--experts", "24",
                                   "--topk", "4", "--nodes", "3", "--ranks-per-node", "1",
                                   "--node-limited", "0", "--measured-json", str(out)])
-    assert model["inputs"]["rates"]["dispatch"]["source"].startswith("multinode_check")
+    assert not model["inputs"]["rates"]["dispatch"]["source"].startswith("multinode_check")
+
+
+def test_a_kernel_transport_keeps_its_gbps_and_the_reference_loses_them():
+    point = mc.sweep_point({"net_send": [4, 2], "net_recv": [1, 4], "nvl_send": [0, 0],
+                            "nvl_recv": [0, 0]}, 1000, 2.0, 1, 1)
+    assert point["gbps_per_nic"] == pytest.approx(4000 / 2e3)
+    kept = mc.format_sweep([dict(point, tokens=8, hidden=500, phase="dispatch", wire="bf16")])
+    assert "GB/s: none" not in kept and "2.00" in kept
+    reason = transport.bandwidth_refusal("reference")
+    for name in transport.KERNEL_TRANSPORTS:
+        assert transport.bandwidth_refusal(name) is None
+    refused = mc.refuse_bandwidth(dict(point, tokens=8, hidden=500, phase="dispatch",
+                                       wire="bf16"), reason)
+    assert "gbps_per_nic" not in refused and refused["us"] == 2.0
+    table = mc.format_sweep([refused])
+    assert "2.00" not in table and f"GB/s: none, {reason}" in table
+    assert mc.measured_rates([refused], "x") == {"source": "x"}
 
 
 class _Broken:

@@ -178,6 +178,18 @@ def test_gpu_run_output_says_what_is_measured_and_what_assumed(tmp_path, capsys)
     assert "check:" not in out and result["constants"] is None
 
 
+def test_measurements_of_the_reference_transport_are_refused(tmp_path, capsys):
+    measured = synthetic_gpu_run(sweep.FAMILIES["mixtral"], 4096)
+    path = tmp_path / "sweep.json"
+    for ran in ("local", "local,nvlink"):
+        path.write_text(json.dumps({"measurements": dict(measured, transport=ran)}))
+        _run(capsys, "--family", "mixtral", "--nodes", "1", "--measurements", str(path))
+    path.write_text(json.dumps({"measurements": dict(measured, transport="reference")}))
+    with pytest.raises(ValueError, match=r"--measurements .*sweep.json: the reference "
+                                         r"transport ran .* no GB/s"):
+        sweep.main(["--family", "mixtral", "--nodes", "1", "--measurements", str(path)])
+
+
 def test_assumed_kernel_times_have_a_fixed_cost_and_a_floor():
     # Few bytes: the floor; many: bytes over the rate, plus the fixed cost either way.
     few = sweep.assumed_kernel_us("combine", "bf16", 16, 2, 1024, 132)
