@@ -10,12 +10,15 @@ This module defines the semantics every transport implements (see `layout.py` an
   order and rounds once. Rows are summed in k order.
 
 It runs on any process group that supports `all_to_all_single` (gloo on CPU, NCCL on GPU) and
-synchronizes with the host to learn split sizes, so it is correct everywhere but not fast.
+synchronizes with the host to learn split sizes, so it is correct everywhere but not fast. Each
+collective waits at most the Buffer's `timeout_s`; one that expires raises `PeerTimeoutError`
+naming the peers that never reached the call (a rank that raised mid-step, say).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+import datetime
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from megatron_deepep.fp8.dispatch import Fp8Dispatch, pack_rows, unpack_rows
 from megatron_deepep.handle import DispatchHandle, compute_recv_layout
 from megatron_deepep.layout import DispatchLayout, compute_layout
 from megatron_deepep.transport.base import Transport
+from megatron_deepep.transport.errors import PeerTimeoutError
 
 # A received `recv_x`: rows `[M, H]`, or the FP8 pair `(recv_x_fp8, recv_scales)`.
 RecvX = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -49,34 +53,120 @@ def _unpack_fp8(recv: torch.Tensor, hidden: int, fp8: Fp8Dispatch) -> RecvX:
     return recv_fp8, recv_scales
 
 
-def _all_to_all(tensor: torch.Tensor, send_splits: List[int], recv_splits: List[int],
-                group) -> torch.Tensor:
-    """`all_to_all_single` along dim 0; 2-byte rows travel as int32 bits (gloo has neither bf16
-    nor int16, and every row holds an even number of elements)."""
-    packed = tensor.element_size() == 2
-    wire = tensor.contiguous().view(torch.int32) if packed else tensor.contiguous()
-    out = wire.new_empty((sum(recv_splits),) + tuple(wire.shape[1:]))
-    if dist.get_world_size(group) == 1:
-        out.copy_(wire)
-    else:
-        dist.all_to_all_single(out, wire, recv_splits, send_splits, group=group)
-    return out.view(tensor.dtype) if packed else out
+class _Collectives:
+    """The transport's collectives on `group`, each waited on for at most `timeout_s`; a wait
+    that expires (or fails: a peer's process gone) names the peers that never arrived.
 
+    Where each rank is goes through the group's store (the default group's `PrefixStore`): every
+    rank records its call number and the call's name when it enters a call (`enter`), one key per
+    rank; the rank whose wait expired reads the others' and names those behind it. Ranks build
+    their transports in the same order, so the i-th on a group has the same keys everywhere.
+    """
 
-def _check_ranks_agree(header: List[int], names: List[str], group) -> None:
-    """Raises ValueError when ranks disagree on call parameters (that would corrupt the layout)."""
-    if dist.get_world_size(group) == 1:
-        return
-    mine = torch.tensor(header, dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).cpu()
-    for col, name in enumerate(names):
-        values = table[:, col].tolist()
-        if len(set(values)) > 1:
-            raise ValueError(f"ranks disagree on {name}: per-rank values {values}")
+    _instances: Dict[str, int] = {}  # group name -> transports built on it by this process
+
+    def __init__(self, group, timeout_s: float):
+        self.group, self.timeout_s = group, timeout_s
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        name = (group or dist.group.WORLD).group_name
+        instance = self._instances.get(name, 0)
+        self._instances[name] = instance + 1
+        self.prefix = f"megatron_deepep/reference/{name}/{instance}"
+        self.call, self.what = 0, "set-up"
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except Exception:  # no store (an unusual init): timeouts then name no peer
+            self.store = None
+
+    def enter(self, what: str) -> None:
+        """This rank enters its next call, named `what` (e.g. "dispatch")."""
+        self.call += 1
+        self.what = what
+        if self.store is not None and self.num_ranks > 1:
+            self.store.set(f"{self.prefix}/{self.rank}", f"{self.call} {what}")
+
+    def _where(self, rank: int) -> Optional[Tuple[int, str]]:
+        """(call number, call name) rank `rank` last entered, or None (unknown / no call)."""
+        key = f"{self.prefix}/{rank}"
+        try:
+            if not self.store.check([key]):
+                return None
+            call, what = self.store.get(key).decode().split(" ", 1)
+            return int(call), what
+        except Exception:
+            return None
+
+    def stalled_peers(self) -> str:
+        """Which peers have not entered this rank's current call, in words."""
+        if self.store is None:
+            return "which peer is behind is unknown (no store)"
+        behind = []
+        for r in range(self.num_ranks):
+            if r == self.rank:
+                continue
+            where = self._where(r)
+            if where is None:
+                behind.append(f"rank {r} (global {self.global_ranks[r]}) has entered no call")
+            elif where[0] < self.call:
+                behind.append(f"rank {r} (global {self.global_ranks[r]}) is still at its call "
+                              f"{where[0]} ({where[1]})")
+        if not behind:
+            return "every peer entered this call (the collective itself stalled)"
+        return "; ".join(behind)
+
+    def wait(self, work, op: str) -> None:
+        """Waits for `work` (an async collective) at most `timeout_s`.
+
+        Raises:
+            PeerTimeoutError: it did not complete in time; names the stalled peers.
+            RuntimeError: it failed (e.g. a peer's process exited); names them too.
+        """
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            where = (f"the reference transport's {self.what} (call {self.call} of rank "
+                     f"{self.rank} of {self.num_ranks}) in {op}")
+            if "timed out" in str(exc).lower():
+                raise PeerTimeoutError(
+                    f"megatron_deepep: {where} waited {self.timeout_s:g} s (the Buffer's "
+                    f"timeout_s) for its peers: {self.stalled_peers()}. A rank that raised "
+                    "between dispatch and combine, or skipped a call, leaves its peers here"
+                ) from None
+            raise RuntimeError(f"megatron_deepep: {where} failed ({exc}): "
+                               f"{self.stalled_peers()}") from exc
+
+    def all_to_all(self, tensor: torch.Tensor, send_splits: List[int],
+                   recv_splits: List[int]) -> torch.Tensor:
+        """`all_to_all_single` along dim 0; 2-byte rows travel as int32 bits (gloo has neither
+        bf16 nor int16, and every row holds an even number of elements)."""
+        packed = tensor.element_size() == 2
+        wire = tensor.contiguous().view(torch.int32) if packed else tensor.contiguous()
+        out = wire.new_empty((sum(recv_splits),) + tuple(wire.shape[1:]))
+        if self.num_ranks == 1:
+            out.copy_(wire)
+        else:
+            self.wait(dist.all_to_all_single(out, wire, recv_splits, send_splits,
+                                             group=self.group, async_op=True),
+                      "all_to_all_single")
+        return out.view(tensor.dtype) if packed else out
+
+    def check_ranks_agree(self, header: List[int], names: List[str]) -> None:
+        """Raises ValueError when ranks disagree on call parameters (that would corrupt the
+        layout)."""
+        if self.num_ranks == 1:
+            return
+        mine = torch.tensor(header, dtype=torch.int64)
+        if dist.get_backend(self.group) == "nccl":
+            mine = mine.cuda()
+        gathered = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        self.wait(dist.all_gather(gathered, mine, group=self.group, async_op=True),
+                  "all_gather of the call's parameters")
+        table = torch.stack(gathered).cpu()
+        for col, name in enumerate(names):
+            values = table[:, col].tolist()
+            if len(set(values)) > 1:
+                raise ValueError(f"ranks disagree on {name}: per-rank values {values}")
 
 
 class ReferenceTransport(Transport):
@@ -88,7 +178,8 @@ class ReferenceTransport(Transport):
         hidden: unused (rows of any width travel).
         num_topk: unused.
         num_sms: unused (no kernels of ours).
-        timeout_s: unused (the process group's own timeout applies).
+        timeout_s: how long each collective may wait for the peers before it raises
+            `PeerTimeoutError` naming the ranks that did not arrive (`_Collectives`).
     """
 
     name = "reference"
@@ -101,6 +192,7 @@ class ReferenceTransport(Transport):
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.collectives = _Collectives(group, timeout_s if timeout_s > 0 else 100.0)
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
@@ -149,21 +241,23 @@ class ReferenceTransport(Transport):
                        ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Dispatches rows `x [N, W]` of any dtype; the handle records `hidden` (the token width,
         W for bf16, the element count of the FP8 data otherwise)."""
-        group, num_ranks = self.group, self.num_ranks
+        num_ranks = self.num_ranks
         num_local = num_experts // num_ranks
         num_tokens, num_topk = topk_idx.shape
         width = x.shape[1]
         validate.check_expert_ids_on_host(topk_idx, num_experts)
-        _check_ranks_agree([hidden, num_topk, num_experts, expert_alignment, wire],
-                           ["hidden", "top-k", "num_experts", "expert_alignment",
-                            "fp8 wire format (0 = bf16)"], group)
+        comm = self.collectives
+        comm.enter("dispatch")
+        comm.check_ranks_agree([hidden, num_topk, num_experts, expert_alignment, wire],
+                               ["hidden", "top-k", "num_experts", "expert_alignment",
+                                "fp8 wire format (0 = bf16)"])
         layout = layout if layout is not None else compute_layout(topk_idx, num_experts,
                                                                   num_ranks)
         ones = [1] * num_ranks
-        counts_from_src = _all_to_all(
-            layout.num_tokens_per_expert.view(num_ranks, num_local), ones, ones, group)
+        counts_from_src = comm.all_to_all(
+            layout.num_tokens_per_expert.view(num_ranks, num_local), ones, ones)
         send_splits = layout.num_tokens_per_rank.tolist()
-        recv_splits = _all_to_all(layout.num_tokens_per_rank, ones, ones, group).tolist()
+        recv_splits = comm.all_to_all(layout.num_tokens_per_rank, ones, ones).tolist()
 
         # Tokens in slot order for every destination, with their per-k local expert ids.
         order = torch.cat([layout.slot_token[r, :send_splits[r]] for r in range(num_ranks)]).long()
@@ -175,9 +269,9 @@ class ReferenceTransport(Transport):
         pos = torch.where(on_dest, layout.pos_in_expert[order].long(), -1)
         meta = torch.cat([local_e, pos], dim=1).to(torch.int32)
 
-        recv_rows = _all_to_all(x[order], send_splits, recv_splits, group)
-        recv_meta = _all_to_all(meta, send_splits, recv_splits, group).long()
-        recv_w = _all_to_all(topk_weights[order], send_splits, recv_splits, group)
+        recv_rows = comm.all_to_all(x[order], send_splits, recv_splits)
+        recv_meta = comm.all_to_all(meta, send_splits, recv_splits).long()
+        recv_w = comm.all_to_all(topk_weights[order], send_splits, recv_splits)
 
         recv = compute_recv_layout(counts_from_src, expert_alignment)
         num_rows = int(recv.expert_row_start[-1])
@@ -237,7 +331,8 @@ class ReferenceTransport(Transport):
         layout = handle.layout
         order = torch.cat([layout.slot_token[r, :send_splits[r]]
                            for r in range(self.num_ranks)]).long()
-        recv_rows = _all_to_all(x[order], send_splits, recv_splits, self.group)
+        self.collectives.enter("cached dispatch")
+        recv_rows = self.collectives.all_to_all(x[order], send_splits, recv_splits)
         rows = self._received_slot_rows(handle, recv_splits)
         out = torch.zeros(handle.num_recv_rows, x.shape[1], dtype=x.dtype, device=x.device)
         valid = rows >= 0
@@ -267,11 +362,12 @@ class ReferenceTransport(Transport):
             if weighted:
                 term = term * handle.recv_weights[safe[:, k]].unsqueeze(1)
             acc = torch.where(valid[:, k:k + 1], acc + term, acc)
-        partial = _all_to_all(acc.to(y.dtype), recv_splits, send_splits, self.group)
+        self.collectives.enter("combine")
+        partial = self.collectives.all_to_all(acc.to(y.dtype), recv_splits, send_splits)
         wvals = None
         if grad_row_weights is not None:
             w = torch.where(valid, grad_row_weights.float()[safe], 0.0)
-            wvals = _all_to_all(w, recv_splits, send_splits, self.group)
+            wvals = self.collectives.all_to_all(w, recv_splits, send_splits)
 
         layout = handle.layout
         offsets = [0]
