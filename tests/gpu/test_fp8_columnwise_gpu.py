@@ -143,18 +143,42 @@ def bench_rows():
     return splits, rows, blocks, x, s
 
 
+def _copy_gbps(num_bytes: int = 1 << 30) -> float:
+    """This GPU's device-to-device copy rate (read + write counted), by CUDA events."""
+    src = torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return 2 * src.numel() / sorted(times)[2] / 1e3
+
+
 def test_kernel_time():
-    """The kernel at the FP8 experts' bench shape (`bench_rows`), printed: µs and GB/s (FP8
-    rows and scales read once, columnwise data and scales written once)."""
+    """The kernel at the FP8 experts' bench shape (`bench_rows`): its output equals the
+    reference's (the first experts: the CPU reference of all 49k rows takes minutes), and its
+    rate (FP8 rows and scales read once, columnwise data and scales written once) lies between
+    a twentieth of this GPU's copy rate and the copy rate itself (above it, the timing or the
+    byte count is wrong; below, a regression by an order of magnitude). Printed too."""
     hidden, num_experts = BENCH_HIDDEN, BENCH_EXPERTS
-    _, rows, blocks, x, s = bench_rows()
+    splits, rows, blocks, x, s = bench_rows()
     offsets = C.device_offsets(rows, "cuda")
 
     def call():
         return ops.columnwise_from_rowwise(x, s, offsets, blocks[-1])
 
-    call()
+    data, scale_inv = call()
     torch.cuda.synchronize()
+    head = 4
+    want_data, want_scales = C.pack(C.reference(x[:rows[head]].cpu(), s[:rows[head]].cpu(),
+                                                splits[:head]), hidden)
+    _assert_fp8_equal(data[:hidden * rows[head]], want_data)
+    _assert_scales_equal(scale_inv[:blocks[head]], want_scales)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(20):
@@ -170,5 +194,8 @@ def test_kernel_time():
         call()
     host_us = (time.perf_counter() - host) / 20 * 1e6
     torch.cuda.synchronize()
+    copy_gbps = _copy_gbps()
+    gbps = moved / us / 1e3
     print(f"\ncolumnwise_from_rowwise M {rows[-1]} H {hidden} E {num_experts}: {us:.1f} us, "
-          f"{moved / us / 1e3:.0f} GB/s, host {host_us:.1f} us per call")
+          f"{gbps:.0f} GB/s (copy {copy_gbps:.0f} GB/s), host {host_us:.1f} us per call")
+    assert copy_gbps / 20 < gbps <= copy_gbps * 1.1, (gbps, copy_gbps)

@@ -141,12 +141,31 @@ def test_newer_megatron_graph_field_is_read():
     assert options.graph_scope(_config(external_cuda_graph=True)).impl == "transformer_engine"
 
 
-def test_expert_tensor_parallelism_is_accepted_with_the_synchronous_dispatch():
-    options.check_config(_config(expert_tensor_parallel_size=2), options.DeepEPOptions())
-    options.check_config(_config(), options.DeepEPOptions(), expert_tp_size=4)
+def test_expert_tensor_parallelism_is_accepted_with_the_synchronous_dispatch(monkeypatch):
+    seen = []  # the expert-TP size each call's check saw: the accepted calls were judged
+    check_expert_tp = options._check_expert_tp
+
+    def recording(config, opts, etp):
+        seen.append(etp)
+        return check_expert_tp(config, opts, etp)
+
+    monkeypatch.setattr(options, "_check_expert_tp", recording)
     padded = dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0,
                   cuda_graph_impl="local", cuda_graph_scope=["moe"])  # sync-free without a bound
-    options.check_config(_config(**padded), options.DeepEPOptions(), expert_tp_size=2)
+    accepted = [(_config(expert_tensor_parallel_size=2), {}), (_config(), dict(expert_tp_size=4)),
+                (_config(**padded), dict(expert_tp_size=2))]
+    for config, kwargs in accepted:
+        assert options.check_config(config, options.DeepEPOptions(), **kwargs) is None
+    assert seen == [2, 4, 2]
+    # The same configurations with a row bound (the sync-free dispatch) are refused: what was
+    # accepted above is the synchronous dispatch, not any configuration; pad-to-capacity (the
+    # same capacity segments on every rank) stays accepted.
+    bounded = options.DeepEPOptions(rank_capacity_factor=2.0)
+    for config, kwargs in accepted[:2]:
+        with pytest.raises(ValueError, match="--expert-tensor-parallel-size .* needs the "
+                                             "synchronous dispatch"):
+            options.check_config(config, bounded, **kwargs)
+    assert options.check_config(accepted[2][0], bounded, **accepted[2][1]) is None
 
 
 @pytest.mark.parametrize("fields, opts, flag", [

@@ -1,7 +1,8 @@
 """The patches in patches/ apply to the matching megatron-core files, and make `deepep` work.
 
 The tree under test is a copy of the installed megatron-core laid out as Megatron-LM
-(`megatron/core/...`); the 0.19 patch is checked against the 0.19.2 wheel when `.whl/` has it.
+(`megatron/core/...`); the 0.19 patch is also checked against a megatron-core 0.19.x wheel's
+files on every leg (`.whl/`'s, else downloaded from PyPI by the test).
 """
 
 from __future__ import annotations
@@ -176,12 +177,39 @@ def test_generator_reproduces_the_shipped_patch(tmp_path):
     assert cfg.read_text() == text
 
 
+# megatron-core 0.19.x from PyPI for the 0.19 patch check on any leg (the wheel is for Python
+# 3.12; only its .py files are read). CI reaches PyPI; offline, put the wheel in `.whl/`.
+MEGATRON_019 = "megatron-core>=0.19,<0.20"
+
+
+def _megatron_019_wheel(cache_dir) -> str:
+    """A megatron-core 0.19.x wheel: `.whl/`'s, else one `pip download` (2.4 MB) into
+    `cache_dir`.
+
+    Raises:
+        pytest.fail: the download failed (pip's output, and the offline alternative).
+    """
+    pattern = "megatron_core-0.19*.whl"
+    found = sorted(glob.glob(os.path.join(ROOT, ".whl", pattern))
+                   + glob.glob(os.path.join(str(cache_dir), pattern)))
+    if found:
+        return found[-1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+         "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64", "--platform",
+         "manylinux2014_x86_64", "--platform", "any", MEGATRON_019, "-d", str(cache_dir)],
+        capture_output=True, text=True, timeout=300)
+    found = sorted(glob.glob(os.path.join(str(cache_dir), pattern)))
+    if proc.returncode != 0 or not found:
+        pytest.fail(f"pip download {MEGATRON_019} failed (exit {proc.returncode}): "
+                    f"{proc.stderr[-2000:]}\nOffline, put a megatron_core-0.19 wheel in .whl/")
+    return found[-1]
+
+
 def test_019_patch_applies_to_the_wheel(tmp_path):
-    wheels = glob.glob(os.path.join(ROOT, ".whl", "megatron_core-0.19*.whl"))
-    if not wheels:
-        pytest.skip("no megatron_core 0.19 wheel in .whl/")
+    wheel = _megatron_019_wheel(tmp_path / "wheel")
     root = tmp_path / "w19"
-    with zipfile.ZipFile(wheels[0]) as z:
+    with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
             if name.startswith("megatron/") and name.endswith(".py"):
                 z.extract(name, root)
