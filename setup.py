@@ -33,6 +33,6 @@ setup(
         "gpu": JIT_PACKAGES,
         # pyyaml: megatron.training (in the megatron-core wheels from 0.17) imports it.
         "megatron": ["megatron-core>=0.16", "pyyaml"],
-        "test": ["pytest", "matplotlib"],
+        "test": ["pytest", "matplotlib", "hypothesis"],
     },
 )

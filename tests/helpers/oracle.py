@@ -56,17 +56,20 @@ def oracle_combine(ys: List[torch.Tensor], sources: List[List[Tuple]], num_token
     dtype, hidden = ys[0].dtype, ys[0].shape[1]
     acc = [torch.zeros(n, hidden, dtype=torch.float32) for n in num_tokens]
     for r in range(num_ranks):
-        partial = {}
+        terms = {}  # (source, token) -> [(k, row)]: a token's rows lie in expert order
         for i, src in enumerate(sources[r]):
             if src is None:
                 continue
-            s, n, _ = src
+            s, n, k = src
             term = ys[r][i].float()
             if weights is not None:
                 term = term * weights[r][i]
-            partial[(s, n)] = partial.get((s, n), torch.zeros(hidden)) + term
-        for (s, n), p in partial.items():
-            acc[s][n] += p.to(dtype).float()
+            terms.setdefault((s, n), []).append((k, term))
+        for (s, n), rows in terms.items():
+            partial = torch.zeros(hidden)
+            for _, term in sorted(rows, key=lambda kt: kt[0]):  # k order, not row order
+                partial = partial + term
+            acc[s][n] += partial.to(dtype).float()
     return [a.to(dtype) for a in acc]
 
 
