@@ -76,10 +76,10 @@ def test_cache_writes_are_atomic(tmp_path):
     assert target.read_bytes() == b"abc" and [p.name for p in tmp_path.iterdir()] == ["k.cubin"]
 
 
-def test_knobs_reach_the_compile_options(monkeypatch):
+def test_knobs_reach_the_compile_options(monkeypatch, tmp_path):
     monkeypatch.setenv("MDEEP_JIT_LINEINFO", "1")
     assert "-lineinfo" in jit._options("sm_90")
     monkeypatch.delenv("MDEEP_JIT_LINEINFO")
     assert "-lineinfo" not in jit._options("sm_90")
-    monkeypatch.setenv("MDEEP_CACHE_DIR", "/tmp/mdeep-cache-test")
-    assert str(jit._cache_dir()) == "/tmp/mdeep-cache-test"
+    monkeypatch.setenv("MDEEP_CACHE_DIR", str(tmp_path / "kernels"))
+    assert jit._cache_dir() == tmp_path / "kernels"

@@ -260,11 +260,11 @@ def test_options_read_the_environment_through_knobs(monkeypatch):
     monkeypatch.setenv("MDEEP_TRANSPORT", "local")
     monkeypatch.setenv("MDEEP_NUM_SMS", " 9 ")
     monkeypatch.setenv("MDEEP_METRICS", "Yes")
-    monkeypatch.setenv("MDEEP_METRICS_DIR", "/tmp/m")
+    monkeypatch.setenv("MDEEP_METRICS_DIR", "metrics/run1")  # read as given, not created
     monkeypatch.setenv("MDEEP_FP8_DISPATCH", "mxfp8")
     resolved = options.resolve_options(None)
     assert (resolved.transport, resolved.num_sms, resolved.metrics, resolved.metrics_dir,
-            resolved.fp8_dispatch) == ("local", 9, True, "/tmp/m", "mxfp8")
+            resolved.fp8_dispatch) == ("local", 9, True, "metrics/run1", "mxfp8")
     # Config field > registered default > environment.
     options.set_default_options(num_sms=11)
     assert options.resolve_options(None).num_sms == 11
