@@ -7,16 +7,16 @@ that has no cache entry yet. This tool compiles them all at once, in parallel, w
 so a cluster can fill a shared cache on a login node; jobs then point `MDEEP_CACHE_DIR` at that
 directory and load instead of compiling. Jobs load only entries their own user wrote unless told
 whom else to trust: run both with `MDEEP_CACHE_TRUST=user:<the account that fills it>` (entries
-0644) or `group:<team>` (`megatron_deepep/kernels/cache_trust.py`). The entries are keyed by the sources, options, arch and
-NVRTC version: build with the same install (or the same code and cuda-bindings) as the job, for
-the job's GPU (`--arch`, sm_90 for H100/H200). With a blockwise `--fp8` format and FP8 output
-it also builds the FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise.cu`).
-`--internode` also links the internode transport's kernels (NVRTC + nvJitLink against the
-nvidia-nvshmem wheel's device library), one module per (top-k, index type, wire format) for
-dispatch and per (top-k, row dtype) for combine, for the node staging `MDEEP_INTERNODE_STAGING`
-and the network ring `MDEEP_INTERNODE_NET_RING_CHUNKS` select (the job must set the same; with
-`auto`, the default, the job picks its staging from the EP group's shape, so all three are
-built).
+0644) or `group:<team>` (`megatron_deepep/kernels/cache_trust.py`). The entries are keyed by the
+sources, options, arch and NVRTC version: build with the same install (or the same code and
+cuda-bindings) as the job, for the job's GPU (`--arch`, sm_90 for H100/H200). With a blockwise
+`--fp8` format and FP8 output it also builds the FP8 experts' columnwise-copy kernel
+(`cuda_src/fp8_columnwise.cu`). `--internode` also links the internode transport's kernels
+(NVRTC + nvJitLink against the nvidia-nvshmem wheel's device library), one module per (top-k,
+index type, wire format) for dispatch and per (top-k, row dtype) for combine, for the node
+staging `MDEEP_INTERNODE_STAGING` and the network ring `MDEEP_INTERNODE_NET_RING_CHUNKS` select
+(the job must set the same; with `auto`, the default, the job picks its staging from the EP
+group's shape, so all three are built).
 """
 
 from __future__ import annotations

@@ -274,8 +274,8 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
     if own_group:
         dist.destroy_process_group()
     return {"source": f"measured on {props.name} ({props.multi_processor_count} SMs)",
-            "transport": ",".join(sorted(ran)), "fp8_format": fp8.fmt.name, "kernels": kernels, "experts": experts,
-            "points": points}
+            "transport": ",".join(sorted(ran)), "fp8_format": fp8.fmt.name, "kernels": kernels,
+            "experts": experts, "points": points}
 
 
 def _expert_gemm_us(shape: Shape, tokens: int, topk: int, ep: int) -> float:

@@ -256,6 +256,7 @@ def test_columnwise_time_kernel_against_dequantize():
     call are printed."""
     from megatron_deepep.megatron import te_experts
     from tests.gpu.test_fp8_columnwise_gpu import BENCH_EXPERTS, BENCH_HIDDEN, bench_rows
+    from tests.gpu.test_fp8_gpu import _assert_fp8_equal, _assert_scales_equal
 
     hidden, num_experts = BENCH_HIDDEN, BENCH_EXPERTS
     splits, rows, _, x, s = bench_rows()
