@@ -8,8 +8,8 @@ the current user alone: the default folder is per user and created 0700, entries
 0600. A team cache is an explicit choice, the knob CACHE_TRUST:
 
 - `user:NAME` (or `user:UID`): also trust what that account wrote (one account fills the cache
-  with `python -m megatron_deepep.precompile`, the others read it); entries are written 0644,
-  new folders 0755.
+  with `python -m megatron_deepep.tools.precompile`, the others read it); entries are written
+  0644, new folders 0755.
 - `group:NAME` (or `group:GID`): trust what members of that group wrote into a folder of that
   group that is group- but not world-writable; entries are written 0640 in that group, new
   folders 2770 (set-group-ID, so new entries inherit the group).

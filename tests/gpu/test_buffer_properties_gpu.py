@@ -1,8 +1,8 @@
 """GPU tier: Buffer on the kernel transports against the oracle, on examples Hypothesis draws.
 
-The property of `tests/test_buffer_properties.py` (`tests/buffer_properties.py`: token counts
-with 0, hidden sizes, top-k 1-16, experts per rank, -1 ids, skew, row and index dtypes,
-alignment, cached dispatch, no-sync row bounds) on `transport="auto"` at the EP sizes of
+The property of `tests/core/test_buffer_properties.py` (`tests/helpers/buffer_properties.py`:
+token counts with 0, hidden sizes, top-k 1-16, experts per rank, -1 ids, skew, row and index
+dtypes, alignment, cached dispatch, no-sync row bounds) on `transport="auto"` at the EP sizes of
 `MDEEP_TEST_PROCS` up to 8 (the EP = 1 kernels, then NVLink; processes share the GPU under gloo,
 one per GPU under `MDEEP_TEST_BACKEND=nccl`), and on the internode transport at 2 x 1 virtual
 nodes. Dispatch and cached dispatch bit-exact; combine bit-exact on one node (the same order and
@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
-from megatron_deepep import knobs
-from tests.distributed import cpu_group, run_distributed, tier_backend, use_rank_device
+from tests.helpers import knobs as test_knobs
+from tests.helpers.distributed import cpu_group, run_distributed, tier_backend, use_rank_device
 
 pytest.importorskip("hypothesis", reason="the property tests need hypothesis: pip install "
                     "-e '.[test]'")
@@ -25,13 +25,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 EXAMPLES = 200
-NUM_PROCS = [n for n in knobs.get("TEST_PROCS") if n <= 8]
+NUM_PROCS = [n for n in test_knobs.get("TEST_PROCS") if n <= 8]
 INTERNODE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_SYMMETRIC_SIZE": "2G"}
 
 
 def _kernels(rank, world, per_node, max_examples):
-    from tests.buffer_properties import make_buffer, run_property
+    from tests.helpers.buffer_properties import make_buffer, run_property
 
     if per_node is not None:
         os.environ.update(INTERNODE_ENV)

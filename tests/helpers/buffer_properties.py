@@ -1,13 +1,13 @@
-"""Property-based check of `Buffer` against `tests/oracle.py`, run inside every rank.
+"""Property-based check of `Buffer` against the oracle, run inside every rank.
 
 Hypothesis draws each example (token counts per rank, 0 included; hidden size; top-k 1-16;
-experts per rank; -1 ids; skew; row dtype; index dtype; alignment; a no-sync row bound or
-none) and every rank builds the same inputs of every rank from the drawn seed, runs dispatch,
-cached dispatch, combine and weighted combine on its own, and compares its part with the
-oracle. Every rank draws the same examples in the same order (derandomized, no database, no
-shrinking, no timing health checks) and the ranks agree on each verdict (`all_gather_object`)
-before the next example, so a failure on one rank fails the same example on all of them and
-no collective is left waiting.
+experts per rank; -1 ids; skew; row dtype; index dtype; alignment; a no-sync row bound or none)
+and every rank builds the same inputs of every rank from the drawn seed, runs dispatch, cached
+dispatch, combine and weighted combine on its own, and compares its part with the oracle
+(`tests/helpers/oracle.py`). Every rank draws the same examples in the same order (derandomized,
+no database, no shrinking, no timing health checks) and the ranks agree on each verdict
+(`all_gather_object`) before the next example, so a failure on one rank fails the same example
+on all of them and no collective is left waiting.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.oracle import oracle_combine, oracle_dispatch
+from tests.helpers.oracle import oracle_combine, oracle_dispatch
 
 MAX_TOKENS = 24           # tokens per rank, 0 included
 MAX_EXPERTS_PER_RANK = 8

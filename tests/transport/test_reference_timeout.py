@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from megatron_deepep.buffer import Buffer
 from megatron_deepep.transport.errors import PeerTimeoutError
-from tests.cases import make_inputs
-from tests.distributed import run_distributed
+from tests.helpers.cases import make_inputs
+from tests.helpers.distributed import run_distributed
 
 TIMEOUT_S = 2.0
 HIDDEN, NUM_TOPK = 32, 2
@@ -80,7 +80,7 @@ def _peer_process_gone(rank, world, queue):
 def test_a_peer_whose_process_exited_is_named():
     import torch.multiprocessing as mp
 
-    from tests.distributed import free_port
+    from tests.helpers.distributed import free_port
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()

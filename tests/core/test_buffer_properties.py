@@ -1,9 +1,9 @@
 """CPU tier: Buffer on the reference transport against the oracle, on examples Hypothesis draws.
 
-`tests/buffer_properties.py` draws token counts (0 included), hidden sizes, top-k 1-16, experts
-per rank, -1 ids, skew, row and index dtypes, alignment and no-sync row bounds, and checks
-dispatch, cached dispatch, combine and weighted combine (bit-exact) on 1, 2 and 4 gloo ranks:
-220 examples in all.
+`tests/helpers/buffer_properties.py` draws token counts (0 included), hidden sizes, top-k 1-16,
+experts per rank, -1 ids, skew, row and index dtypes, alignment and no-sync row bounds, and
+checks dispatch, cached dispatch, combine and weighted combine (bit-exact) on 1, 2 and 4 gloo
+ranks: 220 examples in all.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytest.importorskip("hypothesis", reason="the property tests need hypothesis: pip install "
                     "-e '.[test]'")
@@ -21,7 +21,7 @@ EXAMPLES = {1: 60, 2: 140, 4: 20}
 
 
 def _reference(rank, world, max_examples):
-    from tests.buffer_properties import make_buffer, run_property
+    from tests.helpers.buffer_properties import make_buffer, run_property
 
     buf = make_buffer(transport="reference", timeout_s=60)
     done = run_property(rank, world, buf, torch.device("cpu"), max_examples)
