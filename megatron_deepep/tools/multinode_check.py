@@ -473,10 +473,9 @@ def _row_bytes(hidden: int, fp8: Optional[str]) -> int:
 
 def run_sweep(ctx) -> List[dict]:
     """Times dispatch and combine at every (tokens, hidden); rank 0 prints the table."""
-`megatron_deepep.transport.node_layout` (the rows the hierarchical path moves), the time from CUDA
-events (the slowest rank's median), and rank 0 prints GB/s per rank and per NIC. It names the
-transport that ran (the Buffer's, which `auto` may resolve to the reference) and gives no GB/s
-for the reference transport: those times are torch's collectives, not a network or NVLink.
+    from megatron_deepep.tools import internode_model
+    from megatron_deepep.transport import bandwidth_refusal
+    from megatron_deepep.transport.node_layout import compute_node_layout, node_limited_topk
     from megatron_deepep.transport.topology import Topology
 
     args, shape = ctx.args, ctx.shape

@@ -39,7 +39,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.knobs": 0,
     "megatron_deepep.logs": 0,
     "megatron_deepep.kernels": 1,  # the run-time compiler: knows no kernel
-    "megatron_deepep.kernels.*": 1,  # jit, nvshmem_link (its NVSHMEM linker), cuda_calls
+    "megatron_deepep.kernels.*": 1,  # jit, nvshmem_link (its NVSHMEM linker), cuda_calls, cache_trust
     "megatron_deepep.arena": 2,
     "megatron_deepep.layout": 2,
     "megatron_deepep.handle": 2,
