@@ -237,13 +237,13 @@ def test_a_planted_linked_entry_is_refused_and_relinked(cache, monkeypatch, capl
     monkeypatch.setattr(nvshmem_link, "_nvrtc_compile", fake_compile)
     monkeypatch.setattr(nvshmem_link, "_nvjitlink", fake_link)
     names = ["internode_leg_send"]
-    first = nvshmem_link.link_cubin("internode_leg.cu", names, "sm_90")
+    first = nvshmem_link.link_cubin("bench/internode_leg.cu", names, "sm_90")
     (entry,) = (cache / "nvshmem").glob("*.kernel")
     entry.write_bytes(jit.pack_entry(b"\x7fELF planted", first[1]))
     os.chown(entry, OTHER_UID, OTHER_GID)
     with caplog.at_level(logging.WARNING, logger="megatron_deepep.kernels.cache_trust"):
-        again = nvshmem_link.link_cubin("internode_leg.cu", names, "sm_90")
+        again = nvshmem_link.link_cubin("bench/internode_leg.cu", names, "sm_90")
     assert again == first and len(links) == 2
     assert f"owned by uid {OTHER_UID}" in _trust_warnings(caplog)[0]
-    assert nvshmem_link.link_cubin("internode_leg.cu", names, "sm_90") == first
+    assert nvshmem_link.link_cubin("bench/internode_leg.cu", names, "sm_90") == first
     assert len(links) == 2  # our own entry again
