@@ -39,7 +39,8 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.knobs": 0,
     "megatron_deepep.logs": 0,
     "megatron_deepep.kernels": 1,  # the run-time compiler: knows no kernel
-    "megatron_deepep.kernels.*": 1,  # jit, nvshmem_link (its NVSHMEM linker), cuda_calls, cache_trust
+    # jit, nvshmem_link (its NVSHMEM linker), cuda_calls, cache_trust (whose cache files are used)
+    "megatron_deepep.kernels.*": 1,
     "megatron_deepep.arena": 2,
     "megatron_deepep.layout": 2,
     "megatron_deepep.handle": 2,

@@ -252,8 +252,8 @@ def test_columnwise_time_kernel_against_dequantize():
     """The wgrad's columnwise copy at the bench shape (N 8192, top-6, 64 experts, H 4096):
     the kernel against dequantize + TE's split_quantize. Both give the same bits per expert,
     and the kernel (one pass, FP8 in and out) takes less GPU time than the two-step path
-    (828 against 1250 µs when measured, `docs/fp8.md`). GPU (CUDA events) and host time per
-    call are printed."""
+    (828 against 1250 µs when measured, `benchmarks/h200_2026-12-04_moe_layer.md`). GPU (CUDA
+    events) and host time per call are printed."""
     from megatron_deepep.megatron import te_experts
     from tests.gpu.test_fp8_columnwise_gpu import BENCH_EXPERTS, BENCH_HIDDEN, bench_rows
     from tests.gpu.test_fp8_gpu import _assert_fp8_equal, _assert_scales_equal
@@ -388,7 +388,8 @@ def test_moe_layer_timing(megatron_env):
     variants with the same weights: their outputs and input gradients agree within the FP8
     tolerances (`TOL_SAME`; the FP8 rows differ from bf16 by their quantization) and their
     times within 1.5x of each other (they run the same GEMMs: 13.64 / 13.25 / 13.30 ms when
-    measured, `docs/fp8.md`; a variant that doubles is a regression). Printed too."""
+    measured, `benchmarks/h200_2026-12-04_moe_layer.md`; a variant that doubles is a
+    regression). Printed too."""
     hidden, ffn, num_experts, topk, tokens = 4096, 1024, 64, 6, 8192
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(tokens, 1, hidden, device="cuda", generator=gen).bfloat16()
