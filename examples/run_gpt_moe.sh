@@ -13,9 +13,10 @@
 #                      (reference transport) beside alltoall, losses side by side (~1 minute)
 # Env: PYTHON (default python3), INSTALL=0 (install nothing), MEGATRON_LM (a Megatron-LM
 # checkout, for megatron.training with megatron-core 0.16), DISPATCHER (default deepep;
-# alltoall to compare), TRAIN_ITERS (50; the CPU demo: 20), METRICS=1 (per-layer comm/load
-# metrics, JSON lines in $OUT/metrics -> python -m megatron_deepep.tools.plot_metrics
-# $OUT/metrics), OUT (run
+# alltoall to compare, alltoall-fused for Megatron's alltoall with Transformer Engine's fused
+# permute, --moe-permute-fusion, which needs TE), TRAIN_ITERS (50; the CPU demo: 20), METRICS=1
+# (per-layer comm/load metrics, JSON lines in $OUT/metrics -> python -m
+# megatron_deepep.tools.plot_metrics $OUT/metrics), OUT (run
 # folder, default runs/gpt_moe_<dispatcher>).
 # The local (non-TE) layers need --no-rope-fusion and --no-persist-layer-norm without TE / Apex.
 # FP8 dispatch (README, "FP8 dispatch"; hidden size % 16 == 0): pass our flag through, e.g.
@@ -54,6 +55,10 @@ DISPATCHER=${DISPATCHER:-deepep}
 OUT=${OUT:-runs/gpt_moe_${DISPATCHER}}
 mkdir -p "$OUT"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0
+DISPATCHER_FLAGS=(--moe-token-dispatcher-type "$DISPATCHER")
+if [ "$DISPATCHER" = alltoall-fused ]; then  # Megatron's alltoall on TE's fused permute kernels
+  DISPATCHER_FLAGS=(--moe-token-dispatcher-type alltoall --moe-permute-fusion)
+fi
 METRIC_FLAGS=()
 if [ "${METRICS:-0}" = 1 ]; then
   METRIC_FLAGS=(--moe-mdeep-metrics --moe-mdeep-metrics-dir "$OUT/metrics" --moe-per-layer-logging)
@@ -81,6 +86,6 @@ fi
   --no-rope-fusion --no-persist-layer-norm \
   --num-experts 8 --moe-ffn-hidden-size 1024 --moe-router-topk 2 \
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-router-dtype fp32 \
-  --expert-model-parallel-size "$NGPU" --moe-token-dispatcher-type "$DISPATCHER" \
+  --expert-model-parallel-size "$NGPU" "${DISPATCHER_FLAGS[@]}" \
   --tensorboard-dir "$OUT/tensorboard" \
   "${METRIC_FLAGS[@]}" "$@" 2>&1 | tee "$OUT/train.log"
