@@ -252,8 +252,9 @@ def build_model(args, dispatcher):
         num_attention_heads=8, num_moe_experts=args.num_experts, moe_router_topk=args.topk,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         moe_router_dtype="fp32", moe_token_dispatcher_type=dispatcher,
-        moe_permute_fusion=permute_fusion, expert_model_parallel_size=dist.get_world_size(), add_bias_linear=False,
-        gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
+        moe_permute_fusion=permute_fusion, expert_model_parallel_size=dist.get_world_size(),
+        add_bias_linear=False, gradient_accumulation_fusion=False, bf16=True,
+        params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=args.cpu)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)

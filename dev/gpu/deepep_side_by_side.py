@@ -474,7 +474,8 @@ def worker(rank: int, cfg: dict) -> None:
                                cfg["topk"], seed=11)
     fp8 = [fmt.quantize(x) for x, _, _ in check_inputs]
     check = {"inputs": check_inputs, "fp8": fp8, "oracle": oracle(check_inputs, cfg["experts"]),
-             "oracle_q": oracle(check_inputs, cfg["experts"], [q.view(torch.uint8) for q, _ in fp8]),
+             "oracle_q": oracle(check_inputs, cfg["experts"],
+                                [q.view(torch.uint8) for q, _ in fp8]),
              "oracle_s": oracle(check_inputs, cfg["experts"], [s for _, s in fp8])}
     full_inputs = make_inputs(num_ranks, cfg["tokens"], cfg["hidden"], cfg["experts"],
                               cfg["topk"], seed=23)
