@@ -142,14 +142,19 @@ def row_bytes(hidden: int, wire: str) -> int:
 # Inputs and the oracle (CPU; every rank makes every rank's inputs from the seeds)
 
 def make_inputs(num_ranks: int, num_tokens: int, hidden: int, experts: int, topk: int,
-                seed: int):
-    """`[R]` of (x [N, H] bf16, topk_idx [N, K] int64, topk_weights [N, K] fp32), on the CPU."""
+                seed: int, rows_of=None):
+    """`[R]` of (x [N, H] bf16, topk_idx [N, K] int64, topk_weights [N, K] fp32), on the CPU;
+    with `rows_of` (a rank), x only for that rank (None for the others: routing is all a rank
+    needs of its peers' inputs at the timed size)."""
     import torch
 
     out = []
     for r in range(num_ranks):
-        gen = torch.Generator().manual_seed(seed * 1009 + r)
-        x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
+        x = None
+        if rows_of is None or rows_of == r:
+            gen = torch.Generator().manual_seed(seed * 1009 + r)
+            x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
+        gen = torch.Generator().manual_seed(seed * 1009 + r + 500009)
         scores = torch.rand(num_tokens, experts, generator=gen)
         weights, idx = scores.topk(topk, dim=1)
         out.append((x, idx.to(torch.int64), (weights / weights.sum(1, keepdim=True)).float()))
@@ -478,7 +483,7 @@ def worker(rank: int, cfg: dict) -> None:
                                 [q.view(torch.uint8) for q, _ in fp8]),
              "oracle_s": oracle(check_inputs, cfg["experts"], [s for _, s in fp8])}
     full_inputs = make_inputs(num_ranks, cfg["tokens"], cfg["hidden"], cfg["experts"],
-                              cfg["topk"], seed=23)
+                              cfg["topk"], seed=23, rows_of=rank)
     rec.data["received_tokens"] = received_tokens(full_inputs, rank, cfg["experts"])
     full = {"inputs": full_inputs, "fp8": fmt.quantize(full_inputs[rank][0])}
     run_ours(rec, cfg, check, full, group)

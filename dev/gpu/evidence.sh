@@ -16,7 +16,8 @@
 #               and alltoall from one seed: losses and median step times -> _main_job.md
 #   deepep      dev/gpu/deepep.sh: build (timed), DeepEP's own intranode test (its exact error
 #               on one GPU), ours and DeepEP side by side at R = 2, 4, 8 (time-sliced)
-#               (deepep-build, deepep-own-test, deepep-side run one of them) -> _deepep.md
+#               (deepep-build, deepep-own-test, deepep-side run one of them; the last two build
+#               first unless this machine built the same source already) -> _deepep.md
 #   mps         dev/gpu/mps.sh: the same side by side with the ranks at once (MPS), the NVLink
 #               and internode tiers and the internode sweep at 2x2 / 2x4 (mps-side, mps-tier,
 #               mps-sweep run one of them)                        -> _mps.md, mps_model.json
@@ -29,11 +30,11 @@
 # device tool's $OUT, they are packed into $OUT/evidence_records.tar.gz and the summary table
 # (printed last) into $OUT/evidence_summary.md. Build and kernel caches: .bench_out/evidence/
 # (kept between calls while the machine stays warm). NVLink multicast stays off.
-# Device tool (one H200, calls of <= 10 minutes; see dev/gpu/README.md for the carry folders):
-#   call 1: PIECES="baselines main" bash dev/gpu/evidence.sh .evw_te .deepep/DeepEP-v1.2.1.tar.gz
-#   call 2: PIECES="deepep mps-side" bash dev/gpu/evidence.sh .deepep .deepep/DeepEP-v1.2.1.tar.gz
-#   call 3: PIECES="mps-tier mps-sweep proxy model" bash dev/gpu/evidence.sh .evw_ucx \
-#             .deepep/DeepEP-v1.2.1.tar.gz
+# Device tool (one H200, calls of <= 10 minutes, one after another while the machine is warm;
+# dev/gpu/README.md says how the carried folders are made; D=.deepep/DeepEP-v1.2.1.tar.gz):
+#   call 1 (carry .evw_te .deepep): PIECES="baselines main deepep-build" ... .evw_te $D
+#   call 2 (carry .deepep): PIECES="deepep-own-test deepep-side mps-side mps-sweep" ... .deepep $D
+#   call 3 (carry .evw_ucx .deepep): PIECES="proxy model mps-tier" ... .evw_ucx $D
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_lib.sh"
 ev_init evidence
@@ -91,7 +92,7 @@ child() {
 baselines() {
   local table=$EV_LOGS/baselines_table.md
   ev_piece precompile 150 "$EV_LOGS/precompile.log" python3 -m megatron_deepep.precompile \
-    --topk 8 --index-dtype int64 --fp8 blockwise_1x128 --bench -j "$(nproc)" -q
+    --topk 2 6 8 --index-dtype int64 --fp8 blockwise_1x128 --bench -j "$(nproc)" -q
   local bench_args=(--shapes 4096,7168,256,8 --num-sms 24,132 --fp8 blockwise_1x128)
   local layer_args=(--variants alltoall-fused,alltoall,deepep-sync,deepep-syncfree --iters 20)
   ev_piece "bench EP=1" 240 "$EV_LOGS/bench.log" python3 -m megatron_deepep.bench \
@@ -172,7 +173,9 @@ for step in "${plan[@]}"; do
     baselines) baselines ;;
     main) main_job ;;
     deepep) child deepep deepep.sh "build own-test side" "$DEEPEP_SRC" ;;
-    deepep-*) child deepep deepep.sh "${step#deepep-}" "$DEEPEP_SRC" ;;
+    deepep-build) child deepep deepep.sh build "$DEEPEP_SRC" ;;
+    # The build first: instant when this machine built the same source already.
+    deepep-*) child deepep deepep.sh "build ${step#deepep-}" "$DEEPEP_SRC" ;;
     mps|mps-*)
       pieces="side tier sweep"
       [ "$step" = mps ] || pieces=${step#mps-}

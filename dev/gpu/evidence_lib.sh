@@ -123,6 +123,16 @@ ev_piece() {
   case $PIECE_RC in 0) ;; *) EV_FAILED=1 ;; esac
 }
 
+# ev_precompile_tier: the kernels of the GPU tier's matrices (NVLink and internode: top-k 1-16,
+# both FP8 formats, every row dtype, the NVSHMEM-linked ones) into the cache, once per cache.
+ev_precompile_tier() {
+  ev_piece "precompile (tier kernels)" "${PRECOMPILE_TIMEOUT:-200}" "$EV_LOGS/precompile_tier.log" \
+    python3 -m megatron_deepep.precompile --topk 1 2 4 6 8 16 --index-dtype int64 \
+    --fp8 blockwise_1x128 mxfp8_1x32 --row-dtype bf16 fp16 fp32 --internode -j "$(nproc)" -q
+  ev_row "precompile (tier kernels)" "$PIECE_RC" "$PIECE_S" "$(ev_is_dry && echo "dry run" || \
+    grep "^precompile: " "$EV_LOGS/precompile_tier.log" | tail -n 1 | cut -c1-120)"
+}
+
 ev_row() {  # ev_row NAME RC SECONDS RESULT
   EV_SUMMARY+=("| $1 | $2 | $3 | $4 |")
 }

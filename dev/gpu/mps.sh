@@ -55,6 +55,7 @@ sms_for() {
   echo $(( share < 24 ? share : 24 ))
 }
 
+case " $PIECES " in *" tier "*|*" sweep "*) ev_precompile_tier ;; esac
 for piece in $PIECES; do
   case $piece in
     side)

@@ -78,6 +78,7 @@ blocker() {
     | grep -v "^WARNING: " | cut -c1-220
 }
 
+case " $PIECES " in *" tier "*|*" sweep "*) ev_precompile_tier ;; esac
 for piece in $PIECES; do
   case $piece in
     plugins)
