@@ -28,9 +28,9 @@ host waits of a synchronizing variant. torch syncs = synchronizing torch calls i
 (`torch.cuda.set_sync_debug_mode`; e.g. the experts' `tokens_per_expert.tolist()`; the deepep
 dispatch's own wait for its row count reads mapped memory and is not among them). Ratio =
 fwd+bwd time / each alltoall row's (unfused, fused permute), same table and shape. A variant
-that fails prints its error in its row and the run goes on. `--profile N` lists each row's N kernels with the most GPU time,
-the kernels of the FP8 experts' columnwise copy whatever their rank (`WATCHED_KERNELS`), and the
-row's total kernel time per call.
+that fails prints its error in its row and the run goes on. `--profile N` lists each row's N
+kernels with the most GPU time, the kernels of the FP8 experts' columnwise copy whatever their
+rank (`WATCHED_KERNELS`), and the row's total kernel time per call.
 """
 
 from __future__ import annotations
