@@ -13,7 +13,7 @@
 #             exact error its harness meets on one GPU (it puts rank r on cuda:r, with NCCL)
 #             (OWN_TEST_TIMEOUT, 90)
 #   side      dev/gpu/deepep_side_by_side.py at RANKS (2,4,8) on GPU 0: ours and DeepEP on
-#             the same inputs and SM budget, checked against tests/oracle.py, timed; the
+#             the same inputs and SM budget, checked against tests/helpers/oracle.py, timed; the
 #             processes take turns on the GPU (no MPS: dev/gpu/mps.sh runs them at once)
 #             (SIDE_TIMEOUT, 420, each EP size at most SIZE_TIMEOUT, 130; SIDE_ARGS passed
 #             on); our kernels are precompiled into the cache first
@@ -113,8 +113,9 @@ for piece in $PIECES; do
       ;;
     side)
       # Our kernels into the cache first (else every rank compiles them on first use).
-      ev_piece "precompile" 150 "$EV_LOGS/precompile.log" python3 -m megatron_deepep.precompile \
-        --topk 8 --index-dtype int64 --fp8 "$FP8_FORMAT" --fp8-output fp8 -j "$(nproc)" -q
+      ev_piece "precompile" 150 "$EV_LOGS/precompile.log" \
+        python3 -m megatron_deepep.tools.precompile --topk 8 --index-dtype int64 \
+        --fp8 "$FP8_FORMAT" --fp8-output fp8 -j "$(nproc)" -q
       log=$EV_LOGS/side.log
       # shellcheck disable=SC2086
       ev_piece side "${SIDE_TIMEOUT:-420}" "$log" python3 dev/gpu/deepep_side_by_side.py \

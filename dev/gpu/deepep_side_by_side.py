@@ -12,7 +12,7 @@ neither device ids nor peer access, so processes of one GPU pass its set-up) on 
 and SM budget, then per implementation:
 - check: bf16 and FP8 (e4m3 + one fp32 scale per 128 values, DeepEP's own wire format, made by
   `fp8.formats` blockwise_1x128_fp32_scales) dispatch at `--check-tokens` tokens against
-  `tests/oracle.py` (DeepEP's rows, one per (token, destination rank) grouped by source rank,
+  `tests/helpers/oracle.py` (DeepEP's rows, one per (token, destination rank) grouped by source rank,
   are expanded into the oracle's expert-major (source rank, token, k) order through its handle's
   rank prefix matrix and source indices; rows, weights and local expert ids must match bit for
   bit), and combine against `oracle_combine` (for DeepEP, which sums one row per rank, the
@@ -162,9 +162,9 @@ def make_inputs(num_ranks: int, num_tokens: int, hidden: int, experts: int, topk
 
 
 def oracle(inputs, experts: int, rows=None):
-    """`tests.oracle.oracle_dispatch` of every rank (ids and weights as numpy: the oracle's
+    """`tests.helpers.oracle.oracle_dispatch` of every rank (ids and weights as numpy: the oracle's
     Python loops index them ~30x faster than tensors); `rows` replaces each rank's x."""
-    from tests.oracle import oracle_dispatch
+    from tests.helpers.oracle import oracle_dispatch
 
     xs = [x for x, _, _ in inputs] if rows is None else rows
     return oracle_dispatch(xs, [i.numpy() for _, i, _ in inputs],
@@ -316,7 +316,7 @@ def time_us(fn, group, iters: int, warmup: int) -> float:
 def run_ours(rec: Record, cfg: dict, check, full, group) -> None:
     from megatron_deepep.buffer import Buffer
     from megatron_deepep.fp8 import formats
-    from tests.oracle import oracle_combine
+    from tests.helpers.oracle import oracle_combine
 
     rank, experts, num_sms = cfg["rank"], cfg["experts"], cfg["num_sms"]
     fmt = formats.FORMATS[FP8_FORMAT]
@@ -401,7 +401,7 @@ def run_deepep(rec: Record, cfg: dict, check, full, group) -> None:
         problems = [compare("rows", rows, want_x), compare("weights", weights, want_w),
                     "" if ids_ok else "recv_topk_idx: local expert ids differ"]
         combined, _, _ = buf.combine(recv_x, handle, config=combine_cfg)
-        from tests.oracle import oracle_combine
+        from tests.helpers.oracle import oracle_combine
 
         ys = [one_row_per_rank(o[0], o[3]) for o in check["oracle"]]
         want = oracle_combine(ys, [o[3] for o in check["oracle"]],

@@ -10,7 +10,7 @@
 # one that does not fit is skipped, saying so: name it in the next call):
 #   baselines   EP=1 bench at DeepSeek-V3's shape (4096 tokens, hidden 7168, 256 experts, top-8;
 #               24 and 132 SMs; bf16 and blockwise FP8) beside Megatron's alltoall with TE's
-#               fused permute and without; bench_layer's table A rows (alltoall fused, unfused,
+#               fused permute and without; bench.layer's table A rows (alltoall fused, unfused,
 #               deepep sync and sync-free)                        -> h200_<date>_baselines.md
 #   main        examples/compare_dispatchers.py, MAIN_STEPS (40) steps of deepep, alltoall-fused
 #               and alltoall from one seed: losses and median step times -> _main_job.md
@@ -24,7 +24,7 @@
 #   proxy       dev/gpu/proxy.sh: the internode tier and sweep at 2x1 / 2x2 with P2P off and
 #               UCX over loopback through NVSHMEM's proxy (proxy-plugins, proxy-tier,
 #               proxy-sweep)                                      -> _proxy.md, proxy_model.json
-#   model       megatron_deepep.internode_model on DeepSeek-V3's shape at 2x8 and 8x8 with the
+#   model       megatron_deepep.tools.internode_model on DeepSeek-V3's shape at 2x8 and 8x8 with the
 #               measured inputs found (mps_model.json, proxy_model.json) -> _model.md
 # Records go to benchmarks/h200_<date>_<topic>.md with the raw log beside (.log); with the
 # device tool's $OUT, they are packed into $OUT/evidence_records.tar.gz and the summary table
@@ -91,7 +91,7 @@ child() {
 # A piece of this script: the baselines and the main-job comparison.
 baselines() {
   local table=$EV_LOGS/baselines_table.md
-  ev_piece precompile 150 "$EV_LOGS/precompile.log" python3 -m megatron_deepep.precompile \
+  ev_piece precompile 150 "$EV_LOGS/precompile.log" python3 -m megatron_deepep.tools.precompile \
     --topk 2 6 8 --index-dtype int64 --fp8 blockwise_1x128 --bench -j "$(nproc)" -q
   local bench_args=(--shapes 4096,7168,256,8 --num-sms 24,132 --fp8 blockwise_1x128)
   local layer_args=(--variants alltoall-fused,alltoall,deepep-sync,deepep-syncfree --iters 20)
@@ -99,16 +99,16 @@ baselines() {
     "${bench_args[@]}" --out "$EV_LOGS/bench"
   ev_row "bench EP=1 (both alltoall rows)" "$PIECE_RC" "$PIECE_S" "$(ev_is_dry && echo \
     "dry run" || grep -c "| megatron alltoall" "$EV_LOGS/bench.log") alltoall rows"
-  ev_piece "bench_layer" 240 "$EV_LOGS/bench_layer.log" python3 -m megatron_deepep.bench_layer \
+  ev_piece "bench layer" 240 "$EV_LOGS/bench_layer.log" python3 -m megatron_deepep.bench.layer \
     "${layer_args[@]}" --out "$EV_LOGS/bench_layer.json"
-  ev_row "bench_layer table A" "$PIECE_RC" "$PIECE_S" "see the record"
+  ev_row "bench layer table A" "$PIECE_RC" "$PIECE_S" "see the record"
   if ! ev_is_dry; then
     {
       echo "EP=1 bench (\`python -m megatron_deepep.bench\`), DeepSeek-V3's shape:"
       echo
       grep -E "^\(4096, 7168, 256, 8\) \|" "$EV_LOGS/bench.log" | cut -c1-260
       echo
-      echo "One MoE layer forward + backward (\`python -m megatron_deepep.bench_layer\`):"
+      echo "One MoE layer forward + backward (\`python -m megatron_deepep.bench.layer\`):"
       echo
       grep -E "^\| " "$EV_LOGS/bench_layer.log"
     } > "$table"
@@ -117,7 +117,7 @@ baselines() {
   fi
   ev_record baselines \
     "Baselines on one H200: Megatron's alltoall with and without TE's fused permute" \
-    "python -m megatron_deepep.bench ${bench_args[*]}; python -m megatron_deepep.bench_layer \
+    "python -m megatron_deepep.bench ${bench_args[*]}; python -m megatron_deepep.bench.layer \
 ${layer_args[*]}" "$EV_LOGS/baselines.txt" "$table"
 }
 
@@ -153,13 +153,14 @@ model() {
     ev_row model - 0 "not run: no mps_model.json or proxy_model.json yet (run mps, proxy)"
     return
   fi
-  ev_piece "internode model" 60 "$EV_LOGS/model.log" python3 -m megatron_deepep.internode_model \
+  ev_piece "internode model" 60 "$EV_LOGS/model.log" \
+    python3 -m megatron_deepep.tools.internode_model \
     --tokens 4096 --hidden 7168 --experts 256 --topk 8 --nodes 2 8 --ranks-per-node 8 \
     --node-limited 4 --measured-json "${inputs[@]:-MEASURED.json}" --json "$EV_LOGS/model.json"
   ev_row "internode model with measured inputs" "$PIECE_RC" "$PIECE_S" "${#inputs[@]} input(s)"
   ev_is_dry || { echo '```'; cat "$EV_LOGS/model.log"; echo '```'; } > "$table"
   ev_record model "The internode model of DeepSeek-V3's shape with the measured inputs" \
-    "python -m megatron_deepep.internode_model --nodes 2 8 --ranks-per-node 8 \
+    "python -m megatron_deepep.tools.internode_model --nodes 2 8 --ranks-per-node 8 \
 --node-limited 4 --measured-json ${inputs[*]##*/}" \
     "$EV_LOGS/model.log" "$table"
 }

@@ -4,8 +4,8 @@
 #                         (mktemp -d), EV_DATE (UTC), EV_OUT (records' staging folder), the
 #                         kernel cache, DRY_RUN, BUDGET_S, and time_limit.sh's `run`
 # ev_need_dir NAME WHAT PATH   one line and exit 2 when PATH is not a folder
-# ev_install_wheels NAME DIR   every wheel of DIR into a fresh site folder in ONE pip command
-#                         (one at a time with --target drops TE's extension), on PYTHONPATH
+# ev_install_wheels NAME DIR   every wheel of DIR into a fresh site folder (wheels.sh's
+#                         install_wheels: one pip command), on PYTHONPATH with the repository
 # ev_versions             device, driver, torch, CUDA, NCCL, NVSHMEM, nvcc, TE, megatron-core:
 #                         one line each, also kept in $EV_LOGS/versions for the records
 # ev_piece NAME LIMIT LOG command...   one named piece under its limit (a dry run prints it);
@@ -44,8 +44,9 @@ ev_init() {
     EV_LOGS=$(mktemp -d "${TMPDIR:-/tmp}/$EV_NAME.XXXXXX")
   fi
   # shellcheck source=/dev/null
-  if [ -f "$EV_HERE/time_limit.sh" ]; then source "$EV_HERE/time_limit.sh"
-  else source "$EV_REPO/scripts/time_limit.sh"; fi
+  source "$EV_HERE/time_limit.sh"
+  # shellcheck source=/dev/null
+  source "$EV_HERE/wheels.sh"  # install_wheels: WHEELS_DIR into SITE_DIR, one pip command
 }
 
 ev_is_dry() { [ "$DRY_RUN" = 1 ]; }
@@ -60,7 +61,7 @@ ev_need_dir() {
 }
 
 ev_install_wheels() {
-  local name=$1 dir=$2 site t0=$SECONDS
+  local name=$1 dir=$2
   if ! ls "$dir"/*.whl >/dev/null 2>&1; then
     ev_say "no wheels in $dir: nothing installed"
     return 0
@@ -69,14 +70,9 @@ ev_install_wheels() {
     echo "dry run: pip install $(ls "$dir"/*.whl | wc -l) wheels of $dir into a fresh site folder"
     return 0
   fi
-  site=$(mktemp -d "${TMPDIR:-/tmp}/$name.site.XXXXXX")
-  if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --target "$site" "$dir"/*.whl; then
-    echo "$name: FAIL pip could not install $dir/*.whl"
-    return 2
-  fi
-  export PYTHONPATH="$site:$PYTHONPATH" EV_SITE=$site
-  ev_say "wheels of $dir installed in $((SECONDS - t0)) s: $(cd "$dir" && ls *.whl | tr '\n' ' ')"
+  WHEELS_DIR=$dir SITE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/$name.site.XXXXXX") install_wheels \
+    "$name" || return 2
+  ev_say "wheels of $dir: $(cd "$dir" && ls *.whl | tr '\n' ' ')"
 }
 
 ev_versions() {
@@ -126,8 +122,9 @@ ev_piece() {
 # ev_precompile_tier: the kernels of the GPU tier's matrices (NVLink and internode: top-k 1-16,
 # both FP8 formats, every row dtype, the NVSHMEM-linked ones) into the cache, once per cache.
 ev_precompile_tier() {
-  ev_piece "precompile (tier kernels)" "${PRECOMPILE_TIMEOUT:-200}" "$EV_LOGS/precompile_tier.log" \
-    python3 -m megatron_deepep.precompile --topk 1 2 4 6 8 16 --index-dtype int64 \
+  ev_piece "precompile (tier kernels)" "${PRECOMPILE_TIMEOUT:-200}" \
+    "$EV_LOGS/precompile_tier.log" python3 -m megatron_deepep.tools.precompile \
+    --topk 1 2 4 6 8 16 --index-dtype int64 \
     --fp8 blockwise_1x128 mxfp8_1x32 --row-dtype bf16 fp16 fp32 --internode -j "$(nproc)" -q
   ev_row "precompile (tier kernels)" "$PIECE_RC" "$PIECE_S" "$(ev_is_dry && echo "dry run" || \
     grep "^precompile: " "$EV_LOGS/precompile_tier.log" | tail -n 1 | cut -c1-120)"

@@ -10,12 +10,13 @@
 # without MPS), and a rank's SM budget is its share (even, at most 24).
 # Pieces (PIECES, default "side tier sweep"), each under its limit, never past BUDGET (570 s):
 #   side    dev/gpu/deepep_side_by_side.py --concurrent at R = 2, 4, 8: ours (and DeepEP with
-#           DEEPEP_BUILD) checked against tests/oracle.py, µs and GB/s per rank, and the
+#           DEEPEP_BUILD) checked against tests/helpers/oracle.py, µs and GB/s per rank, and the
 #           internode model's input (kernel_gbps) (SIDE_TIMEOUT, 360)
 #   tier    the NVLink tier's matrix at 4 and 8 processes and the internode tier's matrix on
 #           virtual nodes 2x2 and 2x4 (MDEEP_TEST_CALLS, default 50) (TIER_TIMEOUT, 150 each)
-#   sweep   scripts/multinode_check.py's sweep on virtual nodes 2x2 and 2x4 at DeepSeek-V3's
-#           shape (4096 tokens, hidden 7168, top-8): µs and GB/s per rank of the network leg
+#   sweep   megatron_deepep.tools.multinode_check's sweep on virtual nodes 2x2 and 2x4 at
+#           DeepSeek-V3's shape (4096 tokens, hidden 7168, top-8): µs and GB/s per rank of the
+#           network leg
 #           (NVSHMEM's P2P path here) and the NVLink leg (SWEEP_TIMEOUT, 120 each)
 # Writes benchmarks/h200_<date>_mps.md and .log, and .bench_out/evidence/mps_model.json
 # (internode_model --measured-json input).
@@ -63,9 +64,9 @@ for piece in $PIECES; do
             --model-json "$EV_OUT/mps_model.json")
       if [ -n "$DEEPEP_BUILD" ]; then args+=(--deepep "$DEEPEP_BUILD"); else
         args+=(--skip-deepep); fi
-      ev_piece "precompile" 150 "$EV_LOGS/precompile.log" python3 -m megatron_deepep.precompile \
-        --topk 8 --index-dtype int64 --fp8 blockwise_1x128_fp32_scales --fp8-output fp8 \
-        -j "$(nproc)" -q
+      ev_piece "precompile" 150 "$EV_LOGS/precompile.log" \
+        python3 -m megatron_deepep.tools.precompile --topk 8 --index-dtype int64 \
+        --fp8 blockwise_1x128_fp32_scales --fp8-output fp8 -j "$(nproc)" -q
       ev_piece "side by side, concurrent" "${SIDE_TIMEOUT:-360}" "$EV_LOGS/side.log" \
         python3 dev/gpu/deepep_side_by_side.py "${args[@]}"
       if ! ev_is_dry; then
@@ -111,8 +112,9 @@ for piece in $PIECES; do
         sms=$(sms_for "$ranks")
         log=$EV_LOGS/sweep_$shape.log
         ev_piece "sweep $shape" "${SWEEP_TIMEOUT:-120}" "$log" env \
-          CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / ranks)) python3 scripts/multinode_check.py \
-          --spawn "$ranks" --num-ranks-per-node "$per_node" --skip-check --sweep-tokens 4096 \
+          CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / ranks)) \
+          python3 -m megatron_deepep.tools.multinode_check --spawn "$ranks" \
+          --num-ranks-per-node "$per_node" --skip-check --sweep-tokens 4096 \
           --sweep-hidden 7168 --num-sms "$sms" --json "$EV_LOGS/sweep_$shape.json"
         ev_row "sweep $shape, $((100 / ranks))% and $sms SMs each" "$PIECE_RC" "$PIECE_S" \
           "$(ev_is_dry && echo "dry run" || grep -c -E "dispatch|combine" "$log") lines"

@@ -16,10 +16,10 @@
 #            libfabric.so.1, so that plugin is only listed
 #   tier     the internode tier's matrix on virtual nodes 2x1 and 2x2 (MDEEP_TEST_CALLS,
 #            default 20) (TIER_TIMEOUT, 200 each)
-#   sweep    scripts/multinode_check.py's sweep at 2x1 and 2x2, 4096 tokens, hidden 7168, top-8:
-#            µs and GB/s of the network leg on the proxy path; its JSON (network_gbps per
-#            phase) is the internode model's input, .bench_out/evidence/proxy_model.json
-#            (SWEEP_TIMEOUT, 150 each)
+#   sweep    megatron_deepep.tools.multinode_check's sweep at 2x1 and 2x2, 4096 tokens, hidden
+#            7168, top-8: µs and GB/s of the network leg on the proxy path; its JSON
+#            (network_gbps per phase) is the internode model's input,
+#            .bench_out/evidence/proxy_model.json (SWEEP_TIMEOUT, 150 each)
 # WITH_MPS=1 runs them under CUDA MPS (dev/gpu/mps.sh's daemon, 100/R % each: NVSHMEM's full
 # several-PEs-per-GPU mode instead of the limited one). When a run fails, the record keeps
 # NVSHMEM's first error lines: the exact blocker.
@@ -127,7 +127,7 @@ for piece in $PIECES; do
         json=$EV_LOGS/sweep_$shape.json
         # shellcheck disable=SC2046
         ev_piece "sweep $shape via $TRANSPORT" "${SWEEP_TIMEOUT:-150}" "$log" env \
-          "${PROXY_ENV[@]}" $(mps_share "$ranks") python3 scripts/multinode_check.py \
+          "${PROXY_ENV[@]}" $(mps_share "$ranks") python3 -m megatron_deepep.tools.multinode_check \
           --spawn "$ranks" --num-ranks-per-node "$per_node" --skip-check --sweep-tokens 4096 \
           --sweep-hidden 7168 --json "$json"
         ev_row "sweep $shape, P2P off, $TRANSPORT" "$PIECE_RC" "$PIECE_S" \

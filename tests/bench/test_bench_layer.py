@@ -86,7 +86,7 @@ def test_both_alltoall_baselines_have_rows(cpu_run):
 
 
 def test_ratios_against_each_alltoall_baseline():
-    from megatron_deepep import bench_layer
+    from megatron_deepep.bench import layer as bench_layer
 
     rows = [{"table": "A", "variant": "alltoall-fused", "shape": [1], "fwd_bwd_ms": 2.0},
             {"table": "A", "variant": "alltoall", "shape": [1], "fwd_bwd_ms": 4.0},

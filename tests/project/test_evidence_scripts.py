@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_DIR = os.path.join(ROOT, "dev", "gpu")
 SCRIPTS = ("evidence.sh", "evidence_lib.sh", "deepep.sh", "mps.sh", "proxy.sh")
 
@@ -56,7 +56,7 @@ def test_scripts_parse(script):
 def test_evidence_dry_run_names_every_piece_and_record(tmp_path, folders):
     rc, out = _run(tmp_path, "evidence.sh", *folders, DRY_RUN=1)
     assert rc == 0, out
-    for piece in ("precompile", "bench EP=1", "bench_layer", "main job", "build", "own-test",
+    for piece in ("precompile", "bench EP=1", "bench layer", "main job", "build", "own-test",
                   "side", "side by side, concurrent", "nvlink tier N=8",
                   "internode tier 2x4", "sweep 2x2", "internode tier 2x1 via ucx",
                   "sweep 2x2 via ucx", "internode model"):
@@ -161,7 +161,7 @@ def _deepep_receive(inputs, rank, experts):
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_deepep_rows_in_the_oracles_order(num_ranks):
-    from tests.oracle import oracle_combine
+    from tests.helpers.oracle import oracle_combine
 
     d = _side_by_side()
     experts, tokens = 4 * num_ranks, 12
