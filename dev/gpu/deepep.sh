@@ -8,7 +8,9 @@
 #             between calls on a warm machine; skipped when built from the same source) and
 #             runs `python3 setup.py build_ext --inplace` with TORCH_CUDA_ARCH_LIST=9.0: nvcc
 #             and the nvidia-nvshmem-cu13 wheel of the image (setup.py finds it by import);
-#             the build's seconds go into the record (BUILD_TIMEOUT, 480)
+#             the build's seconds go into the record (BUILD_TIMEOUT, 480); DEEPEP_NVSHMEM=0
+#             hides the NVSHMEM wheel from setup.py: intranode kernels only (-DDISABLE_NVSHMEM,
+#             no internode.cu / internode_ll.cu), a shorter build when a call is short of time
 #   own-test  DeepEP's unmodified tests/test_intranode.py --num-processes 2, to record the
 #             exact error its harness meets on one GPU (it puts rank r on cuda:r, with NCCL)
 #             (OWN_TEST_TIMEOUT, 90)
@@ -29,6 +31,7 @@ build_step() {
   if [ -f "$src" ]; then id=$(sha256sum "$src" | cut -c1-16)
   else id=$(cd "$src" && find . -type f -not -path './.git/*' | sort | xargs cat | sha256sum \
     | cut -c1-16); fi
+  id="$id nvshmem=${DEEPEP_NVSHMEM:-1}"
   if ls "$dir"/deep_ep_cpp*.so >/dev/null 2>&1 \
       && [ "$(cat "$dir/.source_id" 2>/dev/null)" = "$id" ]; then
     echo "deepep build: already built from this source ($id): $dir"
@@ -40,8 +43,20 @@ build_step() {
   else cp -r "$src"/. "$dir"/; fi
   cd "$dir"
   t0=$(date +%s)
-  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc) python3 setup.py build_ext --inplace
-  echo "deepep build: $(( $(date +%s) - t0 )) s; $(ls deep_ep_cpp*.so)"
+  if [ "${DEEPEP_NVSHMEM:-1}" = 0 ]; then
+    # setup.py finds the NVSHMEM wheel by importlib; hidden, it builds with -DDISABLE_NVSHMEM
+    # (no internode.cu / internode_ll.cu: the intranode kernels alone). Its sm_90 flags keep
+    # -rdc=true, which without NVSHMEM's device-link step leaves the objects unlinked: dropped.
+    sed -i "s/'-rdc=true', //" setup.py
+    grep -q -- "-rdc=true" setup.py && echo "deepep build: could not drop -rdc=true" >&2
+    TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc) python3 -c "import importlib.util as u, runpy, \
+sys; f = u.find_spec; u.find_spec = lambda n, *a: None if n == 'nvidia.nvshmem' else f(n, *a); \
+sys.argv = ['setup.py', 'build_ext', '--inplace']; runpy.run_path('setup.py', run_name='__main__')"
+  else
+    TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc) python3 setup.py build_ext --inplace
+  fi
+  echo "deepep build: $(( $(date +%s) - t0 )) s (nvshmem=${DEEPEP_NVSHMEM:-1});" \
+    "$(ls deep_ep_cpp*.so)"
   echo "$id" > .source_id
 }
 if [ "${1:-}" = --build-step ]; then

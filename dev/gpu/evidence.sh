@@ -32,9 +32,11 @@
 # (kept between calls while the machine stays warm). NVLink multicast stays off.
 # Device tool (one H200, calls of <= 10 minutes, one after another while the machine is warm;
 # dev/gpu/README.md says how the carried folders are made; D=.deepep/DeepEP-v1.2.1.tar.gz):
-#   call 1 (carry .evw_te .deepep): PIECES="baselines main deepep-build" ... .evw_te $D
-#   call 2 (carry .deepep): PIECES="deepep-own-test deepep-side mps-side mps-sweep" ... .deepep $D
-#   call 3 (carry .evw_ucx .deepep): PIECES="proxy model mps-tier" ... .evw_ucx $D
+#   call 1 (carry .evw_te .deepep): PIECES="baselines main" ... .evw_te $D
+#   call 2 (carry .deepep): PIECES="deepep mps-side" ... .deepep $D
+#   call 3 (carry .evw_ucx .deepep): PIECES="proxy mps-sweep model mps-tier" ... .evw_ucx $D
+# (DEEPEP_NVSHMEM=0 before call 2 builds DeepEP's intranode kernels alone, if the full build
+# does not leave time for the rest.)
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_lib.sh"
 ev_init evidence
