@@ -55,10 +55,6 @@ DISPATCHER=${DISPATCHER:-deepep}
 OUT=${OUT:-runs/gpt_moe_${DISPATCHER}}
 mkdir -p "$OUT"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0
-DISPATCHER_FLAGS=(--moe-token-dispatcher-type "$DISPATCHER")
-if [ "$DISPATCHER" = alltoall-fused ]; then  # Megatron's alltoall on TE's fused permute kernels
-  DISPATCHER_FLAGS=(--moe-token-dispatcher-type alltoall --moe-permute-fusion)
-fi
 METRIC_FLAGS=()
 if [ "${METRICS:-0}" = 1 ]; then
   METRIC_FLAGS=(--moe-mdeep-metrics --moe-mdeep-metrics-dir "$OUT/metrics" --moe-per-layer-logging)
@@ -73,6 +69,10 @@ if [ "$JOB_PATH" = megatron-core ]; then
     --out "$OUT" 2>&1 | tee "$OUT/train.log"
   exit "${PIPESTATUS[0]}"
 fi
+PERMUTE_FLAGS=()
+if [ "$DISPATCHER" = alltoall-fused ]; then  # Megatron's alltoall on TE's fused permute kernels
+  DISPATCHER=alltoall PERMUTE_FLAGS=(--moe-permute-fusion)
+fi
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" "$HERE/pretrain_gpt_moe.py" \
   --num-layers 4 --hidden-size 512 --ffn-hidden-size 2048 --num-attention-heads 8 \
   --seq-length 1024 --max-position-embeddings 1024 --position-embedding-type rope \
@@ -86,6 +86,6 @@ fi
   --no-rope-fusion --no-persist-layer-norm \
   --num-experts 8 --moe-ffn-hidden-size 1024 --moe-router-topk 2 \
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-router-dtype fp32 \
-  --expert-model-parallel-size "$NGPU" "${DISPATCHER_FLAGS[@]}" \
+  --expert-model-parallel-size "$NGPU" --moe-token-dispatcher-type "$DISPATCHER" \
   --tensorboard-dir "$OUT/tensorboard" \
-  "${METRIC_FLAGS[@]}" "$@" 2>&1 | tee "$OUT/train.log"
+  "${METRIC_FLAGS[@]}" "${PERMUTE_FLAGS[@]}" "$@" 2>&1 | tee "$OUT/train.log"

@@ -180,9 +180,8 @@ def test_comparison_runs_alltoall_with_and_without_fused_permute(monkeypatch):
 def test_run_gpt_moe_maps_alltoall_fused_to_megatrons_flag():
     with open(os.path.join(ROOT, "examples", "run_gpt_moe.sh")) as f:
         text = f.read()
-    assert ('DISPATCHER_FLAGS=(--moe-token-dispatcher-type alltoall --moe-permute-fusion)'
-            in text)
-    assert '"${DISPATCHER_FLAGS[@]}"' in text
+    assert 'DISPATCHER=alltoall PERMUTE_FLAGS=(--moe-permute-fusion)' in text
+    assert '"${METRIC_FLAGS[@]}" "${PERMUTE_FLAGS[@]}" "$@"' in text
 
 
 def test_supported_megatron_core_range_is_the_readmes():
