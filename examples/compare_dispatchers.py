@@ -15,6 +15,12 @@ two loss curves side by side. Megatron-core's modules put their buffers on
 `torch.cuda.current_device()` and its `alltoall` dispatcher copies counts on a CUDA side stream:
 `--cpu` maps both to the CPU in this process (`allow_megatron_on_cpu`).
 
+Runs (`--dispatchers`, default `deepep,alltoall-fused,alltoall`): `deepep`, Megatron's `alltoall`
+with Transformer Engine's fused permute (`alltoall-fused`: `moe_permute_fusion=True`, labelled
+"alltoall (fused permute)") and without it (`alltoall`, "alltoall (unfused)"), so that deepep is
+measured against the faster of Megatron's own two. Without TE (or without a GPU) the fused run
+is skipped, and the summary says why (`skipped`).
+
 `--fp8-dispatch FORMAT` compares `deepep` with FP8 dispatch (FORMAT on the wire; the local spec's
 experts get bf16 rows dequantized on the receiver) against `deepep` with bf16 dispatch instead of
 `deepep` against `alltoall`, and adds the max / mean relative loss difference per step.
@@ -76,8 +82,9 @@ def parse_args(argv=None):
                    help="distinct 16-token motifs the sequences repeat (0: a fresh random motif "
                         "per sequence, learned only in context; a few: learned within steps)")
     p.add_argument("--seed", type=int, default=1234, help="weights and data seed")
-    p.add_argument("--dispatchers", default="deepep,alltoall",
-                   help="runs to compare (ignored with --fp8-dispatch)")
+    p.add_argument("--dispatchers", default="deepep,alltoall-fused,alltoall",
+                   help="runs to compare (ignored with --fp8-dispatch): deepep, alltoall-fused "
+                        "(Megatron's alltoall with TE's fused permute), alltoall (unfused)")
     p.add_argument("--fp8-dispatch", default=None, choices=FP8_CHOICES,
                    help="compare deepep with this FP8 dispatch format against bf16 deepep")
     p.add_argument("--profile-steps", type=int, default=0,
@@ -112,6 +119,29 @@ def run_names(args):
     if args.fp8_dispatch:
         return ["deepep", "deepep" + FP8_SUFFIX + args.fp8_dispatch]
     return args.dispatchers.split(",")
+
+
+def plan_runs(args):
+    """`(runs, skipped)`: the runs of `run_names` that can run here, and `{run: reason}` for
+    those that cannot (the fused-permute alltoall without TE or a GPU)."""
+    from megatron_deepep.megatron import baselines
+
+    runs, skipped = [], {}
+    for name in run_names(args):
+        fused = baselines.split_run(name.partition(FP8_SUFFIX)[0])[1]
+        reason = baselines.permute_fusion_reason("cpu" if args.cpu else "cuda") if fused else ""
+        if reason:
+            skipped[name] = reason
+        else:
+            runs.append(name)
+    return runs, skipped
+
+
+def run_label(name: str) -> str:
+    """A run's label in the summary: the alltoall runs say whether TE's fused permute ran."""
+    from megatron_deepep.megatron import baselines
+
+    return baselines.ALLTOALL_RUNS.get(name, (name,))[0]
 
 
 def init_distributed(cpu: bool = False):
@@ -206,11 +236,13 @@ def _synchronize(args) -> None:
 
 
 def build_model(args, dispatcher):
+    from megatron_deepep.megatron import baselines
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dispatcher, permute_fusion = baselines.split_run(dispatcher)
     torch.manual_seed(args.seed)
     if not args.cpu:
         model_parallel_cuda_manual_seed(args.seed)
@@ -220,8 +252,9 @@ def build_model(args, dispatcher):
         num_attention_heads=8, num_moe_experts=args.num_experts, moe_router_topk=args.topk,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         moe_router_dtype="fp32", moe_token_dispatcher_type=dispatcher,
-        expert_model_parallel_size=dist.get_world_size(), add_bias_linear=False,
-        gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
+        moe_permute_fusion=permute_fusion, expert_model_parallel_size=dist.get_world_size(),
+        add_bias_linear=False, gradient_accumulation_fusion=False, bf16=True,
+        params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=args.cpu)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
@@ -345,8 +378,10 @@ def loss_differences(a, b):
             "mean_rel_loss_diff": statistics.fmean(rel) if rel else 0.0}
 
 
-def summarize(results, steps, warmup_steps, world_size, device_name):
-    """The JSON summary: per-step losses, median step times and the curve differences."""
+def summarize(results, steps, warmup_steps, world_size, device_name, skipped=None):
+    """The JSON summary: per-step losses, median step times and the curve differences (of the
+    second run from the first; with more runs, of each from the first, `loss_diff_vs_first`),
+    each run's label, and the runs skipped here with the reason."""
     summary = {
         "world_size": world_size,
         "steps": steps,
@@ -356,9 +391,14 @@ def summarize(results, steps, warmup_steps, world_size, device_name):
         "losses": {k: v[0] for k, v in results.items()},
         "gpu": device_name,
     }
+    summary["labels"] = {k: run_label(k) for k in list(results) + list(skipped or {})}
+    summary["skipped"] = dict(skipped or {})
     names = list(results)
     if len(names) == 2:
         summary.update(loss_differences(results[names[1]][0], results[names[0]][0]))
+    elif len(names) > 2:
+        summary["loss_diff_vs_first"] = {n: loss_differences(results[n][0], results[names[0]][0])
+                                         for n in names[1:]}
     return summary
 
 
@@ -423,25 +463,28 @@ def main(argv=None):
     allow_megatron_without_te()
     if args.only_run is not None:
         return train_one_run(args)
+    runs, skipped = plan_runs(args)
     if args.same_process:
         init_distributed(cpu=args.cpu)
-        results = {name: train_with_plugin(args, name) for name in run_names(args)}
+        results = {name: train_with_plugin(args, name) for name in runs}
         rank, world_size = dist.get_rank(), dist.get_world_size()
         dist.destroy_process_group()
     else:
-        results = train_in_fresh_processes(args, argv)
+        results = train_in_fresh_processes(args, argv, runs)
         rank = int(os.environ.get("RANK", "0"))
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         curves = {k: v[0] for k, v in results.items()}
         summary = summarize(results, args.steps, args.warmup_steps, world_size,
-                            "cpu" if args.cpu else torch.cuda.get_device_name())
+                            "cpu" if args.cpu else torch.cuda.get_device_name(), skipped)
         summary["fresh_process_per_run"] = not args.same_process
         if args.fp8_dispatch:
             summary["fp8_dispatch"] = args.fp8_dispatch
         with open(os.path.join(args.out, "step_times.json"), "w") as f:
             json.dump(summary, f, indent=1)
+        for name, reason in skipped.items():
+            print(f"{run_label(name)}: skipped: {reason}")
         print("LM loss per step (mean over ranks):\n" + side_by_side(curves))
         if args.cpu:
             times = " / ".join(f"{v:.0f}" for v in summary["median_step_time_ms"].values())
@@ -487,7 +530,7 @@ def train_one_run(args) -> int:
     return 0
 
 
-def train_in_fresh_processes(args, argv):
+def train_in_fresh_processes(args, argv, runs=None):
     """Runs each dispatcher in a child process of every rank; returns {run: (losses, times)}.
 
     Under torchrun every rank starts its child for run i at once; the children meet on
@@ -498,7 +541,7 @@ def train_in_fresh_processes(args, argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     base_port = int(os.environ.get("MASTER_PORT", "29533"))
     results = {}
-    for i, name in enumerate(run_names(args)):
+    for i, name in enumerate(run_names(args) if runs is None else runs):
         env = dict(os.environ, MASTER_PORT=str(base_port + 1 + i))
         cmd = [sys.executable, os.path.abspath(__file__), *argv, "--only-run", name]
         done = subprocess.run(cmd, env=env)

@@ -13,9 +13,10 @@
 #                      (reference transport) beside alltoall, losses side by side (~1 minute)
 # Env: PYTHON (default python3), INSTALL=0 (install nothing), MEGATRON_LM (a Megatron-LM
 # checkout, for megatron.training with megatron-core 0.16), DISPATCHER (default deepep;
-# alltoall to compare), TRAIN_ITERS (50; the CPU demo: 20), METRICS=1 (per-layer comm/load
-# metrics, JSON lines in $OUT/metrics -> python -m megatron_deepep.tools.plot_metrics
-# $OUT/metrics), OUT (run
+# alltoall to compare, alltoall-fused for Megatron's alltoall with Transformer Engine's fused
+# permute, --moe-permute-fusion, which needs TE), TRAIN_ITERS (50; the CPU demo: 20), METRICS=1
+# (per-layer comm/load metrics, JSON lines in $OUT/metrics -> python -m
+# megatron_deepep.tools.plot_metrics $OUT/metrics), OUT (run
 # folder, default runs/gpt_moe_<dispatcher>).
 # The local (non-TE) layers need --no-rope-fusion and --no-persist-layer-norm without TE / Apex.
 # FP8 dispatch (README, "FP8 dispatch"; hidden size % 16 == 0): pass our flag through, e.g.
@@ -68,6 +69,10 @@ if [ "$JOB_PATH" = megatron-core ]; then
     --out "$OUT" 2>&1 | tee "$OUT/train.log"
   exit "${PIPESTATUS[0]}"
 fi
+PERMUTE_FLAGS=()
+if [ "$DISPATCHER" = alltoall-fused ]; then  # Megatron's alltoall on TE's fused permute kernels
+  DISPATCHER=alltoall PERMUTE_FLAGS=(--moe-permute-fusion)
+fi
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" "$HERE/pretrain_gpt_moe.py" \
   --num-layers 4 --hidden-size 512 --ffn-hidden-size 2048 --num-attention-heads 8 \
   --seq-length 1024 --max-position-embeddings 1024 --position-embedding-type rope \
@@ -83,4 +88,4 @@ fi
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-router-dtype fp32 \
   --expert-model-parallel-size "$NGPU" --moe-token-dispatcher-type "$DISPATCHER" \
   --tensorboard-dir "$OUT/tensorboard" \
-  "${METRIC_FLAGS[@]}" "$@" 2>&1 | tee "$OUT/train.log"
+  "${METRIC_FLAGS[@]}" "${PERMUTE_FLAGS[@]}" "$@" 2>&1 | tee "$OUT/train.log"

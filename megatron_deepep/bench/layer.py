@@ -4,7 +4,9 @@
 on the CPU with the pure-torch reference transport: a smoke test of this script, no speed).
 
 Table A: a bf16 `MoELayer` (default H 4096, 64 experts, top-6, 8192 tokens, grouped
-GEMM experts) with Megatron's `alltoall` dispatcher, `deepep` synchronizing (one host wait per
+GEMM experts) with Megatron's `alltoall` dispatcher (twice: "alltoall (fused permute)", with
+`moe_permute_fusion=True`, Transformer Engine's fused permute kernels, skipped saying why without
+TE or a GPU, and "alltoall (unfused)"), `deepep` synchronizing (one host wait per
 dispatch for the received row count), `deepep` sync-free (a rank capacity factor: a fixed row
 bound, `DeepEPOptions.rank_capacity_factor`) and `deepep` sync-free captured in one CUDA graph
 (forward + backward, replayed). Experts: Megatron's `TEGroupedMLP` when Transformer Engine imports
@@ -25,10 +27,10 @@ replay) returns, the GPU idle at its start (`bench.host_us` one call at a time);
 host waits of a synchronizing variant. torch syncs = synchronizing torch calls in one call
 (`torch.cuda.set_sync_debug_mode`; e.g. the experts' `tokens_per_expert.tolist()`; the deepep
 dispatch's own wait for its row count reads mapped memory and is not among them). Ratio =
-fwd+bwd time / the `alltoall` row's, same table and shape. A variant that fails prints its error
-in its row and the run goes on. `--profile N` lists each row's N kernels with the most GPU time,
-the kernels of the FP8 experts' columnwise copy whatever their rank (`WATCHED_KERNELS`), and the
-row's total kernel time per call.
+fwd+bwd time / each alltoall row's (unfused, fused permute), same table and shape. A variant
+that fails prints its error in its row and the run goes on. `--profile N` lists each row's N
+kernels with the most GPU time, the kernels of the FP8 experts' columnwise copy whatever their
+rank (`WATCHED_KERNELS`), and the row's total kernel time per call.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch
 from megatron_deepep.bench import run as bench
 from megatron_deepep.bench.layer_variants import (
     BASELINE,
+    FUSED_BASELINE,
     VARIANTS,
     Skip,
     Variant,
@@ -62,6 +65,7 @@ from megatron_deepep.bench.layer_variants import (
     te_reason,
     teardown,
 )
+from megatron_deepep.megatron import baselines
 
 logger = logging.getLogger("megatron_deepep.bench.layer")
 
@@ -244,6 +248,10 @@ def run_variant(variant: Variant, shape, device: str, experts: str, iters: int,
     """One row: times, host time, syncs, experts, notes; raises Skip or the variant's error."""
     if variant.graph and device == "cpu":
         raise Skip("CUDA graphs need a GPU (--cpu)")
+    if variant.permute_fusion:
+        reason = baselines.permute_fusion_reason(device)
+        if reason:
+            raise Skip(reason)
     if variant.grouped_mm:
         reason = grouped_mm_reason(device)
         if reason:
@@ -318,8 +326,8 @@ def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], devi
         for shape in shapes:
             inputs = _Inputs(shape, device) if variants else None
             for variant in variants:
-                row = {"table": table, "variant": variant.name, "shape": list(shape),
-                       "dispatcher": variant.dispatcher}
+                row = {"table": table, "variant": variant.name, "label": variant.label,
+                       "shape": list(shape), "dispatcher": variant.dispatcher}
                 capture = _LogCapture()
                 logging.getLogger("megatron_deepep").addHandler(capture)
                 try:
@@ -348,25 +356,31 @@ def run(tables: Dict[str, List[Tuple[int, ...]]], variant_names: List[str], devi
 
 
 def _add_ratios(rows: List[dict]) -> None:
-    base = {(r["table"], tuple(r["shape"])): r.get("fwd_bwd_ms") for r in rows
-            if r["variant"] == BASELINE[r["table"]]}
-    for r in rows:
-        ref = base.get((r["table"], tuple(r["shape"])))
-        if ref and r.get("fwd_bwd_ms") is not None:
-            r["ratio_to_alltoall"] = r["fwd_bwd_ms"] / ref
+    """`ratio_to_alltoall` (vs the unfused alltoall row) and `ratio_to_alltoall_fused` (vs the
+    fused-permute row, where it ran) of every timed row, same table and shape."""
+    for key, baseline in (("ratio_to_alltoall", BASELINE), ("ratio_to_alltoall_fused",
+                                                           FUSED_BASELINE)):
+        base = {(r["table"], tuple(r["shape"])): r.get("fwd_bwd_ms") for r in rows
+                if r["variant"] == baseline[r["table"]]}
+        for r in rows:
+            ref = base.get((r["table"], tuple(r["shape"])))
+            if ref and r.get("fwd_bwd_ms") is not None:
+                r[key] = r["fwd_bwd_ms"] / ref
 
 
 def markdown_table(rows: List[dict]) -> str:
     """The rows as a markdown table (variant with the transport it ran, shape, experts, times,
     torch syncs, ratio)."""
     lines = ["| table | variant | shape (N,H,E,K,F) | experts | fwd+bwd ms | host ms/layer | "
-             "torch syncs/call | x alltoall |", "|---|---|---|---|---|---|---|---|"]
+             "torch syncs/call | x alltoall (unfused) | x alltoall (fused permute) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = ",".join(str(v) for v in r["shape"])
+        name = r.get("label", r["variant"])
         if "fwd_bwd_ms" not in r:
             why = f"skipped: {r['skipped']}" if "skipped" in r else \
                 f"ERROR {r.get('error', 'no result')}"
-            lines.append(f"| {r['table']} | {r['variant']} | {shape} | {why} | | | | |")
+            lines.append(f"| {r['table']} | {name} | {shape} | {why} | | | | | |")
             continue
         experts = r["experts"]
         if r.get("experts_input") not in (None, "Tensor", "Parameter"):
@@ -374,10 +388,11 @@ def markdown_table(rows: List[dict]) -> str:
         if "graph_vs_eager_rel" in r:
             experts += f" (replay vs eager output: rel {r['graph_vs_eager_rel']:.1e})"
         syncs = "-" if r.get("syncs") is None else str(r["syncs"])
-        ratio = f"{r['ratio_to_alltoall']:.2f}" if "ratio_to_alltoall" in r else "-"
-        variant = r["variant"] + (f" ({r['transport']})" if r.get("transport") else "")
+        ratios = " | ".join(f"{r[k]:.2f}" if k in r else "-"
+                            for k in ("ratio_to_alltoall", "ratio_to_alltoall_fused"))
+        variant = name + (f" ({r['transport']})" if r.get("transport") else "")
         lines.append(f"| {r['table']} | {variant} | {shape} | {experts} | "
-                     f"{r['fwd_bwd_ms']:.3f} | {r['host_ms']:.3f} | {syncs} | {ratio} |")
+                     f"{r['fwd_bwd_ms']:.3f} | {r['host_ms']:.3f} | {syncs} | {ratios} |")
     return "\n".join(lines)
 
 

@@ -35,6 +35,8 @@ class Variant:
         fp8_experts: `te_experts.with_fp8_experts` on the TE layer spec.
         fp8_columnwise: with `fp8_experts`, how they make the wgrad's columnwise copy
             (`te_experts.COLUMNWISE_METHODS`; "": `MDEEP_FP8_COLUMNWISE`, the kernel by default).
+        permute_fusion: Megatron's `moe_permute_fusion` (TE's fused permute kernels; the
+            alltoall baselines run with and without it, `megatron.baselines`).
     """
 
     name: str
@@ -46,14 +48,26 @@ class Variant:
     fp8_dispatch: str = "off"
     fp8_experts: bool = False
     fp8_columnwise: str = ""
+    permute_fusion: bool = False
+
+    @property
+    def label(self) -> str:
+        """The row's name in the table: the alltoall rows say whether TE's fused permute ran."""
+        if self.dispatcher != "alltoall":
+            return self.name
+        from megatron_deepep.megatron import baselines
+
+        return ("te-" if self.table == "B" else "") + baselines.label(self.permute_fusion)
 
 
 VARIANTS = [
+    Variant("alltoall-fused", "A", "alltoall", permute_fusion=True),
     Variant("alltoall", "A", "alltoall"),
     Variant("deepep-sync", "A", "deepep"),
     Variant("deepep-syncfree", "A", "deepep", sync_free=True),
     Variant("deepep-syncfree-gmm", "A", "deepep", sync_free=True, grouped_mm=True),
     Variant("deepep-syncfree-graph", "A", "deepep", sync_free=True, graph=True, grouped_mm=True),
+    Variant("te-alltoall-fused", "B", "alltoall", permute_fusion=True),
     Variant("te-alltoall", "B", "alltoall"),
     Variant("te-deepep-bf16", "B", "deepep"),
     Variant("te-deepep-fp8-dequant", "B", "deepep", fp8_dispatch="blockwise"),
@@ -62,6 +76,8 @@ VARIANTS = [
             fp8_experts=True, fp8_columnwise="dequantize"),
 ]
 BASELINE = {"A": "alltoall", "B": "te-alltoall"}
+#: The fused-permute baselines, a second ratio column where they ran.
+FUSED_BASELINE = {"A": "alltoall-fused", "B": "te-alltoall-fused"}
 
 
 class Skip(Exception):
@@ -189,7 +205,7 @@ def build_layer(variant: Variant, shape, device: str, experts: str, capacity_fac
         moe_router_dtype="fp32", add_bias_linear=False, gradient_accumulation_fusion=False,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=device == "cpu",
-        moe_grouped_gemm=te_layer)
+        moe_grouped_gemm=te_layer, moe_permute_fusion=variant.permute_fusion)
     if variant.table == "B":
         fields.update(fp8="e4m3", fp8_recipe="blockwise", moe_router_padding_for_quantization=True)
     config = TransformerConfig(**fields)

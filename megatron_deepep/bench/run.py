@@ -5,7 +5,10 @@
 Per shape (tokens, hidden, experts, top-k), bf16, random routing, on one GPU at EP=1 (or on every
 GPU of the node with torchrun): µs and GB/s of dispatch and combine, the floor (bytes that must
 move over the copy bandwidth measured in the same run) and the ratio to it, and Megatron's own
-`MoEAlltoAllTokenDispatcher` (its six hooks) on the same inputs in the same run.
+`MoEAlltoAllTokenDispatcher` (its six hooks) on the same inputs in the same run, twice: with
+Transformer Engine's fused permute (`moe_permute_fusion=True`, row "megatron alltoall (fused
+permute)") and without ("megatron alltoall (unfused)"); without TE or a GPU the fused row says
+why it was skipped (`megatron.baselines`).
 
 Definitions: dispatch bytes = N H 2 (read x) + M H 2 (write recv_x); combine bytes = M H 2 + N H 2;
 GB/s = bytes / time; floor = bytes / (measured device copy bandwidth); ratio = floor / time.
@@ -220,8 +223,10 @@ def profile_host(buf, x, idx, w, num_experts: int, calls: int = 200) -> str:
     return text.getvalue()
 
 
-def bench_megatron(xs, idxs, ws, num_experts: int) -> Dict[str, float]:
-    """Megatron's alltoall dispatcher, its six hooks, on the same inputs (needs megatron-core)."""
+def bench_megatron(xs, idxs, ws, num_experts: int, permute_fusion: bool = False
+                   ) -> Dict[str, float]:
+    """Megatron's alltoall dispatcher, its six hooks, on the same inputs (needs megatron-core);
+    `permute_fusion`: `moe_permute_fusion=True`, Transformer Engine's fused permute kernels."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -235,7 +240,7 @@ def bench_megatron(xs, idxs, ws, num_experts: int) -> Dict[str, float]:
         num_layers=1, hidden_size=hidden, num_attention_heads=8, num_moe_experts=num_experts,
         moe_router_topk=idxs[0].shape[1], moe_token_dispatcher_type="alltoall", bf16=True,
         params_dtype=torch.bfloat16, expert_model_parallel_size=dist.get_world_size(),
-        add_bias_linear=False)
+        add_bias_linear=False, moe_permute_fusion=permute_fusion)
     ep = dist.get_world_size()
     local = num_experts // ep
     disp = MoEAlltoAllTokenDispatcher(local, list(range(dist.get_rank() * local,
@@ -270,6 +275,26 @@ def bench_megatron(xs, idxs, ws, num_experts: int) -> Dict[str, float]:
 
     combine_us = time_cuda(run_combine, setup)
     return {"dispatch_us": dispatch_us, "combine_us": combine_us}
+
+
+def megatron_rows(xs, idxs, ws, num_experts: int, device: str = "cuda") -> Dict[str, dict]:
+    """Both alltoall baselines, keyed by their labels ("megatron alltoall (fused permute)",
+    "megatron alltoall (unfused)"): timings, `{"skipped": reason}` where TE's fused permute
+    cannot run (`baselines.permute_fusion_reason`), or `{"error": ...}` when a run fails."""
+    from megatron_deepep.megatron import baselines
+
+    rows = {}
+    for fused in (True, False):
+        key = f"megatron {baselines.label(fused)}"
+        reason = baselines.permute_fusion_reason(device) if fused else ""
+        if reason:
+            rows[key] = {"skipped": reason}
+            continue
+        try:
+            rows[key] = bench_megatron(xs, idxs, ws, num_experts, permute_fusion=fused)
+        except Exception as exc:  # reported, not hidden: the table says why it is missing
+            rows[key] = {"error": repr(exc)}
+    return rows
 
 
 def profile_kernels(buf, x, idx, w, num_experts: int) -> str:
@@ -344,11 +369,7 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
         if ep > 1:  # NVLink bytes and GB/s, NCCL's all-to-all, the peer-copy ceiling
             entry["peers"] = bench_peers.measure(entry, idxs, fp8_specs, num_sms_list, time_cuda)
         if with_megatron:
-            try:
-                entry["variants"]["megatron alltoall"] = bench_megatron(xs, idxs, ws,
-                                                                        num_experts)
-            except Exception as exc:  # reported, not hidden: the table says why it is missing
-                entry["variants"]["megatron alltoall"] = {"error": repr(exc)}
+            entry["variants"].update(megatron_rows(xs, idxs, ws, num_experts))
         rows.append(entry)
         torch.cuda.empty_cache()
     if rank == 0:
@@ -404,8 +425,9 @@ def print_table(rows: List[dict]) -> None:
         if refusal:
             lines.append(f"{shape} | {e['ep']} | GB/s and floor ratios: none, {refusal}")
         for key, res in e["variants"].items():
-            if "error" in res:
-                lines.append(f"{shape} | {e['ep']} | {key} | {res['error']}")
+            if "error" in res or "skipped" in res:
+                why = res.get("error") or f"skipped: {res['skipped']}"
+                lines.append(f"{shape} | {e['ep']} | {key} | {why}")
                 continue
             fp8 = e.get(f"fp8_{res['fp8']}") if "fp8" in res else None
             num_bytes = fp8["dispatch_bytes"] if fp8 else e["dispatch_bytes"]

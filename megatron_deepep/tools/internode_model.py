@@ -25,17 +25,25 @@ H = 7168); combine rows are bf16. Links are full duplex, so the busiest rank set
     t     = fixed + max(B_net / network rate, B_nvl / NVLink rate)     (legs pipelined)
     t_serial = fixed + B_net / network rate + B_nvl / NVLink rate    (no overlap: an upper bound)
 
+where the NVLink rate is min(NVLink, kernel) when a kernel rate is measured (below).
+
 Rates assumed by default (NVIDIA's H100/H200 SXM NVLink 4 and ConnectX-7 400 Gb/s figures):
 50 GB/s per 400 Gb/s NIC, one NIC per GPU (DGX/HGX H100/H200 line rate; about 46-48 GB/s
 practical); NVLink4 on H100/H200 SXM 450 GB/s per direction (18 links, 900 GB/s
 bidirectional; NCCL reaches about 370 GB/s). `fixed` is 0 unless measured. `--measured-json
 FILE` replaces them with measured costs: a JSON object with optional keys `network_gbps`,
 `nvlink_gbps`, `fixed_us`, or per-byte costs `network_ns_per_byte`, `nvlink_ns_per_byte`
-(1 / rate: 1 / (50 GB/s) = 0.02 ns per byte), at the top level (both phases) or inside
-`"dispatch"` / `"combine"` (one phase), and an optional `"source"` string printed with the
-table. `python -m megatron_deepep.bench.network` (the network leg on one GPU) and
-`python -m megatron_deepep.tools.multinode_check --json` (dispatch and combine GB/s per NIC on
-real nodes) write such files.
+(1 / rate: 1 / (50 GB/s) = 0.02 ns per byte), and `kernel_gbps` (the GB/s per rank our
+kernels reached with the ranks running at once, e.g. under CUDA MPS on one GPU at a 1/R share of
+its SMs: a ceiling on the NVLink leg's rate that the link itself does not set), at the top
+level (both phases) or inside `"dispatch"` / `"combine"` (one phase), and an optional
+`"source"` string printed with the table. Several files may be given (`--measured-json A B`):
+each key is taken from the last file that has it, and every rate names the file's source it
+came from, e.g. the network rate measured through NVSHMEM's host proxy over loopback
+(`dev/gpu/proxy.sh` writes `proxy_model.json`) beside the kernel rate measured under MPS
+(`dev/gpu/mps.sh`: `mps_model.json`). `python -m megatron_deepep.bench.network` (the network
+leg on one GPU) and `python -m megatron_deepep.tools.multinode_check --json` (dispatch and
+combine GB/s per NIC on real nodes) write such files too.
 
 Routing: "uniform" picks each token's top-k experts uniformly (top-k of uniform random scores);
 "node-limited" runs Megatron's group-limited routing (`node_layout.node_limited_topk`, groups =
@@ -55,7 +63,7 @@ import dataclasses
 import json
 import math
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -77,12 +85,26 @@ REPORTED = {
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """Link rates and a fixed cost for one phase."""
+    """Link rates and a fixed cost for one phase.
+
+    Attributes:
+        kernel_gbps: a measured per-rank ceiling of the kernels on the NVLink leg (0: none).
+        sources: `((key, source), ...)`: where each measured key came from (not compared).
+    """
 
     network_gbps: float = 50.0
     nvlink_gbps: float = 450.0
     fixed_us: float = 0.0
     source: str = "assumed"
+    kernel_gbps: float = 0.0
+    sources: Tuple[Tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
+
+    @property
+    def nvlink_effective_gbps(self) -> float:
+        """The NVLink leg's rate: the link's, or the kernels' measured ceiling when lower."""
+        if self.kernel_gbps > 0:
+            return min(self.nvlink_gbps, self.kernel_gbps)
+        return self.nvlink_gbps
 
 
 def bf16_row_bytes(hidden: int) -> int:
@@ -186,7 +208,7 @@ def phase_model(rows: Dict[str, List[int]], row_bytes: int, rates: Rates) -> Dic
     net = max(max(s, r) for s, r in zip(rows["net_send"], rows["net_recv"])) * row_bytes
     nvl = max(max(s, r) for s, r in zip(rows["nvl_send"], rows["nvl_recv"])) * row_bytes
     t_net = net / (rates.network_gbps * 1e3)  # bytes / (GB/s) -> µs: 1 GB/s = 1e3 bytes/µs
-    t_nvl = nvl / (rates.nvlink_gbps * 1e3)
+    t_nvl = nvl / (rates.nvlink_effective_gbps * 1e3)
     tokens = sum(rows["tokens"])
     return {
         "row_bytes": row_bytes,
@@ -202,6 +224,8 @@ def phase_model(rows: Dict[str, List[int]], row_bytes: int, rates: Rates) -> Dic
         "serial_time_us": rates.fixed_us + t_net + t_nvl,
         "network_gbps": rates.network_gbps,
         "nvlink_gbps": rates.nvlink_gbps,
+        "kernel_gbps": rates.kernel_gbps,
+        "nvlink_effective_gbps": rates.nvlink_effective_gbps,
         "fixed_us": rates.fixed_us,
         "rates_source": rates.source,
     }
@@ -222,28 +246,56 @@ def reported_times(ep: int, phase: str, wire: str, network_bytes: float) -> Dict
     return out
 
 
+MEASURED_KEYS = ("network_gbps", "nvlink_gbps", "fixed_us", "kernel_gbps", "network_ns_per_byte",
+                 "nvlink_ns_per_byte")
+
+
+def _phase_values(measured: dict, phase: str) -> Dict[str, float]:
+    """One measured-costs object's keys for `phase`, per-byte costs turned into rates."""
+    values = {k: float(measured[k]) for k in MEASURED_KEYS if k in measured}
+    values.update({k: float(v) for k, v in measured.get(phase, {}).items()
+                   if k in MEASURED_KEYS})
+    for k, v in values.items():
+        if v < 0 or (k != "fixed_us" and v == 0):
+            raise ValueError(f"measured {phase} {k}={v}: rates and costs per byte must be "
+                             f"> 0, fixed_us >= 0")
+    for link in ("network", "nvlink"):
+        cost = values.pop(f"{link}_ns_per_byte", None)
+        if cost is not None:  # 1 ns per byte = 1 GB/s
+            values[f"{link}_gbps"] = 1.0 / cost
+    return values
+
+
 def load_rates(nic_gbps: float, nvlink_gbps: float,
-               measured: Optional[dict]) -> Dict[str, Rates]:
-    """Per-phase `Rates`: the flags, replaced by the keys of a measured-costs JSON object."""
+               measured: Union[None, dict, Sequence[dict]]) -> Dict[str, Rates]:
+    """Per-phase `Rates`: the flags, replaced by the keys of measured-costs JSON objects.
+
+    Args:
+        nic_gbps, nvlink_gbps: the assumed rates.
+        measured: one object or several, in order: a key is taken from the last one holding it
+            (each its own `source`, e.g. the network rate of the proxy path and the kernel rate
+            under MPS).
+
+    Returns:
+        `{phase: Rates}`; `source` joins the sources that gave the phase a key ("assumed" when
+        none did); `sources` says which key came from which.
+    """
     base = Rates(network_gbps=nic_gbps, nvlink_gbps=nvlink_gbps)
     if not measured:
         return {p: base for p in PHASES}
-    keys = ("network_gbps", "nvlink_gbps", "fixed_us", "network_ns_per_byte",
-            "nvlink_ns_per_byte")
-    source = str(measured.get("source", "measured"))
+    docs = [measured] if isinstance(measured, dict) else list(measured)
     out = {}
     for phase in PHASES:
-        values = {k: float(measured[k]) for k in keys if k in measured}
-        values.update({k: float(v) for k, v in measured.get(phase, {}).items() if k in keys})
-        for k, v in values.items():
-            if v < 0 or (k != "fixed_us" and v == 0):
-                raise ValueError(f"measured {phase} {k}={v}: rates and costs per byte must be "
-                                 f"> 0, fixed_us >= 0")
-        for link in ("network", "nvlink"):
-            cost = values.pop(f"{link}_ns_per_byte", None)
-            if cost is not None:  # 1 ns per byte = 1 GB/s
-                values[f"{link}_gbps"] = 1.0 / cost
-        out[phase] = dataclasses.replace(base, source=source if values else "assumed", **values)
+        values, origin = {}, {}
+        for doc in docs:
+            found = _phase_values(doc, phase)
+            values.update(found)
+            origin.update({k: str(doc.get("source", "measured")) for k in found})
+        given = set(origin.values())  # in file order
+        used = list(dict.fromkeys(s for s in (str(d.get("source", "measured")) for d in docs)
+                                  if s in given))
+        out[phase] = dataclasses.replace(base, source="; ".join(used) or "assumed",
+                                         sources=tuple(sorted(origin.items())), **values)
     return out
 
 
@@ -297,9 +349,13 @@ def format_table(result: dict) -> str:
              f"bf16 row {bf16_row_bytes(inp['hidden'])} B, FP8 e4m3 + 1x128 fp32 scales "
              f"{fp8_row_bytes(inp['hidden'])} B"]
     for phase, rates in inp["rates"].items():
+        kernel = (f", kernels {rates['kernel_gbps']:g} GB/s per rank (the NVLink leg runs at "
+                  f"the lower of the two)" if rates.get("kernel_gbps") else "")
         lines.append(f"  {phase} rates ({rates['source']}): network {rates['network_gbps']:g} "
-                     f"GB/s per NIC, NVLink {rates['nvlink_gbps']:g} GB/s per direction, fixed "
-                     f"{rates['fixed_us']:g} us")
+                     f"GB/s per NIC, NVLink {rates['nvlink_gbps']:g} GB/s per direction{kernel}, "
+                     f"fixed {rates['fixed_us']:g} us")
+        for key, source in rates.get("sources", ()):
+            lines.append(f"    {key}: measured by {source}")
     lines.append("  MB = 1e6 bytes per rank, busiest rank (max of send and receive); "
                  "model us = fixed + max(net, NVLink) (pipelined); x/tok = network crossings "
                  "per token; DeepEP/HybridEP = their reported GB/s applied to the same network "
@@ -351,8 +407,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="also model group-limited routing with M nodes per token (0: off)")
     p.add_argument("--seed", type=int, default=0, help="routing seed")
     p.add_argument("--json", metavar="OUT", help="write every figure and input as JSON")
-    p.add_argument("--measured-json", metavar="IN",
-                   help="measured rates replacing the assumed ones (see the module docstring)")
+    p.add_argument("--measured-json", metavar="IN", nargs="+",
+                   help="measured rates replacing the assumed ones, one file or several (a key "
+                        "from the last file holding it; see the module docstring)")
     args = p.parse_args(argv)
     for name in ("tokens", "hidden", "experts", "topk", "ranks_per_node"):
         if getattr(args, name) < 1 and not (name == "tokens" and args.tokens == 0):
@@ -369,10 +426,14 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """The CLI: prints the table, writes `--json`, returns the result dict."""
     args = _parse(argv)
-    measured = None
-    if args.measured_json:
-        with open(args.measured_json) as f:
-            measured = json.load(f)
+    measured = []
+    for path in args.measured_json or ():
+        with open(path) as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict):
+            raise ValueError(f"--measured-json {path}: expected a JSON object, got "
+                             f"{type(doc).__name__}")
+        measured.append(doc)
     rates = load_rates(args.nic_gbps, args.nvlink_gbps, measured)
     result = run_model(tokens=args.tokens, hidden=args.hidden, experts=args.experts,
                        topk=args.topk, nodes=args.nodes, ranks_per_node=args.ranks_per_node,

@@ -79,3 +79,54 @@ def test_the_table_names_no_gbps_for_the_reference_transport(capsys):
     fallback = capsys.readouterr().out
     assert "| ours 24 SMs sync | 100.0 | - | - | 120.0 | - | - |" in fallback
     assert "GB/s and floor ratios: none, the reference transport ran" in fallback
+
+
+def test_megatron_rows_are_both_alltoall_baselines(monkeypatch):
+    """The bench times Megatron's alltoall with TE's fused permute and without, one labelled row
+    each; where the fused one cannot run (CPU here) its row says why instead of a time."""
+    calls = []
+
+    def fake(xs, idxs, ws, num_experts, permute_fusion=False):
+        calls.append(permute_fusion)
+        return {"dispatch_us": 10.0, "combine_us": 20.0}
+
+    monkeypatch.setattr(bench, "bench_megatron", fake)
+    rows = bench.megatron_rows([], [], [], 8, device="cpu")
+    assert list(rows) == ["megatron alltoall (fused permute)", "megatron alltoall (unfused)"]
+    assert "GPU only" in rows["megatron alltoall (fused permute)"]["skipped"]
+    assert rows["megatron alltoall (unfused)"] == {"dispatch_us": 10.0, "combine_us": 20.0}
+    assert calls == [False]
+    # On a GPU the fused row runs with moe_permute_fusion=True when TE is there.
+    monkeypatch.setattr("megatron_deepep.megatron.baselines.permute_fusion_reason",
+                        lambda device="cuda": "")
+    rows = bench.megatron_rows([], [], [], 8)
+    assert calls[1:] == [True, False]
+    assert "skipped" not in rows["megatron alltoall (fused permute)"]
+
+
+def test_without_te_the_fused_row_names_transformer_engine():
+    from megatron_deepep.fp8 import te_bridge
+    from megatron_deepep.megatron import baselines
+
+    if te_bridge.te_available()[0]:
+        pytest.skip("Transformer Engine imports here")
+    reason = baselines.permute_fusion_reason("cuda")
+    assert reason.startswith("moe_permute_fusion=True needs Transformer Engine")
+    assert baselines.missing_fused_functions({"fused_permute": None, "fused_unpermute": 1}) == [
+        "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs"]
+    assert baselines.split_run("alltoall-fused") == ("alltoall", True)
+    assert baselines.split_run("deepep") == ("deepep", False)
+
+
+def test_table_prints_a_skipped_baseline_with_its_reason(capsys):
+    entry = {"shape": [8, 16, 4, 2], "ep": 1, "copy_GBps": 1000.0, "fill_GBps": 500.0,
+             "num_recv_rows": 16, "dispatch_bytes": 768, "floor_us": 0.5,
+             "dispatch_write_floor_us": 0.2,
+             "variants": {"megatron alltoall (fused permute)": {"skipped": "no TE"},
+                          "megatron alltoall (unfused)": {"dispatch_us": 4.0,
+                                                          "combine_us": 5.0}}}
+    bench.print_table([entry])
+    out = capsys.readouterr().out
+    assert "| megatron alltoall (fused permute) | skipped: no TE" in out
+    assert "| megatron alltoall (unfused) | 4.0 |" in out

@@ -59,16 +59,46 @@ def test_graph_and_te_rows_are_skipped_with_a_reason(cpu_run):
     rows = {r["variant"]: r for r in report["rows"]}
     assert "GPU" in rows["deepep-syncfree-graph"]["skipped"]
     te_rows = [r for r in report["rows"] if r["table"] == "B"]
-    assert {r["variant"] for r in te_rows} == {"te-alltoall", "te-deepep-bf16",
+    assert {r["variant"] for r in te_rows} == {"te-alltoall-fused", "te-alltoall",
+                                                "te-deepep-bf16",
                                                 "te-deepep-fp8-dequant", "te-deepep-fp8-experts",
                                                 "te-deepep-fp8-experts-dequant-colwise"}
     assert all(r.get("skipped") for r in te_rows), te_rows
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| table | variant | shape")
-    for name in ("alltoall", "deepep-sync (reference)", "deepep-syncfree (reference)",
-                 "deepep-syncfree-graph"):
+    for name in ("alltoall (unfused)", "alltoall (fused permute)", "deepep-sync (reference)",
+                 "deepep-syncfree (reference)", "deepep-syncfree-graph"):
         assert any(f"| {name} |" in line for line in table), name
     assert any("skipped: CUDA graphs need a GPU" in line for line in table)
+
+
+def test_both_alltoall_baselines_have_rows(cpu_run):
+    """Megatron's alltoall runs twice, labelled: with TE's fused permute (skipped on the CPU,
+    saying why) and without it (timed, the ratio column's reference)."""
+    stdout, report = cpu_run
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rows["alltoall-fused"]["label"] == "alltoall (fused permute)"
+    assert rows["alltoall"]["label"] == "alltoall (unfused)"
+    assert rows["te-alltoall-fused"]["label"] == "te-alltoall (fused permute)"
+    assert "fused permute" in rows["alltoall-fused"]["skipped"]
+    assert "GPU" in rows["alltoall-fused"]["skipped"]
+    assert "ratio_to_alltoall_fused" not in rows["deepep-sync"]  # no fused time to divide by
+    fused = [line for line in stdout.splitlines() if "| alltoall (fused permute) |" in line]
+    assert len(fused) == 1 and "skipped: Transformer Engine's fused permute" in fused[0]
+    head = [line for line in stdout.splitlines() if line.startswith("| table |")][0]
+    assert "x alltoall (unfused) | x alltoall (fused permute) |" in head
+
+
+def test_ratios_against_each_alltoall_baseline():
+    from megatron_deepep.bench import layer as bench_layer
+
+    rows = [{"table": "A", "variant": "alltoall-fused", "shape": [1], "fwd_bwd_ms": 2.0},
+            {"table": "A", "variant": "alltoall", "shape": [1], "fwd_bwd_ms": 4.0},
+            {"table": "A", "variant": "deepep-sync", "shape": [1], "fwd_bwd_ms": 1.0}]
+    bench_layer._add_ratios(rows)
+    assert rows[2]["ratio_to_alltoall"] == 0.25
+    assert rows[2]["ratio_to_alltoall_fused"] == 0.5
+    assert rows[0]["ratio_to_alltoall"] == 0.5
 
 
 def test_grouped_mm_experts_match_a_loop_over_experts():

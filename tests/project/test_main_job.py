@@ -9,6 +9,7 @@ hint that names a test command names the README's.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -146,6 +147,41 @@ def test_cpu_demo_trains_deepep_beside_alltoall_with_the_same_losses(tmp_path):
     losses = [(float(r[1]), float(r[2])) for r in rows]
     assert all(abs(a - b) < 1e-3 for a, b in losses), losses
     assert losses[-1][0] < losses[0][0]  # it learns
+    # The default runs name Megatron's fused-permute alltoall too; on the CPU it says why not.
+    assert "alltoall (fused permute): skipped: Transformer Engine's fused permute" in done.stdout
+    summary = json.loads((tmp_path / "step_times.json").read_text())
+    assert list(summary["skipped"]) == ["alltoall-fused"]
+    assert summary["labels"] == {"deepep": "deepep", "alltoall": "alltoall (unfused)",
+                                 "alltoall-fused": "alltoall (fused permute)"}
+
+
+def test_comparison_runs_alltoall_with_and_without_fused_permute(monkeypatch):
+    """`--dispatchers` defaults to deepep and both alltoall baselines; the fused one is planned
+    where TE's fused permute can run and skipped with the reason where it cannot."""
+    example = _load("compare_dispatchers")
+    args = example.parse_args([])
+    assert example.run_names(args) == ["deepep", "alltoall-fused", "alltoall"]
+    monkeypatch.setattr("megatron_deepep.megatron.baselines.permute_fusion_reason",
+                        lambda device="cuda": f"no TE on {device}")
+    runs, skipped = example.plan_runs(args)
+    assert runs == ["deepep", "alltoall"] and skipped == {"alltoall-fused": "no TE on cuda"}
+    monkeypatch.setattr("megatron_deepep.megatron.baselines.permute_fusion_reason",
+                        lambda device="cuda": "")
+    assert example.plan_runs(args) == (["deepep", "alltoall-fused", "alltoall"], {})
+    results = {"deepep": ([3.0, 2.0], [0.01, 0.01]), "alltoall-fused": ([3.0, 2.2], [0.02] * 2),
+               "alltoall": ([3.3, 2.0], [0.03] * 2)}
+    summary = example.summarize(results, 2, 0, 1, "fake", {})
+    assert summary["labels"]["alltoall-fused"] == "alltoall (fused permute)"
+    diffs = summary["loss_diff_vs_first"]
+    assert diffs["alltoall-fused"]["max_abs_loss_diff"] == pytest.approx(0.2)
+    assert diffs["alltoall"]["max_rel_loss_diff"] == pytest.approx(0.1)
+
+
+def test_run_gpt_moe_maps_alltoall_fused_to_megatrons_flag():
+    with open(os.path.join(ROOT, "examples", "run_gpt_moe.sh")) as f:
+        text = f.read()
+    assert 'DISPATCHER=alltoall PERMUTE_FLAGS=(--moe-permute-fusion)' in text
+    assert '"${METRIC_FLAGS[@]}" "${PERMUTE_FLAGS[@]}" "$@"' in text
 
 
 def test_supported_megatron_core_range_is_the_readmes():

@@ -150,3 +150,57 @@ def test_module_runs_as_script(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "internode model" in proc.stdout
     assert len(json.loads(out.read_text())["cases"]) == 3
+
+
+def test_several_measured_files_each_give_their_keys():
+    """The proxy path's network rate and the MPS run's kernel rate come from two files; each
+    key names the file it came from, and the later file wins where both have a key."""
+    proxy = {"source": "NVSHMEM proxy, ucx over loopback", "dispatch": {"network_gbps": 3.0},
+             "combine": {"network_gbps": 2.5}, "nvlink_gbps": 400}
+    mps = {"source": "MPS on one GPU", "dispatch": {"kernel_gbps": 200.0},
+           "nvlink_gbps": 300}
+    rates = model.load_rates(50, 450, [proxy, mps])
+    d, c = rates["dispatch"], rates["combine"]
+    assert (d.network_gbps, d.nvlink_gbps, d.kernel_gbps) == (3.0, 300.0, 200.0)
+    assert d.nvlink_effective_gbps == 200.0  # the kernels' ceiling is below the link
+    assert dict(d.sources) == {"network_gbps": "NVSHMEM proxy, ucx over loopback",
+                               "nvlink_gbps": "MPS on one GPU", "kernel_gbps": "MPS on one GPU"}
+    assert d.source == "NVSHMEM proxy, ucx over loopback; MPS on one GPU"
+    assert (c.network_gbps, c.kernel_gbps, c.nvlink_effective_gbps) == (2.5, 0.0, 300.0)
+    # One object still works as before; a kernel ceiling above the link changes nothing.
+    one = model.load_rates(50, 450, {"kernel_gbps": 900, "source": "x"})["dispatch"]
+    assert one.nvlink_effective_gbps == 450 and one.source == "x"
+    with pytest.raises(ValueError, match="kernel_gbps=0.0"):
+        model.load_rates(50, 450, [proxy, {"kernel_gbps": 0}])
+
+
+def test_kernel_ceiling_slows_the_nvlink_leg():
+    rows = model.rank_rows(_tiny_routing(), num_experts=4, num_ranks_per_node=2)
+    fast = model.phase_model(rows, 256, model.Rates(50.0, 400.0))
+    slow = model.phase_model(rows, 256, model.Rates(50.0, 400.0, kernel_gbps=100.0))
+    assert slow["nvlink_us"] == pytest.approx(fast["nvlink_us"] * 4)
+    assert slow["nvlink_effective_gbps"] == 100.0 and slow["kernel_gbps"] == 100.0
+    assert slow["network_us"] == fast["network_us"]
+
+
+def test_cli_reads_the_proxy_and_mps_files(tmp_path, capsys):
+    proxy = tmp_path / "proxy_model.json"
+    mps = tmp_path / "mps_model.json"
+    proxy.write_text(json.dumps({"source": "proxy path", "dispatch": {"network_gbps": 4.0},
+                                 "combine": {"network_gbps": 5.0}}))
+    mps.write_text(json.dumps({"source": "MPS", "dispatch": {"kernel_gbps": 100.0},
+                               "combine": {"kernel_gbps": 120.0}}))
+    result = model.main(["--tokens", "32", "--hidden", "256", "--experts", "16", "--topk", "4",
+                         "--nodes", "2", "--ranks-per-node", "2", "--node-limited", "0",
+                         "--measured-json", str(proxy), str(mps)])
+    printed = capsys.readouterr().out
+    assert "network_gbps: measured by proxy path" in printed
+    assert "kernel_gbps: measured by MPS" in printed
+    assert "kernels 100 GB/s per rank" in printed
+    combine = [c for c in result["cases"] if c["phase"] == "combine"][0]["model"]
+    assert combine["network_gbps"] == 5.0 and combine["nvlink_effective_gbps"] == 120.0
+    assert combine["rates_source"] == "proxy path; MPS"
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        model.main(["--measured-json", str(bad), "--tokens", "4"])
