@@ -7,7 +7,9 @@ and tests do not care which one runs.
 
 Streams: kernel transports run on the Buffer's communication stream. Operations first wait for
 `previous_event` (else for the current stream); with `async_finish=True` they return an
-`EventHandle` to wait on, otherwise the current stream waits for them before returning.
+`EventHandle` to wait on, otherwise the current stream waits for them before returning. Every
+call also starts after the Buffer's previous call, whichever stream that one ran on: calls share
+the transport's epoch words and block counters, so two in flight at once would race on them.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class Buffer:
         # Set by the first call captured in a CUDA graph: the graph replays into this Buffer's
         # memory, so `get_buffer` must never replace it.
         self.captured = False
+        # Orders each call after the previous one (async on the comm stream, sync on the
+        # caller's): they share the transport's epoch words and block counters.
+        self._call_order = CallOrder(torch.cuda.Event) if self._comm_stream is not None else None
         logger.info("megatron_deepep Buffer: rank %d/%d, transport %s, %d bytes", self.rank,
                     self.num_ranks, self._transport.name, self.num_bytes)
 
@@ -152,24 +157,34 @@ class Buffer:
         return self.device if self.device is not None else getattr(x, "device", None)
 
     def _run(self, fn, inputs, previous_event: Optional[EventHandle], async_finish: bool):
-        """Runs `fn` on the comm stream (NVLink) or inline (reference); returns (result, event)."""
-        if is_capturing():
+        """Runs `fn` on the comm stream (NVLink) or inline (reference); returns (result, event).
+
+        Every call starts after this Buffer's previous call (`CallOrder`), whichever stream
+        that one ran on, besides `previous_event` (else the current stream)."""
+        capturing = is_capturing()
+        if capturing:
             self._enter_capture()
         if self._comm_stream is None:
             return fn(), EventHandle(None)
+        compute = torch.cuda.current_stream()
+        capture = _capture_of(compute) if capturing else None
         if previous_event is None and not async_finish:
             # The caller's stream would wait for the comm stream anyway: launching on it gives
             # the same order without two cross-stream event pairs per call.
-            return fn(), EventHandle(None)
-        compute = torch.cuda.current_stream()
+            self._call_order.before(compute, capture)
+            result = fn()
+            self._call_order.after(compute, capture)
+            return result, EventHandle(None)
         if previous_event is not None and previous_event.event is not None:
             self._comm_stream.wait_event(previous_event.event)
         else:
             self._comm_stream.wait_stream(compute)
+        self._call_order.before(self._comm_stream, capture)
         # Outputs are allocated on the current stream and written on the comm stream; a
         # synchronous call ends with the current stream waiting, so no record_stream is needed.
         with ops.launch_on(self._comm_stream):
             result = fn()
+        self._call_order.after(self._comm_stream, capture)
         if async_finish:
             for t in list(inputs) + list(_flatten(result)):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -424,6 +439,57 @@ class Buffer:
         self.destroy()
         self._successor = successor
         successor._lineage = self._lineage
+
+
+class CallOrder:
+    """Keeps one Buffer's calls in issue order across streams.
+
+    A call without `previous_event` and `async_finish` launches on the caller's stream, an
+    asynchronous one on the comm stream; without this, a synchronous call issued while an
+    asynchronous one still runs (Megatron overlapping one micro-batch's dispatch with another's
+    combine, or a caller mixing both kinds) would run beside it on the same epoch words and
+    block counters. Each call's stream waits for the event recorded after the previous call
+    when that one ran on another stream (a stream keeps its own order).
+
+    Inside a CUDA-graph capture only events of the same capture are waited for (an event of
+    eager work or of another capture cannot be waited on there): a replay runs in the order of
+    the stream it is launched on.
+
+    Args:
+        new_event: makes an event with `record(stream)` (`torch.cuda.Event`).
+    """
+
+    # `capture` below: None for an eager call, else the id of the capture recording it
+    # (`UNKNOWN_CAPTURE` when it could not be read: such a call is left unordered).
+    UNKNOWN_CAPTURE = -1
+
+    def __init__(self, new_event):
+        self._new_event = new_event
+        self._last = None  # (event, raw stream handle, capture) of the previous call
+
+    def before(self, stream, capture: Optional[int] = None) -> None:
+        """Makes `stream` wait for the previous call unless that one ran on `stream` itself."""
+        if self._last is None or capture == self.UNKNOWN_CAPTURE:
+            return
+        event, last_stream, last_capture = self._last
+        if last_stream != stream.cuda_stream and last_capture == capture:
+            stream.wait_event(event)
+
+    def after(self, stream, capture: Optional[int] = None) -> None:
+        """Records the end of the call just launched on `stream`."""
+        if capture == self.UNKNOWN_CAPTURE:
+            return
+        event = self._new_event()
+        event.record(stream)
+        self._last = (event, stream.cuda_stream, capture)
+
+
+def _capture_of(stream) -> int:
+    """The id of the graph capture `stream` is recording (`CallOrder.UNKNOWN_CAPTURE` when the
+    driver does not say)."""
+    from megatron_deepep.kernels.cuda_calls import stream_capture_id
+    capture = stream_capture_id(stream.cuda_stream)
+    return CallOrder.UNKNOWN_CAPTURE if capture is None else capture
 
 
 def _check_limits(*, num_max_tokens_per_rank, hidden, num_topk) -> None:

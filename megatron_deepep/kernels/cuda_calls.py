@@ -42,3 +42,16 @@ def ensure_context(device_index: int) -> None:
     primary = cu_check(driver.cuDevicePrimaryCtxRetain(device),
                        f"cuDevicePrimaryCtxRetain(device {device_index})")
     cu_check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+
+def stream_capture_id(cuda_stream: int):
+    """The id of the graph capture the stream (a raw handle) is recording, unique in the
+    process; None when it is not capturing or the driver does not answer."""
+    from cuda.bindings import driver
+    result = driver.cuStreamGetCaptureInfo(cuda_stream)
+    if int(result[0]) != 0:
+        return None
+    status, capture_id = result[1], result[2]
+    if status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        return None
+    return int(capture_id)
