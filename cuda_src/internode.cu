@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(kInternodeNotifyThreads) internode_notify(
         a.num_recv_tokens_per_expert[e] = running;
         padded = (running + a.alignment - 1) / a.alignment * a.alignment;
         a.tokens_per_expert[e] = padded;
-        if (a.host_info != nullptr) a.host_info->tokens_per_expert[e] = padded;
+        if (a.host_info != nullptr) store_expert_rows(a.host_info, e, padded, a.host_epoch);
     }
     if (a.host_info != nullptr) __threadfence_system();
     int num_rows;

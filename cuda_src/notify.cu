@@ -1,6 +1,6 @@
 // Notify: each rank writes its per-expert counts and call parameters into every peer's metadata
-// region, releases a flag carrying the call's epoch, waits for all peers' flags, then derives its
-// receive layout (per-source offsets inside each local expert, padded segment sizes and the
+// region (the half of Meta::counts of the epoch's parity), releases a flag carrying the call's
+// epoch, waits for all peers' flags, then derives its receive layout (per-source offsets inside each local expert, padded segment sizes and the
 // total row count) and publishes it to the host through mapped pinned memory. One block.
 #include "common/args.cuh"
 #include "common/protocol.cuh"
@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
     const u64 timeout_ns = args.timeout_ns;
     const ErrorState err{args.error_claim, args.error_record};
     const int row_len = 8 + num_local;
-    // 1. My row into every rank's Meta.counts[rank].
+    const int half = counts_half(epoch);
+    // 1. My row into every rank's Meta.counts[half][rank].
     for (int i = threadIdx.x; i < num_ranks * row_len; i += blockDim.x) {
         const int dst = i / row_len, col = i % row_len;
         int value;
@@ -40,7 +41,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
             case kHdrAlign: value = alignment; break;
             default: value = col >= 8 ? num_tokens_per_expert[dst * num_local + col - 8] : 0;
         }
-        meta_of(peer_bases[dst])->counts[rank][col] = value;
+        meta_of(peer_bases[dst])->counts[half][rank][col] = value;
     }
     __threadfence_system();
     __syncthreads();
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
     if (!block_wait_peers(mine->notify_flag, epoch, num_ranks, rank, true, timeout_ns, err,
                           kPhaseNotify, /*give_up_on_error=*/false))
         return;
-    volatile int(*counts)[kCountStride] = mine->counts;
+    volatile int(*counts)[kCountStride] = mine->counts[half];
     if (threadIdx.x < num_ranks) {
         const int s = threadIdx.x;
         const int mine_hdr[5] = {0, hidden, num_topk, num_local * num_ranks, alignment};
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(
         num_recv_tokens_per_expert[e] = running;
         padded = (running + alignment - 1) / alignment * alignment;
         tokens_per_expert[e] = padded;
-        if (host_info != nullptr) host_info->tokens_per_expert[e] = padded;
+        if (host_info != nullptr) store_expert_rows(host_info, e, padded, args.host_epoch);
     }
     if (host_info != nullptr) __threadfence_system();  // null: no host wait reads it
     int num_rows;

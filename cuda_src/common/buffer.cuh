@@ -18,8 +18,14 @@ struct Meta {
     u32 combine_done[kMaxRanks];
     u32 combine_consumed[kMaxRanks];
     u32 pad[3 * kMaxRanks];
-    int counts[kMaxRanks][kCountStride];
+    // Notify's rows, in the half of the call's epoch parity: a peer already in the next call's
+    // notify writes the other half, so rows still being read are never overwritten (a peer can
+    // be at most one notify ahead: the next one waits for this rank's flag of the current one).
+    int counts[2][kMaxRanks][kCountStride];
 };
+
+// The half of Meta::counts notify uses at `epoch`.
+__host__ __device__ constexpr int counts_half(u32 epoch) { return (int)(epoch & 1u); }
 
 // Block-completion counters, local to the owning rank (never written by peers).
 struct Workspace {

@@ -37,7 +37,8 @@ __device__ __forceinline__ void write_local_recv(const LocalRecv& out, int count
         out.tokens_per_expert[e] = out.padded(count);
         out.expert_row_start[e] = row_start;
         out.src_expert_offset[e] = 0;
-        if (out.host_info != nullptr) out.host_info->tokens_per_expert[e] = out.padded(count);
+        if (out.host_info != nullptr)
+            store_expert_rows(out.host_info, e, out.padded(count), out.host_epoch);
     }
     if (out.host_info != nullptr) __threadfence_system();
     __syncthreads();

@@ -1,6 +1,7 @@
 """Byte layout of one rank's symmetric buffer (mirrors `cuda_src/common/buffer.cuh`).
 
     [0, META)              Meta: epoch flags written by peers, per-source count rows
+                           (two halves, by the epoch's parity)
     [META, +WORKSPACE)     Workspace: block counters and the error claim (local only)
     dispatch rows          [R][N_max] rows of `row_stride` bytes (align16(H * 2))
     dispatch metadata      [R][N_max] slot records of `meta_stride` bytes (align16(4 + 12 K))
@@ -19,7 +20,14 @@ import torch
 MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 256
 COUNT_STRIDE = 8 + MAX_LOCAL_EXPERTS
-META_BYTES = (8 * MAX_RANKS) * 4 + MAX_RANKS * COUNT_STRIDE * 4  # sizeof(Meta)
+# Notify's count rows come in two halves chosen by the epoch's parity (`counts_half`).
+COUNT_HALVES = 2
+META_BYTES = (8 * MAX_RANKS) * 4 + COUNT_HALVES * MAX_RANKS * COUNT_STRIDE * 4  # sizeof(Meta)
+
+
+def counts_half(epoch: int) -> int:
+    """The half of `Meta.counts` notify writes and reads at `epoch` (buffer.cuh)."""
+    return epoch & 1
 WORKSPACE_BYTES = 4096
 PAGE = 4096
 

@@ -2,23 +2,45 @@
 
 Both live in mapped pinned memory, so the host reads them without a device synchronization:
 the error record (`common/error.cuh`, written once by the first failing thread, claimed through
-a device word) and `HostInfo` (`common/host_info.cuh`: the epoch of the last published receive
-layout, its row count and padded rows per local expert).
+a device word) and `HostInfo` (`common/host_info.cuh`: the row count of the last published
+receive layout and its padded rows per local expert, each a 64-bit word that also carries the
+epoch it belongs to: `host_word`).
+
+The host reads each such word with one aligned 64-bit load (single-copy atomic on x86-64 and
+AArch64) and trusts a value only next to its own epoch, so it needs no load ordering between
+words: a host whose loads may reorder (Arm: GH200, GB200) reads no stale row count or expert
+size.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
 
 from megatron_deepep import ops
 from megatron_deepep.transport.errors import ERROR_RECORD_WORDS, error_from_record
 from megatron_deepep.transport.ipc import MappedHostArray
 from megatron_deepep.transport.regions import MAX_LOCAL_EXPERTS
 
-HOST_INFO_WORDS = 4 + MAX_LOCAL_EXPERTS  # struct HostInfo of common/host_info.cuh
+HOST_INFO_U64 = 1 + MAX_LOCAL_EXPERTS  # struct HostInfo of common/host_info.cuh: rows, experts
+HOST_INFO_WORDS = 2 * HOST_INFO_U64  # in 32-bit words
 # The host wait outlasts the kernels' own timeout, so a stalled peer is reported by the kernel.
 HOST_WAIT_SLACK_S = 5.0
+
+
+def host_word(value: int, epoch: int) -> int:
+    """The 64-bit word `host_word` of host_info.cuh stores: (value << 32) | epoch (unsigned)."""
+    return ((value & 0xFFFFFFFF) << 32) | (epoch & 0xFFFFFFFF)
+
+
+def unpack_host_word(word: int) -> Tuple[int, int]:
+    """(value as int32, epoch as uint32) of a `host_word`."""
+    word = int(word) & 0xFFFFFFFFFFFFFFFF
+    value = word >> 32
+    return value - (1 << 32) if value >= 1 << 31 else value, word & 0xFFFFFFFF
 
 
 class BrokenBufferError(RuntimeError):
@@ -49,7 +71,11 @@ class KernelStatus:
         self._error_record = MappedHostArray(ERROR_RECORD_WORDS)
         self.errors = ops.ErrorSink(claim_ptr, self._error_record.device_ptr)
         self.host_info_ptr = self._host_info.device_ptr
+        # One aligned uint64 per HostInfo word: each read below is one 64-bit load.
+        self._host_words = np.ctypeslib.as_array(
+            (ctypes.c_uint64 * HOST_INFO_U64).from_address(self._host_info.host_ptr))
         self._broken: Optional[BaseException] = None
+        self._published_epoch: Optional[int] = None
 
     def check_errors(self) -> None:
         """Raises the first error any kernel recorded (reads host memory; no device sync).
@@ -72,11 +98,14 @@ class KernelStatus:
         Raises:
             RuntimeError: a kernel recorded an error, or the GPU never published the epoch.
         """
-        words = self._host_info.words
+        words = self._host_words
         deadline = time.monotonic() + self.timeout_s + HOST_WAIT_SLACK_S
         target = epoch & 0xFFFFFFFF
         spins = 0
-        while (int(words[0]) & 0xFFFFFFFF) != target:
+        while True:
+            num_rows, seen = unpack_host_word(words[0])  # one load: the count with its epoch
+            if seen == target:
+                break
             spins += 1
             if spins % 64 == 0:
                 self.check_errors()
@@ -88,13 +117,32 @@ class KernelStatus:
                         "its dispatch, which the GPU never published (the kernel did not run)")
                 if spins > 4096:
                     time.sleep(1e-5)
-        num_rows = int(words[1])
         self.check_errors()
+        self._published_epoch = target
         return num_rows
 
     def tokens_per_expert(self, num_local: int) -> List[int]:
-        """The last published padded rows per local expert."""
-        return self._host_info.words[4:4 + num_local].tolist()
+        """The padded rows per local expert of the layout `wait_num_rows` last returned.
+
+        Each word carries its epoch; one read before the published epoch's stores reached this
+        host (a load satisfied early) is read again.
+
+        Raises:
+            RuntimeError: no layout was waited for, or its words never showed its epoch.
+        """
+        if self._published_epoch is None:
+            raise RuntimeError("tokens_per_expert: no receive layout was waited for")
+        deadline = time.monotonic() + self.timeout_s + HOST_WAIT_SLACK_S
+        while True:
+            words = [unpack_host_word(w) for w in self._host_words[1:1 + num_local]]
+            stale = [e for e, (_, epoch) in enumerate(words) if epoch != self._published_epoch]
+            if not stale:
+                return [value for value, _ in words]
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"megatron_deepep: rank {self.rank}: local expert {stale[0]}'s row count "
+                    f"carries epoch {words[stale[0]][1]}, the published layout "
+                    f"{self._published_epoch}")
 
     def destroy(self) -> None:
         self._host_info.destroy()

@@ -20,6 +20,7 @@ from megatron_deepep import ops
 from megatron_deepep.ops.bench import ceiling
 from megatron_deepep.kernels import jit
 from megatron_deepep.transport import errors, status
+from megatron_deepep.transport import regions
 from megatron_deepep.transport.regions import BufferRegions
 
 pytest.importorskip("cuda.bindings.nvrtc")
@@ -144,14 +145,38 @@ def test_regions_host_info_and_error_record_mirrors():
                     if i * 4 not in taken and words32[i] == getattr(regions, name)]
         offsets[name] = 4 * where
     body = _asserts("mdeep::Regions", len(raw), offsets)
-    # HostInfo: the words transport/status.py reads (epoch, rows, then the per-expert rows).
+    # HostInfo: the 64-bit words transport/status.py reads (rows, then the per-expert rows).
     body += "\n" + _asserts("mdeep::HostInfo", 4 * status.HOST_INFO_WORDS,
-                            {"epoch": 0, "num_recv_rows": 4, "tokens_per_expert": 16})
+                            {"rows": 0, "tokens_per_expert": 8})
+    # Meta: the flags, then notify's two halves of count rows (regions.py sizes the region).
+    body += "\n" + _asserts("mdeep::Meta", regions.META_BYTES,
+                            {"notify_flag": 0, "counts": 8 * regions.MAX_RANKS * 4})
+    body += "\n" + "\n".join(
+        f'static_assert(mdeep::counts_half({e}u) == {regions.counts_half(e)}, "half {e}");'
+        for e in (0, 1, 2, 0xFFFFFFFF))
     # ErrorRecord: the words transport/errors.py decodes.
     body += "\n" + _asserts("mdeep::ErrorRecord", 4 * errors.ERROR_RECORD_WORDS,
                             {"code": 0, "rank": 4, "peer": 8, "phase": 12, "detail": 16,
                              "expected": 24, "seen": 32})
     _compile(body)
+
+
+# (value, epoch) pairs across the sign bit and the epoch's wrap.
+HOST_WORD_CASES = [(0, 0), (7, 1), (4096, 0xFFFFFFFF), (-1, 2), (0x7FFFFFFF, 0x80000000),
+                   (-(1 << 31), 12345)]
+
+
+def test_host_words_pack_as_the_kernels_store_them():
+    # host_word of common/host_info.cuh, evaluated by NVRTC, against status.host_word; and the
+    # host's unpack returns what was packed.
+    body = "\n".join(
+        f'static_assert(mdeep::host_word({value}, {epoch}u) == {status.host_word(value, epoch)}'
+        f'ull, "host_word({value}, {epoch})");' for value, epoch in HOST_WORD_CASES)
+    _compile(body)
+    for value, epoch in HOST_WORD_CASES:
+        assert status.unpack_host_word(status.host_word(value, epoch)) == (value, epoch)
+    with pytest.raises(jit.CompileError, match="host_word"):  # the check can fail
+        _compile('static_assert(mdeep::host_word(1, 2u) == 0x200000001ull, "host_word swapped");')
 
 
 class _Recorder:
