@@ -434,7 +434,8 @@ __global__ void __launch_bounds__(kInternodeThreads) internode_dispatch_send(
     const Signals sig(a);
     __shared__ int chunk_start[kMaxNodes + 1];
     if (threadIdx.x == 0) exclusive_chunk_prefix(a.num_tokens_per_node, M, C, chunk_start);
-    // Rail peers consumed the previous call's slots (the signal carries their epoch).
+    // Rail peers consumed the previous call's slots (the signal carries their epoch; 32-bit,
+    // compared wrap-safe by net::signal_reached).
     const u64 previous = epoch_of(a) - 1u;
     const bool ok = block_wait_rail(sig.disp_ack, nullptr, [&](int) { return previous; }, a, err,
                                     kPhaseInDispatchSend);

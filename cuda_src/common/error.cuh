@@ -57,6 +57,12 @@ __device__ __noinline__ void record_error(const ErrorState& e, int code, int ran
     __threadfence_system();
 }
 
+// Whether `seen` has reached `need`, across the 32-bit wrap: epochs restart at 0 after 2^32
+// calls, and a flag is never 2^31 calls away from what a wait needs.
+__host__ __device__ constexpr bool epoch_reached(u32 seen, u32 need) {
+    return (int)(seen - need) >= 0;
+}
+
 // Spins until `*flag` reaches `epoch` (wrap-safe), or records a timeout naming `peer` and
 // returns false. Also gives up at once when another wait of this buffer already failed.
 __device__ __forceinline__ bool wait_epoch(const u32* flag, u32 epoch, u64 timeout_ns,
@@ -64,7 +70,7 @@ __device__ __forceinline__ bool wait_epoch(const u32* flag, u32 epoch, u64 timeo
     const u64 start = global_timer_ns();
     for (u32 iter = 0;; ++iter) {
         const u32 seen = ld_acquire_sys(flag);
-        if ((int)(seen - epoch) >= 0) return true;
+        if (epoch_reached(seen, epoch)) return true;
         if ((iter & 255u) == 255u) {
             if (has_error(err)) return false;
             if (global_timer_ns() - start > timeout_ns) {

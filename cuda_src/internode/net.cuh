@@ -68,21 +68,33 @@ __device__ __forceinline__ void* peer_ptr(void* sym, int pe) { return nvshmem_pt
 // warp's puts (after __syncthreads() / __syncwarp()).
 __device__ __forceinline__ void quiet() { nvshmem_quiet(); }
 
-// Spins until the local symmetric `signal` (written by `peer`'s put_signal) is >= `value`, or
-// records a timeout (rank, peer, phase, expected = value, seen) in `err` and returns false,
-// never hanging. Also gives up at once when another wait of the same error state already
-// failed. One thread calls it.
+// Whether a signal has reached `need`, wrap-safe like wait_epoch (common/error.cuh): epoch
+// signals carry the call's 32-bit epoch (after 2^32 calls it restarts at 0, which a 64-bit `>=`
+// would take as reached at once, and a peer already there would never reach the previous
+// 2^32 - 1), and running chunk counts are never 2^31 away from what a wait needs, so both
+// compare as the signed difference of their low 32 bits.
+__host__ __device__ constexpr bool signal_reached(u64 seen, u64 need) {
+    return epoch_reached((u32)seen, (u32)need);
+}
+
+// Spins until the local symmetric `signal` (written by `peer`'s put_signal) has reached `value`
+// (`signal_reached`), or records a timeout (rank, peer, phase, expected = value, seen) in `err`
+// and returns false, never hanging. Also gives up at once when another wait of the same error
+// state already failed. One thread calls it.
 __device__ __forceinline__ bool wait_signal_ge(u64* signal, u64 value, u64 timeout_ns,
                                                const ErrorState& err, int rank, int peer,
                                                int phase) {
     const u64 start = global_timer_ns();
     for (u32 iter = 0;; ++iter) {
         const u64 seen = nvshmem_signal_fetch(signal);
-        if (seen >= value) {
-            // The condition holds, so the public wait returns at once; it also runs NVSHMEM's
-            // post-wait consistency step (a fence, and the proxy's consistency enforcement on
-            // the IBRC transport), which a bare polled load would skip.
-            nvshmem_uint64_wait_until(signal, NVSHMEM_CMP_GE, value);
+        if (signal_reached(seen, value)) {
+            // NVSHMEM's post-wait consistency step, which a bare polled load skips: on proxy
+            // transports (IBRC) it makes the proxy enforce the put's data at this target before
+            // we read it. nvshmem_uint64_wait_until runs it after its compare;
+            // nvshmem_signal_wait_until does not (it only spins), so it is not the one to use.
+            // Its compare is a plain 64-bit >=, so it gets 0, which holds at once (the real,
+            // wrap-safe compare is above).
+            nvshmem_uint64_wait_until(signal, NVSHMEM_CMP_GE, 0);
             return true;
         }
         if ((iter & 255u) == 255u) {

@@ -20,7 +20,7 @@ from megatron_deepep import ops
 from megatron_deepep.ops.bench import ceiling
 from megatron_deepep.kernels import jit
 from megatron_deepep.transport import errors, status
-from megatron_deepep.transport import regions
+from megatron_deepep.transport import regions as buffer_layout
 from megatron_deepep.transport.regions import BufferRegions
 
 pytest.importorskip("cuda.bindings.nvrtc")
@@ -149,10 +149,10 @@ def test_regions_host_info_and_error_record_mirrors():
     body += "\n" + _asserts("mdeep::HostInfo", 4 * status.HOST_INFO_WORDS,
                             {"rows": 0, "tokens_per_expert": 8})
     # Meta: the flags, then notify's two halves of count rows (regions.py sizes the region).
-    body += "\n" + _asserts("mdeep::Meta", regions.META_BYTES,
-                            {"notify_flag": 0, "counts": 8 * regions.MAX_RANKS * 4})
+    body += "\n" + _asserts("mdeep::Meta", buffer_layout.META_BYTES,
+                            {"notify_flag": 0, "counts": 8 * buffer_layout.MAX_RANKS * 4})
     body += "\n" + "\n".join(
-        f'static_assert(mdeep::counts_half({e}u) == {regions.counts_half(e)}, "half {e}");'
+        f'static_assert(mdeep::counts_half({e}u) == {buffer_layout.counts_half(e)}, "half {e}");'
         for e in (0, 1, 2, 0xFFFFFFFF))
     # ErrorRecord: the words transport/errors.py decodes.
     body += "\n" + _asserts("mdeep::ErrorRecord", 4 * errors.ERROR_RECORD_WORDS,
