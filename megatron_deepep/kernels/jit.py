@@ -7,7 +7,8 @@ cubin on disk under that hash (one self-checking file per instantiation, written
 hundreds of ranks may share a cache directory; `python -m megatron_deepep.tools.precompile` fills it
 ahead of a job), logs each kernel's first use (INFO: compiled or loaded, and how long), loads it
 with the driver API (`cuModuleLoadData`) into torch's primary context and launches with
-`cuLaunchKernel` (`cuLaunchKernelEx` for programmatic dependent launch).
+`cuLaunchKernel` (`cuLaunchKernelEx` for programmatic dependent launch and for cooperative
+launch: kernels whose blocks wait for each other, launched only with every block resident).
 
 Every kernel takes one by-value argument struct; `KernelArgs` is the base of their Python
 mirrors (ctypes structures whose fields are filled by name, every one required).
@@ -311,20 +312,57 @@ def _pdl_enabled() -> bool:
 _launch_configs = threading.local()
 
 
-def _programmatic_config():
-    """This thread's CUlaunchConfig carrying the programmatic-serialization attribute."""
-    config = getattr(_launch_configs, "programmatic", None)
+def _launch_config(programmatic: bool, cooperative: bool):
+    """This thread's CUlaunchConfig carrying the programmatic-serialization and/or the
+    cooperative attribute."""
+    key = ("programmatic" if programmatic else "") + ("cooperative" if cooperative else "")
+    config = getattr(_launch_configs, key, None)
     if config is None:
         from cuda.bindings import driver
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs = []
+        if programmatic:
+            attr = driver.CUlaunchAttribute()
+            attr.id = (driver.CUlaunchAttributeID
+                       .CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
+        if cooperative:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            attr.value.cooperative = 1
+            attrs.append(attr)
         config = driver.CUlaunchConfig()
         config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
-        config.attrs = [attr]
-        config.numAttrs = 1
-        _launch_configs.programmatic = config
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
+        setattr(_launch_configs, key, config)
     return config
+
+
+class CoResidencyError(RuntimeError):
+    """A cooperative kernel's grid cannot have every block resident at once on this GPU."""
+
+
+def check_co_resident(name: str, grid: int, blocks_per_sm: int, num_device_sms: int) -> None:
+    """Refuses a cooperative grid larger than the GPU holds at once.
+
+    Args:
+        name: the kernel, for the message.
+        grid: the blocks it launches.
+        blocks_per_sm: the driver's occupancy for its block size and shared memory
+            (`cuOccupancyMaxActiveBlocksPerMultiprocessor`).
+        num_device_sms: the GPU's SMs.
+
+    Raises:
+        CoResidencyError: naming the grid, the occupancy and the SM budget to lower.
+    """
+    limit = blocks_per_sm * num_device_sms
+    if grid > limit:
+        raise CoResidencyError(
+            f"{name}: its {grid} blocks wait for each other, so all must be resident at once, "
+            f"but this GPU holds at most {limit} of them ({blocks_per_sm} per SM x "
+            f"{num_device_sms} SMs); lower the Buffer's SM budget (num_sms, "
+            f"{knobs.PREFIX}NUM_SMS) to at most {limit}")
 
 
 def current_raw_stream() -> "RawStream":
@@ -363,15 +401,20 @@ class Kernel:
         self.function = function
         self.device_index = device_index
         self._max_dynamic_shared = 48 * 1024  # what a launch may ask for without an attribute
+        self._occupancy: Dict[Tuple[int, int], int] = {}  # (block, shared_mem) -> blocks/SM
+        self._device_sms: Optional[int] = None
 
     def launch(self, grid: int, block: int, args: KernelArgs, stream, shared_mem: int = 0,
-               programmatic: bool = False) -> None:
+               programmatic: bool = False, cooperative: bool = False) -> None:
         """Launches on a torch stream (or a `RawStream`) with `args` (a filled `KernelArgs`).
         `programmatic`: the kernel may start while the previous kernel on the stream still runs
         (it must execute griddepcontrol.wait before reading that kernel's outputs); ignored when
-        `pdl_enabled()` is false.
+        `pdl_enabled()` is false. `cooperative`: the kernel's blocks wait for each other, so
+        it is launched as a cooperative grid (the driver starts it only with every block
+        resident, whatever else runs on the GPU) after a check that the GPU can hold it.
 
         Raises:
+            CoResidencyError: a cooperative grid larger than the GPU holds at once.
             CudaError: the launch failed (the CUDA error name and the kernel).
         """
         from cuda.bindings import driver
@@ -381,8 +424,12 @@ class Kernel:
         if shared_mem > self._max_dynamic_shared:
             self._allow_dynamic_shared(shared_mem)
         grid = max(int(grid), 1)
-        if programmatic and _pdl_enabled():
-            config = _programmatic_config()
+        if cooperative:
+            check_co_resident(self.name, grid, self._blocks_per_sm(int(block), shared_mem),
+                              self._num_device_sms())
+        programmatic = programmatic and _pdl_enabled()
+        if programmatic or cooperative:
+            config = _launch_config(programmatic, cooperative)
             config.gridDimX, config.blockDimX = grid, int(block)
             config.sharedMemBytes, config.hStream = shared_mem, stream.cuda_stream
             err, = driver.cuLaunchKernelEx(config, self.function, args.kernel_params, 0)
@@ -392,6 +439,27 @@ class Kernel:
         if int(err) != 0:
             raise CudaError(f"launching {self.name} (grid {grid}, block {block}, "
                             f"{shared_mem} B shared) failed: {error_name(err)}")
+
+    def _blocks_per_sm(self, block: int, shared_mem: int) -> int:
+        """The driver's occupancy of this kernel (blocks per SM), cached per launch shape."""
+        key = (block, shared_mem)
+        cached = self._occupancy.get(key)
+        if cached is None:
+            from cuda.bindings import driver
+            cached = int(cu_check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self.function, block, shared_mem),
+                f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})"))
+            self._occupancy[key] = cached
+        return cached
+
+    def _num_device_sms(self) -> int:
+        from cuda.bindings import driver
+        if self._device_sms is None:
+            device = cu_check(driver.cuDeviceGet(self.device_index), "cuDeviceGet")
+            attribute = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+            self._device_sms = int(cu_check(driver.cuDeviceGetAttribute(attribute, device),
+                                            "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))
+        return self._device_sms
 
     def _allow_dynamic_shared(self, shared_mem: int) -> None:
         """Raises the kernel's dynamic shared-memory limit (48 KB unless set) to `shared_mem`."""

@@ -136,12 +136,15 @@ def internode_families(staging: str) -> Tuple[Callable, Callable]:
 
 
 def _internode(family: Tuple[str, ...], name: str, template_args: tuple, num_blocks: int,
-               threads: int, fields: dict) -> None:
+               threads: int, fields: dict, cooperative: bool = False) -> None:
+    """Launches one kernel of `family`; `cooperative` for the persistent ring kernels, whose
+    blocks wait for each other (all must be resident at once: docs/internode.md)."""
     expr = name
     if template_args:
         expr += "<" + ", ".join(jit.render_template_arg(a) for a in template_args) + ">"
     kernel = nvshmem_link.get_kernels("internode.cu", family, torch.cuda.current_device())[expr]
-    kernel.launch(num_blocks, threads, InternodeArgs.fill(**fields), launch_stream())
+    kernel.launch(num_blocks, threads, InternodeArgs.fill(**fields), launch_stream(),
+                  cooperative=cooperative)
 
 
 def _dispatch_family(topk_idx: torch.Tensor, fp8, ring: bool = False,
@@ -242,7 +245,8 @@ def internode_ring_dispatch(topk_idx: torch.Tensor, cached: bool, fp8, num_block
     the rings bring into recv_x, in one kernel of `num_blocks` co-resident blocks."""
     fmt, dequant, _ = wire_format(fp8)
     _internode(_dispatch_family(topk_idx, fp8, True), "internode_ring_dispatch",
-               (topk_idx.shape[1], cached, fmt, dequant), num_blocks, INTERNODE_THREADS, fields)
+               (topk_idx.shape[1], cached, fmt, dequant), num_blocks, INTERNODE_THREADS, fields,
+               cooperative=True)
 
 
 def internode_ring_combine(topk_idx: torch.Tensor, y: torch.Tensor, weighted: bool,
@@ -251,7 +255,7 @@ def internode_ring_combine(topk_idx: torch.Tensor, y: torch.Tensor, weighted: bo
     partials, putting them back by chunks, in one kernel of `num_blocks` co-resident blocks."""
     _internode(_combine_family(topk_idx, y, True), "internode_ring_combine",
                (topk_idx.shape[1], weighted, with_weights, row_dtype_code(y)), num_blocks,
-               INTERNODE_THREADS, fields)
+               INTERNODE_THREADS, fields, cooperative=True)
 
 
 # Warp groups per rank of the network ring's kernels (kNetGroupsPerRank in internode.cu): their
@@ -275,7 +279,7 @@ def internode_net_dispatch(topk_idx: torch.Tensor, cached: bool, fp8, num_blocks
     fmt, dequant, _ = wire_format(fp8)
     _internode(_dispatch_family(topk_idx, fp8, net=True), "internode_net_dispatch",
                (topk_idx.shape[1], cached, index_type_name(topk_idx), fmt, dequant), num_blocks,
-               INTERNODE_THREADS, fields)
+               INTERNODE_THREADS, fields, cooperative=True)
 
 
 def internode_net_combine(topk_idx: torch.Tensor, y: torch.Tensor, weighted: bool,
@@ -286,4 +290,4 @@ def internode_net_combine(topk_idx: torch.Tensor, y: torch.Tensor, weighted: boo
     assert num_blocks >= net_ring_min_blocks(fields["ranks_per_node"]), num_blocks
     _internode(_combine_family(topk_idx, y, net=True), "internode_net_combine",
                (topk_idx.shape[1], weighted, with_weights, row_dtype_code(y)), num_blocks,
-               INTERNODE_THREADS, fields)
+               INTERNODE_THREADS, fields, cooperative=True)
