@@ -146,6 +146,10 @@ _TABLE = (
          "chunks of 32 tokens per rail peer and region, ~4 M K 32 + 2 L C rows per rank "
          "(`docs/internode.md`, \"Network ring\"); 0: N_max tokens per node (off; `auto` may "
          "still pick K = 8)", "transport"),
+    Knob("SHARED_GPU", "bool", False, "0", "declares that ranks of one host share a GPU "
+         "(testing several ranks on one GPU); unset, a kernel transport warns naming the "
+         "ranks of a host that share one (a job that forgot `torch.cuda.set_device`)",
+         "transport"),
     # Kernel compilation and launch.
     Knob("CACHE_DIR", "str", None, "`~/.cache/megatron_deepep`", "compiled-kernel cache; keyed "
          "by source and included headers, options, arch and NVRTC version. Its folder and "

@@ -236,6 +236,10 @@ def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk
     kwargs = dict(num_sms=num_sms, timeout_s=timeout_s)
     if resolved == "internode":
         kwargs["num_ranks_per_node"] = num_ranks_per_node
+    if resolved in ("nvlink", "internode"):
+        from megatron_deepep.transport.devices import check_one_gpu_per_rank
+        check_one_gpu_per_rank(group, torch.cuda.current_device(),
+                               declared=num_ranks_per_node is not None)
     return transport_class(resolved)(group, num_max_tokens_per_rank, hidden, num_topk,
                                      **kwargs)
 

@@ -128,6 +128,8 @@ def _worker(rank, world_size, port, backend, fn, args, errors, hard_exit=False, 
     global _cpu_side_group
     for name, value in MULTICAST_OFF.items():
         os.environ.setdefault(name, value)
+    if backend == "gloo":  # the gloo tier's ranks share a GPU on purpose: declared, no warning
+        os.environ.setdefault(f"{knobs.PREFIX}SHARED_GPU", "1")
     try:
         if backend == "gloo":
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
