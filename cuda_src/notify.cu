@@ -1,7 +1,8 @@
 // Notify: each rank writes its per-expert counts and call parameters into every peer's metadata
 // region (the half of Meta::counts of the epoch's parity), releases a flag carrying the call's
-// epoch, waits for all peers' flags, then derives its receive layout (per-source offsets inside each local expert, padded segment sizes and the
-// total row count) and publishes it to the host through mapped pinned memory. One block.
+// epoch, waits for all peers' flags, then derives its receive layout (per-source offsets
+// inside each local expert, padded segment sizes and the total row count) and publishes it to
+// the host through mapped pinned memory. One block.
 #include "common/args.cuh"
 #include "common/protocol.cuh"
 
