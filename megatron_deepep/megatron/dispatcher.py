@@ -45,6 +45,10 @@ from megatron_deepep.megatron.options import (
     rank_capacity_rows,
     resolve_options,
 )
+from megatron_deepep.replicas import (  # noqa: F401 (re-exported)
+    logical_to_physical_table,
+    map_topk_to_physical,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,43 +89,6 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     return topk_idx, topk_weights
 
 
-def logical_to_physical_table(physical_to_logical: List[int], num_experts: int):
-    """`(table [E, C] int64, copies [E] int64)`: the physical slots of each logical expert
-    (padded with its first slot to the most copies C), and how many it has.
-
-    Raises:
-        ValueError: a logical expert has no slot or an id is out of range.
-    """
-    slots: List[List[int]] = [[] for _ in range(num_experts)]
-    for p, e in enumerate(physical_to_logical):
-        if not 0 <= e < num_experts:
-            raise ValueError(f"expert map: physical slot {p} holds expert {e}, outside "
-                             f"[0, {num_experts})")
-        slots[e].append(p)
-    missing = [e for e, s in enumerate(slots) if not s]
-    if missing:
-        raise ValueError(f"expert map: logical experts {missing[:8]} have no physical slot")
-    width = max(len(s) for s in slots)
-    table = torch.tensor([s + [s[0]] * (width - len(s)) for s in slots], dtype=torch.int64)
-    copies = torch.tensor([len(s) for s in slots], dtype=torch.int64)
-    return table, copies
-
-
-def map_topk_to_physical(topk_idx: torch.Tensor, table: torch.Tensor,
-                         copies: torch.Tensor) -> torch.Tensor:
-    """Logical `topk_idx [T, K]` (-1: none) -> physical slots `[T, K]` int64 (no host sync).
-
-    A replicated expert's tokens spread over its copies by token index (token t takes copy
-    t mod copies), so each copy gets an even share.
-    """
-    valid = topk_idx >= 0
-    logical = topk_idx.clamp(min=0).long()
-    token = torch.arange(topk_idx.shape[0], device=topk_idx.device).unsqueeze(1)
-    copy = token % copies.to(topk_idx.device)[logical]
-    physical = table.to(topk_idx.device)[logical, copy]
-    return torch.where(valid, physical, torch.full_like(physical, -1))
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -155,9 +122,11 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
 
     Expert placement (`--moe-mdeep-expert-map`, see `DeepEPOptions.expert_map`): routed logical
     experts go to their physical slots (a replicated expert's tokens spread over its copies by
-    token index), so a `megatron_deepep.tools.balance` plan applies at a restart once the expert
-    weights are permuted with `balance.permute_expert_weights`. This layer's E_local is then
-    the plan's slots per rank (E / EP for a plan without copies).
+    token index), so a `megatron_deepep.tools.balance` plan applies at a restart: the plugin
+    builds the plan's slots per rank and loads the logical-order checkpoint into them
+    (`replica_experts`; without it, permute the weights with `balance.permute_expert_weights`).
+    This layer's E_local is then the plan's slots per rank (E / EP for a plan without copies);
+    `set_physical_to_logical` changes the map at a step boundary.
 
     Raises:
         ValueError: for settings it does not support (expert tensor parallelism with a
@@ -299,18 +268,34 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         """`(table, copies, num_physical)` of the `expert_map` option, or None (contiguous)."""
         if self._expert_map is None:
             p2l = physical_to_logical_for_layer(self.options.expert_map, self.layer_number)
-            self._expert_map = False
-            if p2l is not None:
-                num_physical = self.num_local_experts * max(self.ep_size, 1)
-                if len(p2l) != num_physical:
-                    raise ValueError(
-                        f"--moe-mdeep-expert-map has {len(p2l)} physical slots; this layer has "
-                        f"{num_physical} (EP {self.ep_size} x {self.num_local_experts} local "
-                        f"experts)")
-                table, copies = logical_to_physical_table(p2l, self.num_experts)
-                self._expert_map = (table, copies, num_physical)
-                self._physical_to_logical = list(p2l)
+            self._set_map(p2l, "--moe-mdeep-expert-map")
         return self._expert_map or None
+
+    def _set_map(self, p2l: Optional[List[int]], source: str) -> None:
+        self._expert_map, self._physical_to_logical = False, None
+        if p2l is None:
+            return
+        num_physical = self.num_local_experts * max(self.ep_size, 1)
+        if len(p2l) != num_physical:
+            raise ValueError(
+                f"{source} has {len(p2l)} physical slots; this layer has {num_physical} "
+                f"(EP {self.ep_size} x {self.num_local_experts} local experts)")
+        table, copies = logical_to_physical_table(p2l, self.num_experts)
+        self._expert_map = (table, copies, num_physical)
+        self._physical_to_logical = list(p2l)
+
+    def set_physical_to_logical(self, physical_to_logical: Optional[List[int]]) -> None:
+        """Changes this layer's placement at a step boundary (a re-placement).
+
+        The expert weights and optimizer state must have moved to match first
+        (`replicas.move_slots`); the next dispatch routes by the new table and the metrics
+        record the new map. None: the contiguous placement.
+
+        Raises:
+            ValueError: the map does not fit this layer (slot count, expert ids).
+        """
+        self._set_map(None if physical_to_logical is None else list(physical_to_logical),
+                      "set_physical_to_logical")
 
     @property
     def physical_to_logical(self) -> Optional[List[int]]:

@@ -18,7 +18,8 @@ all_gather per layer) and derives:
 | `deepep_bytes_recv_MB`  | dispatch payload received from other ranks                      |
 | `deepep_dispatch_GBps`  | `bytes_sent / dispatch time` (algorithmic bandwidth, peers only)|
 | `deepep_combine_GBps`   | `bytes_recv / combine time` (combine sends the partials back)   |
-| `deepep_load_imbalance` | max over mean of the tokens per expert (all E experts)          |
+| `deepep_load_imbalance` | max over mean of the tokens per logical expert (all E experts;  |
+|                         | the copies of a replicated expert add up)                       |
 | `deepep_rank_imbalance` | max over mean of the tokens each EP rank's experts receive      |
 | `deepep_idle_share`     | `1 - min/max` rank load: the share of the expert phase the       |
 |                         | least-loaded rank waits for the most loaded one (token counts)  |
@@ -44,8 +45,9 @@ When a layer's `comm_share` rises above `MDEEP_COMM_SHARE_WARN` percent (default
 EP rank 0 logs one warning for that layer, with what usually helps; it warns again only after
 the share has fallen back below the limit and crossed it anew.
 
-Under an expert map (`--moe-mdeep-expert-map`) `tokens_per_expert` counts physical slots and
-the line also holds the map's `physical_to_logical` (`balance` folds the counts back).
+Under an expert map (`--moe-mdeep-expert-map`, or one a re-placement set) `tokens_per_expert`
+counts physical slots and the line also holds the step's `physical_to_logical` (`balance` folds
+the counts back); `tokens_per_logical_expert` holds the counts per logical expert either way.
 Tokens per expert and per rank (vectors) go to the JSON-lines file only
 (`metrics_dir/deepep_metrics_rank<R>.jsonl`, one line per step), which `python -m
 megatron_deepep.tools.plot_metrics`
@@ -270,6 +272,11 @@ class MetricsCollector:
         expert_all = table[:, 5].clamp(min=0.0)
         tokens_per_expert = table[:, 7:].reshape(-1)
         tokens_per_rank = table[:, 7:].sum(dim=1)
+        tokens_per_logical = tokens_per_expert
+        if stats.physical_to_logical is not None:  # copies add up to their logical expert
+            index = torch.tensor(stats.physical_to_logical, dtype=torch.long)
+            tokens_per_logical = torch.zeros(int(index.max()) + 1, dtype=table.dtype)
+            tokens_per_logical.index_add_(0, index, tokens_per_expert)
         d_ms, c_ms = dispatch_all.mean().item(), combine_all.mean().item()
         e_ms = expert_all.mean().item()
         sent_mean, recv_mean = sent_all.mean().item(), recv_all.mean().item()
@@ -285,7 +292,8 @@ class MetricsCollector:
             "combine_GBps": _gbps(recv_mean, c_ms),
             "tokens_per_expert": [int(v) for v in tokens_per_expert.tolist()],
             "tokens_per_rank": [int(v) for v in tokens_per_rank.tolist()],
-            "load_imbalance": _max_over_mean(tokens_per_expert),
+            "tokens_per_logical_expert": [int(v) for v in tokens_per_logical.tolist()],
+            "load_imbalance": _max_over_mean(tokens_per_logical),
             "rank_imbalance": _max_over_mean(tokens_per_rank),
             "idle_share": _idle_share(tokens_per_rank),
             "expert_ms": e_ms,

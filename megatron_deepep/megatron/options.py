@@ -69,9 +69,11 @@ class DeepEPOptions:
             path of `python -m megatron_deepep.tools.balance --json` output (a plan per layer
             number; a single layer "0" applies to every layer), a plan dict, or a
             `physical_to_logical` list. Physical slot p lives on EP rank p // E_local and
-            holds logical expert `physical_to_logical[p]`; the expert weights must be
-            permuted to match (`balance.permute_expert_weights`). None: the contiguous
-            placement.
+            holds logical expert `physical_to_logical[p]`. Under the plugin the layer is
+            built with the plan's slots, its copies train as one expert and SequentialMLP
+            checkpoints stay in logical order (`replica_experts`); elsewhere the expert
+            weights must be permuted to match (`balance.permute_expert_weights`). None: the
+            contiguous placement.
         ranks_per_node: declares nodes of this many contiguous EP ranks (virtual nodes, for
             tests and containers that share a host name); None: the ranks' hosts.
     """
@@ -446,6 +448,37 @@ def _check_expert_tp(config, options: Optional[DeepEPOptions], etp: int) -> None
             f"--moe-pad-expert-input-to-capacity, or --expert-tensor-parallel-size 1")
 
 
+def _read_map(expert_map):
+    import json
+
+    if isinstance(expert_map, str):
+        with open(expert_map, encoding="utf-8") as f:
+            return json.load(f)
+    return expert_map
+
+
+def physical_slot_count(expert_map) -> Optional[int]:
+    """The physical slots (over all EP ranks) of every layer's plan in `expert_map` (None: no
+    map). A layer's experts are built before its layer number is known, so every plan must
+    have the same count (plans of one `balance --redundant N` run do).
+
+    Raises:
+        ValueError: plans with different slot counts, naming the option.
+    """
+    if expert_map is None:
+        return None
+    data = _read_map(expert_map)
+    plans = list(data["layers"].values()) if isinstance(data, dict) and "layers" in data \
+        else [data]
+    counts = {len(p.get("physical_to_logical", ())) if isinstance(p, dict) else len(p)
+              for p in plans}
+    if len(counts) != 1:
+        raise ValueError(f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP): "
+                         f"its plans have different slot counts {sorted(counts)}; every layer "
+                         f"needs the same (one balance run with one --redundant)")
+    return counts.pop()
+
+
 def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
     """The `physical_to_logical` list the `expert_map` option gives one layer (None: none).
 
@@ -457,14 +490,9 @@ def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
     Raises:
         ValueError: the map has no plan for this layer or is malformed (naming the option).
     """
-    import json
-
     if expert_map is None:
         return None
-    data = expert_map
-    if isinstance(data, str):
-        with open(data, encoding="utf-8") as f:
-            data = json.load(f)
+    data = _read_map(expert_map)
     if isinstance(data, dict) and "layers" in data:
         layers = {str(k): v for k, v in data["layers"].items()}
         plan = layers.get(str(layer_number))

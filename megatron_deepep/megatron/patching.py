@@ -11,7 +11,13 @@ What `install()` changes (megatron-core 0.16.x to 0.19.x):
   0.16+ derives the `--moe-token-dispatcher-type` choices from it), and `__post_init__` runs
   `options.check_config` and then validates a deepep config with the rules of "alltoall" (which
   allow shared-expert overlap, the EP A2A overlap and router padding);
-* `MoELayer.__init__` builds a `DeepEPTokenDispatcher` for it;
+* `MoELayer.__init__` builds a `DeepEPTokenDispatcher` for it (under an expert map with copies
+  it builds S = slots per rank local experts and dispatcher slots), and `MoELayer.__init__` /
+  `set_layer_number` prepare the layer's copies (`replica_experts.prepare_layer`);
+* `DistributedDataParallel.__init__` refuses the distributed optimizer where copies cannot be
+  served, and `finish_grad_sync` sums the copies' gradients after its own reduction;
+  `SequentialMLP.sharded_state_dict` saves experts in logical order under a map, and
+  `TEGroupedMLP` / `GroupedMLP` refuse to save under a map (`replica_experts`);
 * `should_free_input` (the A2A-overlap memory policy: `models/common/utils.py` on 0.17+,
   `models/gpt/fine_grained_callables.py` on 0.16) keeps the dispatched rows alive (the experts
   save them: our dispatch postprocess is an identity); where none is found,
@@ -34,9 +40,14 @@ import sys
 import typing
 from typing import Dict, List
 
-from megatron_deepep.megatron import metrics
+from megatron_deepep.megatron import metrics, replica_experts
 from megatron_deepep.megatron.dispatcher import DeepEPTokenDispatcher
-from megatron_deepep.megatron.options import DISPATCHER_TYPE, check_config
+from megatron_deepep.megatron.options import (
+    DISPATCHER_TYPE,
+    check_config,
+    physical_slot_count,
+    resolve_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -202,16 +213,38 @@ def _patch_config() -> None:
     patch(TransformerConfig, "__post_init__", __post_init__)
 
 
+def _slots_per_rank(config, args, kwargs) -> "int | None":
+    """The local experts a MoELayer of `config` gets under an expert map with copies (None:
+    no map, or a map without copies: Megatron's E / EP)."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    count = physical_slot_count(resolve_options(config).expert_map)
+    if count is None or count == config.num_moe_experts:
+        return None
+    pg = kwargs.get("pg_collection", args[2] if len(args) > 2 else None)
+    pg = pg if pg is not None else get_default_pg_collection()
+    ep_size = pg.ep.size() if pg.ep is not None else 1
+    if count % ep_size:
+        raise ValueError(f"--moe-mdeep-expert-map has {count} physical slots, not a multiple of "
+                         f"--expert-model-parallel-size {ep_size}")
+    return count // ep_size
+
+
 def _patch_moe_layer() -> None:
     from megatron.core.transformer.moe import moe_layer
 
     original = moe_layer.MoELayer.__init__
+    slots_box = [None]
 
     def build_dispatcher(num_local_experts, local_expert_indices, config=None,
                          pg_collection=None, **kwargs):
         if kwargs:
             raise TypeError(f"deepep dispatcher: unexpected arguments {sorted(kwargs)} (Megatron "
                             f"before 0.15 passes model_comm_pgs: use the patches/ for it)")
+        slots = slots_box[0]
+        if slots is not None:  # an expert map with copies: S physical slots per rank
+            first = local_expert_indices[0] // num_local_experts * slots
+            num_local_experts, local_expert_indices = slots, list(range(first, first + slots))
         return DeepEPTokenDispatcher(num_local_experts, local_expert_indices, config=config,
                                      pg_collection=pg_collection)
 
@@ -219,16 +252,95 @@ def _patch_moe_layer() -> None:
     def __init__(self, config, *args, **kwargs):
         if not is_deepep(config):
             return original(self, config, *args, **kwargs)
-        with _temporarily(moe_layer, _BUILD_AS_CLASS, build_dispatcher), \
-                _dispatcher_type_as(config, _BUILD_AS):
-            original(self, config, *args, **kwargs)
+        slots_box[0] = _slots_per_rank(config, args, kwargs)
+        experts_spec = getattr(kwargs.get("submodules", args[0] if args else None),
+                               "experts", None)
+        build = moe_layer.build_module
+
+        def build_module(spec, *a, **kw):  # the experts get S local experts too
+            if slots_box[0] is not None and spec is experts_spec and a:
+                a = (slots_box[0],) + a[1:]
+            return build(spec, *a, **kw)
+
+        try:
+            with _temporarily(moe_layer, _BUILD_AS_CLASS, build_dispatcher), \
+                    _temporarily(moe_layer, "build_module", build_module), \
+                    _dispatcher_type_as(config, _BUILD_AS):
+                original(self, config, *args, **kwargs)
+        finally:
+            slots_box[0] = None
         if not isinstance(self.token_dispatcher, DeepEPTokenDispatcher):
             raise RuntimeError("megatron_deepep: MoELayer did not build the deepep dispatcher; "
                                "this Megatron version needs the patch from patches/")
+        self.num_local_experts = self.token_dispatcher.num_local_experts
+        self.local_expert_indices = list(self.token_dispatcher.local_expert_indices)
         self.token_dispatcher.bind_layer(self)
+        if self.layer_number is not None:
+            replica_experts.prepare_layer(self)
 
     setattr(__init__, _MARK, True)
     patch(moe_layer.MoELayer, "__init__", __init__)
+
+    original_set = moe_layer.MoELayer.set_layer_number
+
+    @functools.wraps(original_set)
+    def set_layer_number(self, layer_number):
+        original_set(self, layer_number)
+        if isinstance(getattr(self, "token_dispatcher", None), DeepEPTokenDispatcher):
+            self.token_dispatcher._expert_map = None  # this layer's plan from now on
+            replica_experts.prepare_layer(self)
+
+    setattr(set_layer_number, _MARK, True)
+    patch(moe_layer.MoELayer, "set_layer_number", set_layer_number)
+
+
+def _patch_expert_copies() -> None:
+    """Copies of an expert train as one: DDP sums their gradients after its own reduction and
+    refuses what it cannot serve; `SequentialMLP` saves logical order; other experts under
+    copies refuse to save (`replica_experts`)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.moe import experts
+
+    init, finish = DistributedDataParallel.__init__, DistributedDataParallel.finish_grad_sync
+
+    @functools.wraps(init)
+    def ddp_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        replica_experts.check_ddp(self)
+
+    @functools.wraps(finish)
+    def finish_grad_sync(self, *args, **kwargs):
+        result = finish(self, *args, **kwargs)
+        replica_experts.sum_module_grads(self.module)
+        return result
+
+    for name, fn in (("__init__", ddp_init), ("finish_grad_sync", finish_grad_sync)):
+        setattr(fn, _MARK, True)
+        patch(DistributedDataParallel, name, fn)
+
+    sequential = experts.SequentialMLP.sharded_state_dict
+
+    @functools.wraps(sequential)
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return replica_experts.logical_sharded_state_dict(self, sequential, prefix,
+                                                          sharded_offsets, metadata)
+
+    setattr(sharded_state_dict, _MARK, True)
+    patch(experts.SequentialMLP, "sharded_state_dict", sharded_state_dict)
+    for cls_name in ("TEGroupedMLP", "GroupedMLP"):
+        cls = getattr(experts, cls_name, None)
+        if cls is None:
+            continue
+
+        def make(own):
+            @functools.wraps(own)
+            def refusing(self, *args, **kwargs):
+                replica_experts.refuse_checkpoint(self)
+                return own(self, *args, **kwargs)
+            setattr(refusing, _MARK, True)
+            return refusing
+
+        patch(cls, "sharded_state_dict", make(cls.sharded_state_dict))
 
 
 # Nodes of the A2A-overlap schedule whose inputs may be freed right after their forward.
@@ -334,6 +446,7 @@ def install() -> None:
     """Applies every patch listed in the module docstring (call once; `undo_all` reverts)."""
     _patch_config()
     _patch_moe_layer()
+    _patch_expert_copies()
     _STATE["should_free_input"] = _patch_should_free_input()
     _patch_skip_padding()
     _patch_metrics_report()

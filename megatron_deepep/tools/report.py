@@ -12,7 +12,8 @@ Sections: a summary table per MoE layer (median dispatch, combine and expert ms,
 GB/s, load and idle shares, drops); comm share per layer over steps, with the warning limit;
 the per-expert load heatmaps (tokens per expert over steps, one per layer); the idle share
 over steps, from token counts and, where recorded, from time, with each EP rank's expert time
-per layer; dispatch and combine GB/s over
+per layer, the steps where the expert map changed (re-placements) marked, and the idle share
+before and after each; dispatch and combine GB/s over
 steps (only when bytes cross ranks); tokens dropped per step. Metrics written before expert
 timing existed (no `expert_ms`) get the sections they can: the report says what is missing.
 Files of several EP groups that hold the same layer (data-parallel replicas) are averaged per
@@ -99,6 +100,43 @@ def layer_values(series, layer: int, key: str):
     return out
 
 
+def replacements(series, layer: int):
+    """Steps at which a layer's expert map changed (a re-placement took effect there): the
+    `physical_to_logical` of a step's records differs from the step before (None: no map)."""
+    out, previous = [], None
+    for i, step in enumerate(sorted(series[layer])):
+        current = series[layer][step][0].get("physical_to_logical")
+        if i and current != previous:
+            out.append(step)
+        previous = current
+    return out
+
+
+def replacement_table(series, layers) -> str:
+    """Idle share (counts; time where recorded) before and after each re-placement: the mean
+    over the steps since the previous change and until the next one."""
+    rows = []
+    for layer in layers:
+        changes = replacements(series, layer)
+        steps = sorted(series[layer])
+        bounds = [steps[0]] + changes + [steps[-1] + 1]
+        for i, step in enumerate(changes):
+            def mean(key, lo, hi):
+                return _mean([v for s, v in layer_values(series, layer, key) if lo <= s < hi])
+            cells = []
+            for key in ("idle_share", "idle_share_time"):
+                for lo, hi in ((bounds[i], step), (step, bounds[i + 2])):
+                    cells.append(_pct(mean(key, lo, hi)))
+            rows.append(f"<tr><td>{layer}</td><td>{step}</td>"
+                        + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    if not rows:
+        return ("<p class='note'>No re-placement recorded: the expert map "
+                "(physical_to_logical) did not change during the run.</p>")
+    return ("<table><tr><th>layer</th><th>re-placed at step</th><th>idle share (counts) "
+            "before</th><th>after</th><th>idle share (time) before</th><th>after</th></tr>"
+            + "".join(rows) + "</table>")
+
+
 def has_field(series, key: str) -> bool:
     return any(key in r for steps in series.values() for recs in steps.values() for r in recs)
 
@@ -127,10 +165,11 @@ def _nice_max(value: float) -> float:
 
 
 def line_chart(lines, *, title: str, ylabel: str, limit=None, percent=False,
-               width: int = 760, height: int = 260) -> str:
+               width: int = 760, height: int = 260, marks=()) -> str:
     """An SVG line chart. `lines`: `[(label, [(step, value)])]`. The y range stops at the 98th
     percentile times 1.5 when a few points (the first step's compile) would flatten the rest;
-    those points are drawn on the top edge and counted in the caption."""
+    those points are drawn on the top edge and counted in the caption. `marks`: steps drawn as
+    dashed vertical lines (re-placements)."""
     lines = [(label, _bucket(pts, MAX_POINTS)) for label, pts in lines]
     values = sorted(v for _, pts in lines for _, v in pts)
     steps = [s for _, pts in lines for s, _ in pts]
@@ -172,6 +211,11 @@ def line_chart(lines, *, title: str, ylabel: str, limit=None, percent=False,
                f"text-anchor='middle'>step</text>"
                f"<text x='12' y='{up + ph / 2:.0f}' class='a' text-anchor='middle' "
                f"transform='rotate(-90 12 {up + ph / 2:.0f})'>{html.escape(ylabel)}</text>")
+    for m in sorted(set(marks)):
+        if x0 <= m <= x1:
+            out.append(f"<line x1='{px(m):.1f}' x2='{px(m):.1f}' y1='{up}' y2='{up + ph}' "
+                       f"class='lim'/><text x='{px(m) + 3:.1f}' y='{up + 10}' class='a'>"
+                       f"re-placed</text>")
     if limit is not None:
         y = py(limit)
         out.append(f"<line x1='{left}' x2='{left + pw}' y1='{y:.1f}' y2='{y:.1f}' class='lim'/>"
@@ -352,18 +396,22 @@ def render(metrics_dir: str, limit: float = 0.20, max_heatmaps: int = 64) -> str
                      f"(--max-heatmaps).</p>")
 
     parts.append("<h2>Idle share of the expert phase</h2>")
+    marks = sorted({s for l in layers for s in replacements(series, l)})
     parts.append(line_chart([(f"layer {l}", layer_values(series, l, "idle_share"))
                              for l in layers], title="from token counts: 1 - min/max rank load",
-                            ylabel="idle share", percent=True))
+                            ylabel="idle share", percent=True, marks=marks))
     if has_field(series, "idle_share_time"):
         parts.append(line_chart([(f"layer {l}", layer_values(series, l, "idle_share_time"))
                                  for l in layers],
                                 title="from time: 1 - min/max rank expert time (worst rank)",
-                                ylabel="idle share", percent=True))
+                                ylabel="idle share", percent=True, marks=marks))
         parts.append(per_rank_table(series))
     else:
         parts.append("<p class='note'>idle share from time not recorded (no idle_share_time "
                      "field).</p>")
+
+    parts.append("<h3>Before and after each re-placement</h3>")
+    parts.append(replacement_table(series, layers))
 
     parts.append("<h2>Bandwidth</h2>")
     if has_field(series, "bytes_sent") and any(

@@ -112,6 +112,69 @@ def _case(rank, world_size, plan, pg):
             assert tpe1[local].item() == counts[e].item()
 
 
+def _switch_worker(rank, world_size, plan_dicts):
+    """A dispatcher switched to another map at a step boundary (`set_physical_to_logical`)
+    routes as one built with that map; its metrics line records the new map."""
+    warnings.filterwarnings("ignore")
+    import copy
+
+    import megatron_deepep.megatron as mdm
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_deepep.megatron import DeepEPTokenDispatcher, metrics
+
+    mdm.register_deepep_dispatcher(transport="reference")
+    ps.initialize_model_parallel(expert_model_parallel_size=world_size)
+    try:
+        first, second = (balance.Plan(**p) for p in plan_dicts)
+        pg = get_default_pg_collection()
+        config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
+                                   num_moe_experts=E, moe_router_topk=K,
+                                   expert_model_parallel_size=world_size,
+                                   moe_token_dispatcher_type="deepep",
+                                   use_cpu_initialization=True, add_bias_linear=False)
+        config.moe_mdeep_metrics = True
+        mapped = copy.copy(config)
+        mapped.moe_mdeep_expert_map = first.to_dict()
+        slots = first.slots_per_rank
+        d = DeepEPTokenDispatcher(slots, list(range(rank * slots, (rank + 1) * slots)),
+                                  config=mapped, pg_collection=pg)
+        ref = copy.copy(mapped)
+        ref.moe_mdeep_expert_map = second.to_dict()
+        fresh = DeepEPTokenDispatcher(slots, list(range(rank * slots, (rank + 1) * slots)),
+                                      config=ref, pg_collection=pg)
+        gen = torch.Generator().manual_seed(11)
+        weights = torch.randn(E, H, H, generator=gen) / math.sqrt(H)
+        probs, routing_map = _routing(20, seed=rank)
+        x = torch.randn(20, 1, H, generator=gen)
+        assert d.physical_to_logical == first.physical_to_logical
+        d.set_physical_to_logical(second.physical_to_logical)
+        assert d.physical_to_logical == second.physical_to_logical
+        out, tpe = _layer(d, x, routing_map, probs,
+                          balance.permute_expert_weights(weights, second))
+        want, want_tpe = _layer(fresh, x, routing_map, probs,
+                                balance.permute_expert_weights(weights, second))
+        assert torch.equal(out, want) and torch.equal(tpe, want_tpe)
+        result = metrics.flush()
+        (m,) = [v for v in result.values() if v["physical_to_logical"] ==
+                second.physical_to_logical][:1]
+        assert sum(m["tokens_per_logical_expert"]) == sum(m["tokens_per_expert"])
+        with pytest.raises(ValueError, match="set_physical_to_logical has 3 physical slots"):
+            d.set_physical_to_logical([0, 1, 2])
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_dispatcher_switches_map_at_a_step_boundary():
+    loads = balance.synthetic_loads(f"zipf:{E}:1.3")
+    plans = [balance.plan_placement(loads, 2, num_redundant=2),
+             balance.plan_placement(balance.synthetic_loads(f"hot:{E}:6"), 2, num_redundant=2)]
+    assert plans[0].physical_to_logical != plans[1].physical_to_logical
+    run_distributed(2, _switch_worker, [p.to_dict() for p in plans], timeout_s=150)
+
+
 def test_mapped_layer_matches_unmapped_layer_with_permuted_weights():
     loads = balance.synthetic_loads(f"zipf:{E}:1.3")
     plans = [balance.plan_placement(loads, 2, num_redundant=n) for n in (0, 2)]

@@ -133,3 +133,26 @@ def test_every_argument_has_help():
     module = importlib.import_module("megatron_deepep.tools.report")
     parser = module.build_parser()
     assert not [a.dest for a in parser._actions if not a.help] and parser.description
+
+
+def test_marks_replacements_with_idle_share_before_and_after(tmp_path):
+    """A run whose expert map changed at step 11: the chart marks it and the table gives the
+    idle share before (steps 1-10) and after (11-20)."""
+    with open(os.path.join(tmp_path, "deepep_metrics_rank0.jsonl"), "w") as f:
+        for step in range(1, 21):
+            after = step >= 11
+            f.write(json.dumps({"step": step, "layers": {"1": {
+                "dispatch_ms": 0.5, "combine_ms": 0.5, "expert_ms": 2.0, "comm_share": 0.5,
+                "tokens_per_expert": [10, 10, 10, 10], "tokens_per_rank": [20, 20],
+                "idle_share": 0.01 if after else 0.5, "idle_share_time": 0.02 if after else 0.4,
+                "physical_to_logical": [0, 1, 2, 3] if after else [3, 2, 1, 0]}}}) + "\n")
+    proc = _run(str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "report.html").read_text(encoding="utf-8")
+    _check_offline(text)
+    assert "re-placed</text>" in text
+    assert ("<tr><td>1</td><td>11</td><td>50.0%</td><td>1.0%</td><td>40.0%</td><td>2.0%</td>"
+            "</tr>") in text
+    _write(tmp_path, 0, [1])  # no map: no re-placement
+    _run(str(tmp_path))
+    assert "No re-placement recorded" in (tmp_path / "report.html").read_text(encoding="utf-8")
