@@ -63,7 +63,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-dir", default=None,
                    help="rank 0 writes the re-placed run's steps here as the dispatcher's "
-                        "metrics lines (deepep_metrics_rank0.jsonl), for python -m megatron_deepep.tools.report")
+                        "metrics lines (deepep_metrics_rank0.jsonl), for "
+                        "python -m megatron_deepep.tools.report")
     p.add_argument("--device", default="cpu", help="cpu or cuda (rank r on GPU r mod count)")
     p.add_argument("--transport", default=None,
                    help="the Buffer's transport (default: reference on CPU, auto on CUDA)")

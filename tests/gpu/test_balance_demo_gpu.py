@@ -1,6 +1,6 @@
 """`examples/balance_demo.py` on GPU: the same two runs with the GPU transports (`auto`: the
 NVLink kernels for the 4 ranks), CUDA tensors for the model, the same thresholds as the CPU
-test (`tests/test_balance_demo.py`)."""
+test (`tests/project/test_balance_demo.py`)."""
 
 from __future__ import annotations
 
