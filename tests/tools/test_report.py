@@ -14,7 +14,7 @@ from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
 COMMAND = [sys.executable, "-m", "megatron_deepep.tools.report"]
-EXAMPLE = os.path.join(ROOT, "docs", "main_job_h200_ep1")
+EXAMPLE = os.path.join(ROOT, "benchmarks", "h200_2026-12-03_training_ep1")
 
 
 def _run(*args):
