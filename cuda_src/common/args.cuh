@@ -185,8 +185,8 @@ struct CombineLocalArgs {
     const int* token_slot_in_rank;
 };
 
-// fp8.cu: quantize_blockwise (ScaleT float: scale_inv) and quantize_mxfp8 (ScaleT u8: E8M0,
-// amax_epsilon unused).
+// bench/quantize.cu: quantize_blockwise (ScaleT float: scale_inv) and quantize_mxfp8 (ScaleT
+// u8: E8M0, amax_epsilon unused).
 template <typename ScaleT>
 struct QuantizeArgs {
     const u16* x;
@@ -267,7 +267,7 @@ struct LegArgs {
     i64* info;                  // wait: [my_pe, num_pes]
 };
 
-// internode.cu: every kernel of the internode transport (one struct for the family; a kernel
+// internode/*.cu: every kernel of the internode transport (one struct for the family; a kernel
 // reads the fields of its step, the others are null). Offsets are bytes from `heap`, the
 // symmetric block of this PE (the same offsets on every PE; megatron_deepep/transport/
 // internode_regions.py lays it out). R ranks, L ranks per node, M nodes, N_max slots.
@@ -330,7 +330,7 @@ struct InternodeArgs {
     // then hold [L][ring_slots] slots by forwarder, comb_stage [L][ring_slots] by expert rank.
     // Zero in the full layout, whose kernels read none of these.
     i64 ring_words;              // u64 [4][L][ring_slots]: dispatch ready, freed; combine same
-    u64* ring_seen;              // local [4][8]: positions so far per ring (see internode.cu)
+    u64* ring_seen;              // local [4][8]: ring positions so far (internode/ring_rows.cuh)
     int* ring_base;              // [L][M + 1]: per node rank, first position per source node
     int ring_slots;              // C
     // Network ring (MDEEP_INTERNODE_NET_RING_CHUNKS, ring staging only; internode/net_ring.cuh):

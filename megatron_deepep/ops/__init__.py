@@ -1,18 +1,18 @@
 """One thin typed wrapper per CUDA operation: picks template arguments and launches.
 
 One module per source in `cuda_src/`, named after it (`ops.dispatch` wraps `dispatch.cu`,
-`ops.internode` wraps `internode.cu`, `ops.bench.ceiling` wraps `bench/ceiling.cu`); `launch`
-holds what they share. The only package that calls `kernels`. Callers (the transports) have
-validated the user's arguments; wrappers assert internal invariants (dtypes, contiguity) and pass
-raw pointers. Every launch goes on the torch stream that is current when it is called, or on
-`launch_on`'s.
+`ops.internode.ring` wraps `internode/ring.cu`, `ops.bench.ceiling` wraps `bench/ceiling.cu`);
+`launch` holds what they share. The only package that calls `kernels`. Callers (the transports)
+have validated the user's arguments; wrappers assert internal invariants (dtypes, contiguity)
+and pass raw pointers. Every launch goes on the torch stream that is current when it is called,
+or on `launch_on`'s.
 
 Every kernel takes one argument struct (`cuda_src/common/args.cuh`); the `KernelArgs`
 subclasses mirror them field by field and are filled by name (a missing field is an error).
 The CPU tests compile their sizes and offsets against the CUDA side (`KERNEL_ARGS`).
 
 This module is the face the transports use: it re-exports the product kernels' wrappers (the
-benchmark-only ones stay in `ops.bench`).
+benchmark- and test-only ones stay in `ops.bench`).
 """
 
 from __future__ import annotations
@@ -23,19 +23,20 @@ from megatron_deepep.kernels import jit
 from megatron_deepep.ops.bench.ceiling import (  # noqa: F401
     FanInArgs, FanOutArgs, FillArgs, PeerCopyArgs)
 from megatron_deepep.ops.bench.internode_leg import LegArgs  # noqa: F401
+from megatron_deepep.ops.bench.quantize import QuantizeArgs  # noqa: F401
 from megatron_deepep.ops.combine import (  # noqa: F401
     CombineLocalArgs, CombineReduceArgs, CombineSendArgs, combine_local, combine_reduce,
     combine_send)
 from megatron_deepep.ops.dispatch import (  # noqa: F401
     DISPATCH_STAGE_MAX_BYTES, DispatchLocalArgs, DispatchRecvArgs, DispatchSendArgs,
     dispatch_local, dispatch_recv, dispatch_send)
-from megatron_deepep.ops.fp8 import (  # noqa: F401
-    DequantizeArgs, QuantizeArgs, dequantize_rows, quantize_rows)
+from megatron_deepep.ops.fp8 import DequantizeArgs, dequantize_rows  # noqa: F401
 from megatron_deepep.ops.fp8_columnwise import (  # noqa: F401
     COLUMNWISE_THREADS, ColumnwiseArgs, columnwise_from_rowwise)
 from megatron_deepep.ops.internode import (  # noqa: F401
     INTERNODE_FIELDS, INTERNODE_KERNELS, INTERNODE_NET_KERNELS, INTERNODE_RING_KERNELS,
-    INTERNODE_THREADS, NET_ROLE_GROUPS_PER_RANK, NVSHMEM_SOURCES, InternodeArgs,
+    INTERNODE_SOURCES, INTERNODE_STAGING_KERNELS, INTERNODE_THREADS, NET_ROLE_GROUPS_PER_RANK,
+    NVSHMEM_SOURCES, InternodeArgs,
     internode_combine_expressions, internode_combine_forward, internode_combine_reduce,
     internode_combine_send, internode_dispatch_recv, internode_dispatch_send,
     internode_expressions, internode_families, internode_forward, internode_net_combine,
@@ -60,7 +61,6 @@ KERNEL_ARGS = {
     ("combine.cu", "combine_send"): CombineSendArgs,
     ("combine.cu", "combine_reduce"): CombineReduceArgs,
     ("combine.cu", "combine_local"): CombineLocalArgs,
-    ("fp8.cu", "quantize_blockwise"): QuantizeArgs, ("fp8.cu", "quantize_mxfp8"): QuantizeArgs,
     ("fp8.cu", "dequantize_blockwise"): DequantizeArgs,
     ("fp8.cu", "dequantize_mxfp8"): DequantizeArgs,
     ("fp8_columnwise.cu", "columnwise_from_rowwise"): ColumnwiseArgs,
@@ -68,8 +68,10 @@ KERNEL_ARGS = {
     ("bench/ceiling.cu", "fan_in_sum"): FanInArgs, ("bench/ceiling.cu", "peer_copy"): PeerCopyArgs,
     ("bench/internode_leg.cu", "internode_leg_send"): LegArgs,
     ("bench/internode_leg.cu", "internode_leg_wait"): LegArgs,
-    **{("internode.cu", name): InternodeArgs
-       for name in INTERNODE_KERNELS + INTERNODE_RING_KERNELS + INTERNODE_NET_KERNELS},
+    ("bench/quantize.cu", "quantize_blockwise"): QuantizeArgs,
+    ("bench/quantize.cu", "quantize_mxfp8"): QuantizeArgs,
+    **{(INTERNODE_SOURCES[staging], name): InternodeArgs
+       for staging, names in INTERNODE_STAGING_KERNELS.items() for name in names},
 }
 
 

@@ -35,8 +35,13 @@ from megatron_deepep.kernels import jit
 
 INDEX_TYPES = {"int64": "long long", "int32": "int"}
 FP8_OUTPUTS = {"fp8": "false", "bf16": "true"}  # the kernels' kDequant argument
-BENCH_KERNELS = [("bench/ceiling.cu", e) for e in ("fill_kernel", "fan_out_copy", "fan_in_sum",
-                                             "peer_copy")]
+# The benchmark- and test-only kernels (cuda_src/bench/), built only with --bench: the ceilings,
+# and the standalone quantize as ops.bench.quantize.quantize_rows launches it by default.
+BENCH_KERNELS = ([("bench/ceiling.cu", e) for e in ("fill_kernel", "fan_out_copy", "fan_in_sum",
+                                                   "peer_copy")]
+                 + [("bench/quantize.cu", e) for e in ("quantize_blockwise<8, false>",
+                                                      "quantize_blockwise<8, true>",
+                                                      "quantize_mxfp8<8>")])
 
 
 def _template_args(expr: str) -> List[str]:
@@ -58,7 +63,7 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
             FP8 experts' columnwise-copy kernel) and/or "bf16" (dequantized on receive).
         index_dtypes: "int64" and/or "int32", the dtype of `topk_idx`.
         bf16: include the bf16 dispatch kernels (dispatch without FP8).
-        bench: include the benchmark's ceiling kernels.
+        bench: include the benchmark- and test-only kernels (`cuda_src/bench/`).
         row_dtypes: hidden-state dtypes ("bf16", "fp16", "fp32") to build the combine kernels
             for (dispatch copies bytes: its kernels serve every dtype).
 
@@ -133,9 +138,11 @@ def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = ()
                            index_dtypes: Sequence[str] = ("int64", "int32"), bf16: bool = True,
                            row_dtypes: Sequence[str] = ("bf16",),
                            staging: Optional[str] = None,
-                           net_chunks: Optional[int] = None) -> List[Tuple[str, ...]]:
-    """The internode transport's linked modules for the same choices as `kernels_for`: each a
-    tuple of name expressions, exactly as the transport links them at run time with `staging`
+                           net_chunks: Optional[int] = None
+                           ) -> List[Tuple[str, Tuple[str, ...]]]:
+    """The internode transport's linked modules for the same choices as `kernels_for`: each
+    (its staging's source under `cuda_src/`, its tuple of name expressions), exactly as the
+    transport links them at run time with `staging`
     ("full", "ring" or "auto"; None: the knob `MDEEP_INTERNODE_STAGING`) and `net_chunks`
     (> 0: the network ring; None: the knob `MDEEP_INTERNODE_NET_RING_CHUNKS`). "auto" picks
     its staging from the EP group's shape at run time, so every staging it may pick is built."""
@@ -151,27 +158,30 @@ def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = ()
 
     wires = [None] if bf16 else []
     wires += [as_fp8_dispatch(name, output) for name in fp8_formats for output in fp8_outputs]
-    out: Dict[Tuple[str, ...], None] = {}
-    for dispatch, combine in (ops.internode_families(m) for m in modes):
+    out: Dict[Tuple[str, Tuple[str, ...]], None] = {}
+    for mode in modes:
+        source = ops.INTERNODE_SOURCES[mode]
+        dispatch, combine = ops.internode_families(mode)
         for k in sorted(set(int(k) for k in topks)):
             for index_dtype in index_dtypes:
                 for wire in wires:
-                    out[dispatch(k, INDEX_TYPES[index_dtype], wire)] = None
+                    out[(source, dispatch(k, INDEX_TYPES[index_dtype], wire))] = None
             for row_dtype in row_dtypes:
-                out[combine(
-                    k, ops.ROW_DTYPE_CODES[ops.ROW_DTYPE_NAMES[row_dtype]])] = None
+                out[(source, combine(
+                    k, ops.ROW_DTYPE_CODES[ops.ROW_DTYPE_NAMES[row_dtype]]))] = None
     return list(out)
 
 
-def _link_family(family: Tuple[str, ...], arch: str, cache_dir: Optional[Path]
+def _link_family(module: Tuple[str, Tuple[str, ...]], arch: str, cache_dir: Optional[Path]
                  ) -> Tuple[str, str, float, bool]:
     from megatron_deepep.kernels import nvshmem_link
+    source, family = module
     folder = nvshmem_link.link_cache_dir(cache_dir)
     before = set(folder.glob("*.kernel")) if folder.is_dir() else set()
     start = time.perf_counter()
-    nvshmem_link.link_cubin("internode.cu", list(family), arch, cache_dir)
+    nvshmem_link.link_cubin(source, list(family), arch, cache_dir)
     from_cache = set(folder.glob("*.kernel")) == before
-    return "internode.cu", " ".join(family), time.perf_counter() - start, from_cache
+    return source, " ".join(family), time.perf_counter() - start, from_cache
 
 
 def _build_one(source: str, expr: str, arch: str, cache_dir: Optional[Path]
@@ -202,7 +212,8 @@ def precompile(kernels: Sequence[Tuple[str, str]], arch: str, jobs: int,
 
     Args:
         kernels: (source file, name expression) pairs, as `kernels_for` gives them.
-        families: internode modules, as `internode_families_for` gives them (one item each).
+        families: internode modules, (source, name expressions) as `internode_families_for`
+            gives them (one item each).
         arch: NVRTC target.
         jobs: worker processes (1: in this process).
         cache_dir: the cache (default: knob CACHE_DIR, else `~/.cache/megatron_deepep`).
@@ -250,9 +261,9 @@ def precompile(kernels: Sequence[Tuple[str, str]], arch: str, jobs: int,
 
 
 def _describe(item) -> str:
-    """A kernel (source, expr) or an internode family, for a failure line."""
-    return " ".join(item) if isinstance(item[0], str) and item[0].endswith(".cu") \
-        else "internode.cu " + " ".join(item)
+    """A kernel (source, expr) or an internode module (source, exprs), for a failure line."""
+    source, what = item
+    return f"{source} {what if isinstance(what, str) else ' '.join(what)}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -287,8 +298,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="also link the internode transport's kernels (EP across nodes; "
                              "needs the nvidia-nvshmem-cu13 wheel, no GPU)")
     parser.add_argument("--bench", action="store_true",
-                        help="also build the benchmark's ceiling kernels "
-                             "(cuda_src/bench/ceiling.cu)")
+                        help="also build the benchmark- and test-only kernels "
+                             "(cuda_src/bench/: the ceilings, the standalone FP8 quantize)")
     parser.add_argument("--arch", default=None,
                         help="NVRTC target, e.g. sm_90 (H100/H200) or sm_100; default: "
                              "MDEEP_ARCH, else this machine's GPU, else sm_90")
@@ -320,8 +331,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         for source, expr in kernels:
             print(f"{source} {expr}")
-        for family in families:
-            print("internode.cu " + " ".join(family))
+        for source, family in families:
+            print(f"{source} " + " ".join(family))
         return 0
     try:
         from cuda.bindings import nvrtc  # noqa: F401

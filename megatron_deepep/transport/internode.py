@@ -6,10 +6,11 @@ its experts; that rank expands it into the expert-major rows. Combine runs backw
 rank sums a token's rows into one partial, the forwarder sums its node's partials, one row per
 (token, node) crosses the network back, and the source sums its nodes' rows in node order.
 
-Per dispatch (kernels of `cuda_src/internode.cu`, in stream order): layout (as every transport)
--> node layout -> notify (counts to every PE over NVSHMEM) -> send (network puts by chunks) ->
-forward (NVLink copies into the node peers' staging) -> [one host wait for the row count, unless
-the caller gave a row bound] -> receive (expand). Per combine: send -> forward -> reduce.
+Per dispatch (full staging's kernels, `cuda_src/internode/full.cu`, in stream order; ring staging
+and the network ring have a source each beside it): layout (as every transport) -> node layout
+-> notify (counts to every PE over NVSHMEM) -> send (network puts by chunks) -> forward (NVLink
+copies into the node peers' staging) -> [one host wait for the row count, unless the caller
+gave a row bound] -> receive (expand). Per combine: send -> forward -> reduce.
 Epochs live in device words (`epochs.DeviceEpochs`), signals count on the device
 (`chunks_seen`): with a row bound, the calls can be captured in a CUDA graph and replayed.
 
@@ -170,7 +171,7 @@ class InternodeTransport(Transport):
         # The network ring's kernels also need a warp for each of their 3 L roles.
         self.net_blocks = min(max(self.ring_blocks, ops.net_ring_min_blocks(
             self.ranks_per_node)), num_device_sms)
-        # Ring positions so far (u64 [4][8], internode.cu "ring staging"), advanced by the
+        # Ring positions so far (u64 [4][8], internode/ring_rows.cuh), advanced by the
         # ring kernels themselves, so graph replays advance them too.
         self.ring_seen = torch.zeros(32, dtype=torch.int64, device=self.device)
         # Network ring: chunks sent to each node so far (dispatch [M], combine [M]); the chunks

@@ -1,5 +1,5 @@
 """Byte layout of one rank's symmetric block for the internode transport (mirrors the
-`InternodeArgs` offsets of `cuda_src/common/args.cuh` and the structs of `cuda_src/internode.cu`).
+`InternodeArgs` offsets of `cuda_src/common/args.cuh` and the structs of `cuda_src/internode/`).
 
 R ranks, L ranks per node, M = R / L nodes, N_max slots, H the widest row, K the largest top-k.
 Full staging (`MDEEP_INTERNODE_STAGING=full`; `auto`, the default, picks it while it fits

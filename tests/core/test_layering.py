@@ -6,7 +6,8 @@ nothing of the package; the module-level import graph has no cycle):
     0 knobs, logs
     1 kernels/         (jit, nvshmem_link, cuda_calls: knows no kernel; only `ops` imports it)
     2 arena, layout, handle, events, validate, fp8/ (formats, dispatch, te_bridge, columnwise)
-    3 ops/             (one module per cuda_src/ file; the only caller of kernels.jit)
+    3 ops/             (one module per cuda_src/ file, at the same path: ops/internode/ring.py
+                       wraps internode/ring.cu; the only caller of kernels.jit)
     4 transport/       (base, local, nvlink, internode, reference, ipc, regions, node_layout, ...)
     5 buffer
     6 autograd, and the package's `__init__` (it re-exports Buffer and autograd)
@@ -346,6 +347,30 @@ def test_only_the_patching_module_assigns_on_megatron():
 
 def test_only_knobs_reads_knob_variables():
     _check(environ_violations())
+
+
+#: Kernel sources with no wrapper module: the ABI thunk `kernels.nvshmem_link` links with every
+#: NVSHMEM source.
+UNWRAPPED_SOURCES = {"internode/nvshmem_abi_thunk.cu"}
+
+
+def ops_mirror_violations() -> List[str]:
+    """`ops` mirrors `cuda_src/`: the wrappers of `cuda_src/<path>.cu` are `ops/<path>.py`."""
+    cuda_src = os.path.join(ROOT, "cuda_src")
+    out = []
+    for folder, _, files in os.walk(cuda_src):
+        for name in sorted(files):
+            source = os.path.relpath(os.path.join(folder, name), cuda_src).replace(os.sep, "/")
+            if not name.endswith(".cu") or source in UNWRAPPED_SOURCES:
+                continue
+            wrapper = os.path.join(PACKAGE_DIR, "ops", source[:-len(".cu")] + ".py")
+            if not os.path.isfile(wrapper):
+                out.append(f"cuda_src/{source} has no ops module {os.path.relpath(wrapper, ROOT)}")
+    return out
+
+
+def test_ops_has_a_module_per_kernel_source():
+    _check(ops_mirror_violations())
 
 
 # The checker itself, on small synthetic cases.

@@ -318,13 +318,11 @@ def test_scale_helpers_edges():
 
 # ---- NVRTC compile (no GPU needed) ---------------------------------------------------------------
 
+# (source, kernels): the product's dequantize, the tests' quantize.
 KERNELS = [
-    "quantize_blockwise<8, true>",
-    "quantize_blockwise<8, false>",
-    "quantize_blockwise<4, true>",
-    "dequantize_blockwise<8>",
-    "quantize_mxfp8<8>",
-    "dequantize_mxfp8<8>",
+    ("fp8.cu", ["dequantize_blockwise<8>", "dequantize_mxfp8<8>"]),
+    ("bench/quantize.cu", ["quantize_blockwise<8, true>", "quantize_blockwise<8, false>",
+                           "quantize_blockwise<4, true>", "quantize_mxfp8<8>"]),
 ]
 
 
@@ -334,14 +332,16 @@ def test_kernels_compile(arch):
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
     from megatron_deepep.kernels.jit import compile_cubin
 
-    cubin, lowered = compile_cubin("fp8.cu", KERNELS, arch)
-    assert len(cubin) > 0
-    assert set(lowered) == set(KERNELS)
-    assert all(name.startswith("_Z") for name in lowered.values())  # templates, not extern "C"
+    for source, kernels in KERNELS:
+        cubin, lowered = compile_cubin(source, kernels, arch)
+        assert len(cubin) > 0
+        assert set(lowered) == set(kernels)
+        assert all(name.startswith("_Z") for name in lowered.values())  # templates
 
 
 def test_sources_include_only_our_headers():
-    for path in (CUDA_SRC / "fp8.cu", CUDA_SRC / "common" / "fp8.cuh"):
+    for path in (CUDA_SRC / "fp8.cu", CUDA_SRC / "bench" / "quantize.cu",
+                 CUDA_SRC / "common" / "fp8_standalone.cuh", CUDA_SRC / "common" / "fp8.cuh"):
         for line in path.read_text().splitlines():
             match = re.match(r'\s*#\s*include\s*([<"])([^>"]+)[>"]', line)
             if match:

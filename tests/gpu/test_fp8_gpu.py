@@ -1,4 +1,5 @@
-"""GPU tier: the `cuda_src/fp8.cu` kernels bit-exact against the torch reference.
+"""GPU tier: the standalone FP8 kernels (`cuda_src/fp8.cu`'s dequantize, the test-only
+`cuda_src/bench/quantize.cu`) bit-exact against the torch reference.
 
 Same input classes and hidden sizes as the CPU tier. fp8 bytes, scale bits and bf16 bits must be
 equal, except that a NaN only has to be a NaN (its sign bit is not part of the format).
@@ -11,6 +12,7 @@ import torch
 
 from megatron_deepep import ops
 from megatron_deepep.fp8 import formats as F
+from megatron_deepep.ops.bench.quantize import quantize_rows
 from tests.fp8.test_fp8_formats import ALL_FORMATS, FORMAT_IDS, HIDDENS, KINDS, make_input
 
 pytestmark = [
@@ -49,7 +51,7 @@ def _assert_bf16_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_cuda_matches_reference(fmt, hidden, kind):
     x = make_input(kind, 37, hidden, seed=1)
     q_ref, s_ref = F.quantize(x, fmt)
-    q, s = ops.quantize_rows(x.cuda(), fmt)
+    q, s = quantize_rows(x.cuda(), fmt)
     torch.cuda.synchronize()
     _assert_fp8_equal(q, q_ref)
     _assert_scales_equal(s, s_ref)
@@ -64,7 +66,7 @@ def test_cuda_matches_reference(fmt, hidden, kind):
 @pytest.mark.parametrize("num_tokens", [0, 1, 4097])
 def test_cuda_token_counts(fmt, num_tokens):
     x = make_input("random", max(num_tokens, 4), 7168, seed=2)[:num_tokens].contiguous()
-    q, s = ops.quantize_rows(x.cuda(), fmt)
+    q, s = quantize_rows(x.cuda(), fmt)
     y = ops.dequantize_rows(q, s, fmt)
     torch.cuda.synchronize()
     q_ref, s_ref = F.quantize(x, fmt)
@@ -77,7 +79,7 @@ def test_cuda_token_counts(fmt, num_tokens):
 def test_cuda_cta_sizes(num_warps):
     x = make_input("nan_inf", 9, 2880, seed=4)
     for fmt in (F.BLOCKWISE_1x128, F.MXFP8_1x32):
-        q, s = ops.quantize_rows(x.cuda(), fmt, num_warps=num_warps)
+        q, s = quantize_rows(x.cuda(), fmt, num_warps=num_warps)
         torch.cuda.synchronize()
         q_ref, s_ref = F.quantize(x, fmt)
         _assert_fp8_equal(q, q_ref)

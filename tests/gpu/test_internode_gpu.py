@@ -244,7 +244,8 @@ def _link(family) -> None:
     topk, fmt, output = family
     fp8 = None if fmt is None else Fp8Dispatch(fp8_gpu.FORMATS[fmt], output)
     expressions = ops.internode_families(_mode())[0]
-    nvshmem_link.link_cubin("internode.cu", list(expressions(topk, "long long", fp8)),
+    nvshmem_link.link_cubin(ops.INTERNODE_SOURCES[_mode()],
+                            list(expressions(topk, "long long", fp8)),
                             jit.device_arch())
 
 
@@ -253,7 +254,7 @@ def _link_combine(family) -> None:
     from megatron_deepep.kernels import jit, nvshmem_link
     topk, row_dtype = family
     expressions = ops.internode_families(_mode())[1]
-    nvshmem_link.link_cubin("internode.cu", list(expressions(topk, row_dtype)),
+    nvshmem_link.link_cubin(ops.INTERNODE_SOURCES[_mode()], list(expressions(topk, row_dtype)),
                             jit.device_arch())
 
 

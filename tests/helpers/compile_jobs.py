@@ -8,17 +8,17 @@ other tests run meanwhile and the compile tests, ordered last, collect the resul
 Two sweeps:
 - every instantiation `ops.kernel_names` lists for top-k 1-16, bf16 and FP8 dispatch (and the
   fp16 / fp32 combine kernels at `WIDE_ROW_TOPKS`: their dtype code does not depend on top-k),
-  plus `fp8.cu`, `fp8_columnwise.cu` and `ceiling.cu`, compiled with `jit.FAST_COMPILE_OPTIONS`
-  (front end, template instantiation and ptxas, ~30x faster than -O3), up to 60 instantiations
-  a program;
+  plus `fp8.cu`, `fp8_columnwise.cu`, `bench/quantize.cu` and `bench/ceiling.cu`, compiled
+  with `jit.FAST_COMPILE_OPTIONS` (front end, template instantiation and ptxas, ~30x faster
+  than -O3), up to 60 instantiations a program;
 - one instantiation of each (kernel, wire format, dequantize, combine row dtype) at top-k 8
   with the options the kernels run with (-O3), as `jit.get_kernel` compiles them.
 Together ~60 CPU-seconds (a one-program-per-source sweep at -O3 took ~370). `python -m
 megatron_deepep.tools.precompile --topk $(seq 16) --fp8 ...` compiles the lot at -O3.
 
-`link_jobs` adds the NVSHMEM links of `internode.cu` (NVRTC -rdc + nvJitLink, ~10 CPU-seconds
-each, into a fresh cache), one per node staging (full, ring) and one for the network ring,
-which `test_nvshmem_link.py` collects the same way.
+`link_jobs` adds the NVSHMEM links of `internode/full.cu`, `internode/ring.cu` and
+`internode/net_ring.cu` (NVRTC -rdc + nvJitLink, ~10 CPU-seconds each, into a fresh cache), one
+per node staging, which `test_nvshmem_link.py` collects the same way.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ TOPKS = range(1, 17)
 # Top-k values at which the fast sweep also compiles the fp16 and fp32 combine kernels.
 WIDE_ROW_TOPKS = (1, 6, 8, 16)
 WIDE_ROW_DTYPES = ("fp16", "fp32")
-FP8_KERNELS = ([f"quantize_blockwise<{w}, {p}>" for w in (4, 8) for p in ("false", "true")]
-               + [f"{k}<{w}>" for k in ("quantize_mxfp8", "dequantize_blockwise",
-                                         "dequantize_mxfp8") for w in (4, 8)])
+FP8_KERNELS = [f"{k}<{w}>" for k in ("dequantize_blockwise", "dequantize_mxfp8") for w in (4, 8)]
+QUANTIZE_KERNELS = ([f"quantize_blockwise<{w}, {p}>" for w in (4, 8) for p in ("false", "true")]
+                    + [f"quantize_mxfp8<{w}>" for w in (4, 8)])
 CEILING_KERNELS = ["fill_kernel", "fan_out_copy", "fan_in_sum", "peer_copy"]
 COLUMNWISE_KERNELS = [f"columnwise_from_rowwise<{p}>" for p in ("true", "false")]
 WORKERS = 2
@@ -82,7 +82,8 @@ def jobs() -> Dict[str, Job]:
     for k in TOPKS:
         out[f"fast-dispatch.cu-fp8-k{k}"] = Job(
             "dispatch.cu", tuple(_names(k, fp8=True)["dispatch.cu"]), True, 2.0)
-    out["fast-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), True, 0.3)
+    out["fast-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), True, 0.2)
+    out["fast-quantize.cu"] = Job("bench/quantize.cu", tuple(QUANTIZE_KERNELS), True, 0.2)
     out["fast-ceiling.cu"] = Job("bench/ceiling.cu", tuple(CEILING_KERNELS), True, 0.1)
     out["fast-fp8_columnwise.cu"] = Job("fp8_columnwise.cu", tuple(COLUMNWISE_KERNELS), True,
                                         0.2)
@@ -101,7 +102,8 @@ def jobs() -> Dict[str, Job]:
         "combine.cu", tuple(e for e in k8_rows if ", true, true, " in e), False, 2.0)
     out["O3-layout.cu-k8"] = Job("layout.cu", ("layout_kernel<long long, 8>",), False, 0.3)
     out["O3-notify.cu"] = Job("notify.cu", ("notify_kernel",), False, 0.1)
-    out["O3-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), False, 0.4)
+    out["O3-fp8.cu"] = Job("fp8.cu", tuple(FP8_KERNELS), False, 0.2)
+    out["O3-quantize.cu"] = Job("bench/quantize.cu", tuple(QUANTIZE_KERNELS), False, 0.3)
     out["O3-ceiling.cu"] = Job("bench/ceiling.cu", tuple(CEILING_KERNELS), False, 0.2)
     out["O3-fp8_columnwise.cu"] = Job("fp8_columnwise.cu", tuple(COLUMNWISE_KERNELS), False,
                                       0.3)
@@ -127,25 +129,20 @@ def internode_link_expressions(ring: bool = False, net: bool = False) -> Tuple[s
 
 
 def link_kernels(job_id: str) -> Tuple[str, ...]:
-    """The kernels (names without template arguments) a link job must hold."""
+    """The kernels (names without template arguments) a link job must hold: every kernel of
+    its staging's source."""
     from megatron_deepep import ops
-    if job_id.endswith("-net"):
-        return ("internode_node_layout", "internode_notify") + ops.INTERNODE_NET_KERNELS
-    if job_id.endswith("-ring"):
-        return ("internode_node_layout", "internode_notify", "internode_dispatch_send",
-                "internode_combine_reduce") + ops.INTERNODE_RING_KERNELS
-    return ops.INTERNODE_KERNELS
+    return ops.INTERNODE_STAGING_KERNELS[job_id.rsplit("-", 1)[1]]
 
 
 @functools.lru_cache(maxsize=None)
 def link_jobs() -> Dict[str, Job]:
-    """Job id -> NVSHMEM link job (one compile, one link)."""
-    return {"link-internode.cu": Job("internode.cu", internode_link_expressions(), False, 10.0,
-                                     link=True),
-            "link-internode.cu-ring": Job("internode.cu", internode_link_expressions(True),
-                                          False, 10.0, link=True),
-            "link-internode.cu-net": Job("internode.cu", internode_link_expressions(net=True),
-                                         False, 10.0, link=True)}
+    """Job id (`link-internode-<staging>`) -> NVSHMEM link job (one compile, one link)."""
+    from megatron_deepep import ops
+    return {f"link-internode-{staging}": Job(
+                source, internode_link_expressions(staging == "ring", staging == "net"), False,
+                10.0, link=True)
+            for staging, source in ops.INTERNODE_SOURCES.items()}
 
 
 def _table() -> Dict[str, Job]:

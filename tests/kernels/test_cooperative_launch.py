@@ -107,7 +107,7 @@ def test_the_persistent_internode_kernels_launch_cooperatively(monkeypatch):
     monkeypatch.setattr(nvshmem_link, "get_kernels", log.get_kernels)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(ops.internode.InternodeArgs, "fill", classmethod(lambda cls, **f: None))
-    monkeypatch.setattr(ops.internode, "launch_stream", lambda: None)
+    monkeypatch.setattr(ops.internode.args, "launch_stream", lambda: None)
     topk = torch.zeros(4, 8, dtype=torch.int64)
     y = torch.zeros(4, 16, dtype=torch.bfloat16)
     fields = {"ranks_per_node": 2}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_deepep import ops
-from megatron_deepep.ops.bench import ceiling
+from megatron_deepep.ops.bench import ceiling, quantize
 from megatron_deepep.kernels import jit
 from megatron_deepep.transport import errors, status
 from megatron_deepep.transport import regions as buffer_layout
@@ -114,7 +114,8 @@ _KERNEL_RE = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([
 
 
 @pytest.mark.parametrize("source", ["layout.cu", "notify.cu", "dispatch.cu", "combine.cu",
-                                    "fp8.cu", "fp8_columnwise.cu", "bench/ceiling.cu"])
+                                    "fp8.cu", "fp8_columnwise.cu", "bench/ceiling.cu",
+                                    "bench/quantize.cu"])
 def test_every_kernel_takes_its_one_argument_struct(source):
     text = (jit.cuda_src_dir() / source).read_text()
     kernels = dict(_KERNEL_RE.findall(text))
@@ -202,6 +203,39 @@ def recorder(monkeypatch):
     return rec
 
 
+_INCLUDE_RE = re.compile(r'^#include "(internode/[^"]+)"', re.MULTILINE)
+
+
+def _with_internode_headers(source: str) -> str:
+    """`source`'s text and that of every `internode/` header it includes, depth first."""
+    seen, texts = set(), []
+
+    def visit(name):
+        if name in seen:
+            return
+        seen.add(name)
+        text = (jit.cuda_src_dir() / name).read_text()
+        texts.append(text)
+        for header in _INCLUDE_RE.findall(text):
+            visit(header)
+
+    visit(source)
+    return "\n".join(texts)
+
+
+@pytest.mark.parametrize("staging", sorted(ops.INTERNODE_SOURCES))
+def test_each_internode_source_holds_its_stagings_kernels(staging):
+    """Each staging's source, with the shared headers it includes, defines exactly the kernels
+    `ops` lists for that staging (so its family links from it), each taking `InternodeArgs`."""
+    source = ops.INTERNODE_SOURCES[staging]
+    kernels = dict(_KERNEL_RE.findall(_with_internode_headers(source)))
+    assert set(kernels) == set(ops.INTERNODE_STAGING_KERNELS[staging]), source
+    assert {k for s, k in ops.KERNEL_ARGS if s == source} == set(kernels)
+    for kernel, params in kernels.items():
+        assert re.fullmatch(r"\s*const __grid_constant__ InternodeArgs a\s*", params), kernel
+        assert ops.KERNEL_ARGS[(source, kernel)] is ops.InternodeArgs
+
+
 def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
     from megatron_deepep.fp8 import BLOCKWISE_1x128, MXFP8_1x32
 
@@ -214,9 +248,9 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
     slots = torch.zeros(3, 64, dtype=torch.uint8)
     bases = torch.zeros(3, dtype=torch.int64)
     ceiling.peer_copy(slots, bases, 1, 24)
-    monkeypatch.setattr(ops.fp8, "_check_bf16_rows", lambda x: None)
+    monkeypatch.setattr(quantize, "_check_bf16_rows", lambda x: None)
     for fmt in (BLOCKWISE_1x128, MXFP8_1x32):
-        q, scales = ops.quantize_rows(src, fmt)
+        q, scales = quantize.quantize_rows(src, fmt)
         ops.dequantize_rows(q, scales, fmt)
     by_name = {name: (grid, block, fields) for name, grid, block, fields in recorder.launches}
     assert by_name["fill_kernel"] == (3, 256, dict(dst=dst.data_ptr(), num_int4=32 * 64 * 2 // 16))
@@ -228,9 +262,9 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
     assert by_name["peer_copy"] == (24, ceiling.PEER_COPY_THREADS, dict(
         src=slots.data_ptr(), peer_bases=bases.data_ptr(), num_int4_per_peer=4, rank=1,
         num_ranks=3))
-    quantize = by_name["quantize_mxfp8"][2]
-    assert quantize["x"] == src.data_ptr() and quantize["num_tokens"] == 4
-    assert quantize["hidden"] == 64 and quantize["q"] != 0 and quantize["scales"] != 0
+    mxfp8 = by_name["quantize_mxfp8"][2]
+    assert mxfp8["x"] == src.data_ptr() and mxfp8["num_tokens"] == 4
+    assert mxfp8["hidden"] == 64 and mxfp8["q"] != 0 and mxfp8["scales"] != 0
     assert by_name["dequantize_blockwise"][2]["num_tokens"] == 4
 
 

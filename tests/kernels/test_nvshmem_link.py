@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from megatron_deepep import ops
 from megatron_deepep.kernels import nvshmem_link
 from tests.helpers import compile_jobs
 
@@ -110,11 +111,14 @@ def test_foreign_include_is_refused(monkeypatch, tmp_path):
 def test_every_nvshmem_kernel_is_linked_here():
     """The kernels of ops.NVSHMEM_SOURCES are the ones this file links (the plain compile
     sweep of tests/kernels/test_kernels_compile.py leaves them out)."""
-    from megatron_deepep import ops
     nvshmem_kernels = {k for k in ops.KERNEL_ARGS if k[0] in ops.NVSHMEM_SOURCES}
     assert nvshmem_kernels == ({("bench/internode_leg.cu", name) for name in LEG_KERNELS}
-                               | {("internode.cu", name) for name in ops.INTERNODE_KERNELS
-                                  + ops.INTERNODE_RING_KERNELS + ops.INTERNODE_NET_KERNELS})
+                               | {(ops.INTERNODE_SOURCES[job.rsplit("-", 1)[1]], name)
+                                  for job in compile_jobs.link_jobs()
+                                  for name in compile_jobs.link_kernels(job)})
+    # One source per staging, each holding its staging's kernels and no other's.
+    assert sorted(ops.NVSHMEM_SOURCES) == sorted(["bench/internode_leg.cu", "internode/full.cu",
+                                                  "internode/ring.cu", "internode/net_ring.cu"])
 
 
 @needs_wheel
@@ -128,6 +132,7 @@ def test_internode_kernels_link(job):
     in the background by `compile_jobs`, collected here)."""
     expressions = compile_jobs.link_jobs()[job].exprs
     magic, size, lowered = compile_jobs.result(job)
+    assert compile_jobs.link_jobs()[job].source == ops.INTERNODE_SOURCES[job.rsplit("-", 1)[1]]
     assert lowered == sorted(expressions)
     assert magic == b"\x7fELF" and size > 0
     assert {expr.split("<")[0] for expr in expressions} == set(compile_jobs.link_kernels(job))

@@ -63,6 +63,10 @@ def test_list_narrows_by_index_dtype_fp8_format_and_output(capsys):
                                       "--fp8-output", "bf16") if s == "fp8_columnwise.cu"]
     several = _listed(capsys, "--topk", "2", "8", "--bench")
     assert ("bench/ceiling.cu", "fill_kernel") in several
+    assert ("bench/quantize.cu", "quantize_mxfp8<8>") in several
+    # The benchmark- and test-only kernels (cuda_src/bench/) only with --bench.
+    assert not [s for s, _ in _listed(capsys, "--topk", "2", "8", "--fp8", "blockwise",
+                                      "mxfp8") if s.startswith("bench/")]
     assert {e for _, e in several} >= set(ops.kernel_names(2)["combine.cu"])
 
 
@@ -128,12 +132,16 @@ def test_internode_modules_are_the_ones_the_transport_links(capsys, monkeypatch)
             "--index-dtype", "int64", "--row-dtype", "bf16", "fp32")
     monkeypatch.delenv("MDEEP_INTERNODE_NET_RING_CHUNKS", raising=False)
     monkeypatch.delenv("MDEEP_INTERNODE_STAGING", raising=False)
-    every_staging = [s for s, _ in _listed(capsys, *argv) if s == "internode.cu"]
+    sources = set(ops.INTERNODE_SOURCES.values())
+    every_staging = [s for s, _ in _listed(capsys, *argv) if s in sources]
     monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")
     listed = _listed(capsys, *argv)
-    assert len(every_staging) == 3 * len([s for s, _ in listed if s == "internode.cu"])
+    # One source per staging: auto lists each of the three sources' modules.
+    assert sorted(set(every_staging)) == sorted(sources)
+    assert len(every_staging) == 3 * len([s for s, _ in listed if s in sources])
+    assert {s for s, _ in listed if s in sources} == {"internode/full.cu"}
     modules = [tuple(expr.split(" internode")) for source, expr in listed
-               if source == "internode.cu"]
+               if source == "internode/full.cu"]
     modules = [tuple(m[0:1] + tuple("internode" + part for part in m[1:])) for m in modules]
     expected = []
     for k in (2, 8):
@@ -143,4 +151,4 @@ def test_internode_modules_are_the_ones_the_transport_links(capsys, monkeypatch)
                      ops.internode_combine_expressions(k, 0),
                      ops.internode_combine_expressions(k, 2)]
     assert sorted(modules) == sorted(expected)
-    assert not [s for s, _ in _listed(capsys, "--topk", "8") if s == "internode.cu"]
+    assert not [s for s, _ in _listed(capsys, "--topk", "8") if s in sources]

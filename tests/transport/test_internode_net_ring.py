@@ -179,16 +179,14 @@ def test_precompile_links_the_net_ring_when_the_knob_asks(monkeypatch):
     from megatron_deepep.tools.precompile import internode_families_for
     monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "ring")
     monkeypatch.delenv("MDEEP_INTERNODE_NET_RING_CHUNKS", raising=False)
-    assert internode_families_for([8], index_dtypes=("int64",)) == [
-        ops.internode_ring_expressions(8, "long long", None),
-        ops.internode_ring_combine_expressions(8, 0)]
+    ring = [("internode/ring.cu", ops.internode_ring_expressions(8, "long long", None)),
+            ("internode/ring.cu", ops.internode_ring_combine_expressions(8, 0))]
+    assert internode_families_for([8], index_dtypes=("int64",)) == ring
     monkeypatch.setenv("MDEEP_INTERNODE_NET_RING_CHUNKS", "2")
     assert internode_families_for([8], index_dtypes=("int64",)) == [
-        ops.internode_net_expressions(8, "long long", None),
-        ops.internode_net_combine_expressions(8, 0)]
-    assert internode_families_for([8], index_dtypes=("int64",), net_chunks=0) == [
-        ops.internode_ring_expressions(8, "long long", None),
-        ops.internode_ring_combine_expressions(8, 0)]
+        ("internode/net_ring.cu", ops.internode_net_expressions(8, "long long", None)),
+        ("internode/net_ring.cu", ops.internode_net_combine_expressions(8, 0))]
+    assert internode_families_for([8], index_dtypes=("int64",), net_chunks=0) == ring
 
 
 @pytest.mark.parametrize("L, blocks", [(1, 1), (5, 1), (6, 2), (8, 2)])
@@ -200,7 +198,9 @@ def test_net_kernels_get_a_warp_for_every_role(L, blocks):
 def test_role_groups_and_phases_mirror_the_kernels():
     import re
     from megatron_deepep.kernels import nvshmem_link
-    source = (nvshmem_link.cuda_src_dir() / "internode.cu").read_text()
+    # Notify (every staging's, with the rail counts) and the network ring's own kernels.
+    source = "".join((nvshmem_link.cuda_src_dir() / "internode" / name).read_text()
+                     for name in ("common.cuh", "net_ring.cu"))
     groups = re.search(r"kNetGroupsPerRank = (\d+);", source)
     assert groups and int(groups.group(1)) == ops.NET_ROLE_GROUPS_PER_RANK
     for name, phase in (("kPhaseInNetNotify", 20), ("kPhaseInNetSend", 21),

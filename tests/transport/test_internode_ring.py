@@ -3,7 +3,7 @@ docs/internode.md "Ring staging") without a GPU: the knobs and their errors, the
 block's formula for both stagings, the kernel families, the ring positions both ends derive
 from the real layouts, and a model of the ring protocol run on random schedules.
 
-The model (`_Model`) replays what `cuda_src/internode.cu`'s ring kernels do, warp by warp:
+The model (`_Model`) replays what `cuda_src/internode/ring.cu`'s kernels do, warp by warp:
 every warp is a generator that yields where the kernel would spin, and a random scheduler runs
 the runnable ones (every warp of a running kernel is runnable: the kernels are co-resident).
 Each rank runs its kernels in stream order. It checks that every ring position reaches its
@@ -231,15 +231,15 @@ def test_precompile_links_the_staging_the_knob_selects(monkeypatch):
     monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "full")
     monkeypatch.delenv("MDEEP_INTERNODE_NET_RING_CHUNKS", raising=False)
     full = internode_families_for([8], index_dtypes=("int64",))
-    assert full == [ops.internode_expressions(8, "long long", None),
-                    ops.internode_combine_expressions(8, 0)]
+    assert full == [("internode/full.cu", ops.internode_expressions(8, "long long", None)),
+                    ("internode/full.cu", ops.internode_combine_expressions(8, 0))]
     monkeypatch.setenv("MDEEP_INTERNODE_STAGING", "ring")
     ring = internode_families_for([8], index_dtypes=("int64",))
-    assert ring == [ops.internode_ring_expressions(8, "long long", None),
-                    ops.internode_ring_combine_expressions(8, 0)]
+    assert ring == [("internode/ring.cu", ops.internode_ring_expressions(8, "long long", None)),
+                    ("internode/ring.cu", ops.internode_ring_combine_expressions(8, 0))]
     assert internode_families_for([8], index_dtypes=("int64",), staging="full") == full
-    net = [ops.internode_net_expressions(8, "long long", None),
-           ops.internode_net_combine_expressions(8, 0)]
+    net = [("internode/net_ring.cu", ops.internode_net_expressions(8, "long long", None)),
+           ("internode/net_ring.cu", ops.internode_net_combine_expressions(8, 0))]
     monkeypatch.delenv("MDEEP_INTERNODE_STAGING")  # auto: whichever the group's shape picks
     assert internode_families_for([8], index_dtypes=("int64",)) == full + ring + net
 
