@@ -11,8 +11,9 @@
 //   internode/ring.cu      ring staging (MDEEP_INTERNODE_STAGING=ring)
 //   internode/net_ring.cu  the network ring (MDEEP_INTERNODE_NET_RING_CHUNKS, on ring staging)
 // and the headers they share:
-//   internode/common.cuh       this one: the call's shape and signal words, the node and rail
-//                              waits, and the two kernels every staging runs first
+//   internode/common.cuh       this one: the call's shape, the network record and signal
+//                              words, the node peers' map, and the two kernels every staging
+//                              runs first
 //   internode/rows.cuh         one row at a time: pack for the network, expand, sum partials
 //   internode/send_reduce.cuh  the network send and the final reduce (full and ring staging)
 //   internode/ring_rows.cuh    the rings' producers and consumers (ring staging and the

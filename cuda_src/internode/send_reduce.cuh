@@ -4,8 +4,9 @@
 //                             and puts every remote chunk with a signal (own node: in place)
 //   internode_combine_reduce  (source) sums the partials of its nodes in node order
 // Network data is counted in chunks: a receiver expects ceil(count / C) signal increments per
-// source node on top of the running total it keeps in `chunks_seen`; the kernel that consumed a
-// call's chunks hands them back to their senders (ack_rail_peers).
+// source node on top of the running total it keeps in `chunks_seen` (block_wait_rail); the
+// kernel that consumed a call's chunks hands them back to their senders (ack_rail_peers). Both
+// helpers serve the other kernels of full and ring staging too.
 #pragma once
 #include "internode/common.cuh"
 #include "internode/rows.cuh"

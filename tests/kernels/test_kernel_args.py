@@ -18,7 +18,7 @@ import torch
 
 from megatron_deepep import ops
 from megatron_deepep.ops.bench import ceiling, quantize
-from megatron_deepep.kernels import jit
+from megatron_deepep.kernels import jit, nvshmem_link
 from megatron_deepep.transport import errors, status
 from megatron_deepep.transport import regions as buffer_layout
 from megatron_deepep.transport.regions import BufferRegions
@@ -234,6 +234,59 @@ def test_each_internode_source_holds_its_stagings_kernels(staging):
     for kernel, params in kernels.items():
         assert re.fullmatch(r"\s*const __grid_constant__ InternodeArgs a\s*", params), kernel
         assert ops.KERNEL_ARGS[(source, kernel)] is ops.InternodeArgs
+
+
+def test_internode_wrappers_launch_from_their_stagings_module(monkeypatch):
+    """Every internode wrapper, called for a staging, launches its kernel from that staging's
+    source, in the very family (module) the transport links for it, with `InternodeArgs`; and
+    the wrappers of a staging together launch every kernel its source holds."""
+    launches = []
+
+    def get_kernels(source, family, device):
+        class _Kernel:
+            def __init__(self, expr):
+                self.expr = expr
+
+            def launch(self, grid, block, args, stream, cooperative=False):
+                assert isinstance(args, ops.KERNEL_ARGS[(source, self.expr.split("<")[0])])
+                launches.append((source, family, self.expr))
+
+        return {expr: _Kernel(expr) for expr in family}
+
+    monkeypatch.setattr(nvshmem_link, "get_kernels", get_kernels)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(jit, "current_raw_stream", lambda: jit.RawStream(7, 0))
+    topk_idx = torch.zeros(4, 2, dtype=torch.int64)
+    y = torch.zeros(4, 64, dtype=torch.bfloat16)
+    fields = {**dict.fromkeys(ops.INTERNODE_FIELDS, 0), "ranks_per_node": 2}
+    for staging in ("full", "ring", "net"):
+        ring, net = staging == "ring", staging == "net"
+        launches.clear()
+        ops.internode_node_layout(topk_idx, None, 2, fields, ring=ring, net=net)
+        ops.internode_notify(topk_idx, None, fields, ring=ring, net=net)
+        if staging == "full":
+            ops.internode_dispatch_send(topk_idx, False, None, 2, fields)
+            ops.internode_forward(topk_idx, None, 2, fields)
+            ops.internode_dispatch_recv(topk_idx, False, None, 2, fields)
+            ops.internode_combine_send(topk_idx, y, True, False, 2, fields)
+            ops.internode_combine_forward(topk_idx, y, False, 2, fields)
+            ops.internode_combine_reduce(topk_idx, y, False, 2, fields)
+        elif ring:
+            ops.internode_dispatch_send(topk_idx, False, None, 2, fields, ring=True)
+            ops.internode_ring_count(topk_idx, None, 2, fields)
+            ops.internode_ring_dispatch(topk_idx, False, None, 2, fields)
+            ops.internode_ring_combine(topk_idx, y, True, False, 2, fields)
+            ops.internode_combine_reduce(topk_idx, y, False, 2, fields, ring=True)
+        else:
+            ops.internode_net_dispatch(topk_idx, False, None, 2, fields)
+            ops.internode_net_combine(topk_idx, y, True, False, 2, fields)
+        dispatch, combine = ops.internode_families(staging)
+        families = {dispatch(2, "long long", None), combine(2, ops.row_dtype_code(y))}
+        for source, family, expr in launches:
+            assert source == ops.INTERNODE_SOURCES[staging], (staging, expr)
+            assert family in families and expr in family, (staging, expr)
+        assert ({expr.split("<")[0] for _, _, expr in launches}
+                == set(ops.INTERNODE_STAGING_KERNELS[staging])), staging
 
 
 def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
