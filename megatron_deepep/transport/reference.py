@@ -10,14 +10,23 @@ This module defines the semantics every transport implements (see `layout.py` an
   order and rounds once. Rows are summed in k order.
 
 It runs on any process group that supports `all_to_all_single` (gloo on CPU, NCCL on GPU) and
-synchronizes with the host to learn split sizes, so it is correct everywhere but not fast. Each
-collective waits at most the Buffer's `timeout_s`; one that expires raises `PeerTimeoutError`
-naming the peers that never reached the call (a rank that raised mid-step, say).
+synchronizes with the host to learn split sizes. Per call it runs as few collectives as the
+work allows (each one is a rendezvous of every rank): dispatch two (an all-gather of the call
+parameters, which every rank checks, with the split sizes; one all-to-all of records that hold
+a token's row, its per-k expert ids and positions and its weights), cached dispatch one, combine
+one (partial rows and, in dispatch's backward, the routing-weight gradients in one record).
+Megatron's `alltoall` dispatcher runs three for its dispatch (an all-gather of the counts, the
+tokens, the probs). `python -m megatron_deepep.bench.reference` shows each collective and host
+read of a layer step. Each collective waits at most the Buffer's `timeout_s`; one that expires
+raises `PeerTimeoutError` naming the peers that never reached the call (a rank that raised
+mid-step, say).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import math
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -51,6 +60,36 @@ def _unpack_fp8(recv: torch.Tensor, hidden: int, fp8: Fp8Dispatch) -> RecvX:
     if fp8.dequantize:
         return formats.dequantize(recv_fp8, recv_scales, fp8.fmt)
     return recv_fp8, recv_scales
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`[T, ...]` -> `[T, bytes per row]` torch.uint8, a view of the same bytes when `t` is
+    contiguous."""
+    t = t.contiguous()
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    return t.reshape(-1).view(torch.uint8).reshape(t.shape[0], row_bytes)
+
+
+def _pack(parts: List[torch.Tensor]) -> Tuple[torch.Tensor, List[int]]:
+    """Packs the parts `[T, ...]` side by side into one `[T, B]` torch.uint8 record per row (B a
+    multiple of 4, so that each part's bytes can be viewed as its dtype again: parts of 4-byte
+    elements go first); returns it and each part's byte offset."""
+    rows = [_as_bytes(p) for p in parts]
+    offsets, width = [], 0
+    for r in rows:
+        offsets.append(width)
+        width += r.shape[1]
+    pad = -width % 4
+    if pad:
+        rows.append(rows[0].new_zeros(rows[0].shape[0], pad))
+    return torch.cat(rows, dim=1), offsets
+
+
+def _unpack(records: torch.Tensor, offset: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """The `[T, width]` part of dtype `dtype` at byte `offset` of `records [T, B]` (a view)."""
+    if records.shape[0] == 0:
+        return torch.empty(0, width, dtype=dtype, device=records.device)
+    return records[:, offset:offset + width * dtype.itemsize].view(dtype)
 
 
 class _Collectives:
@@ -136,37 +175,87 @@ class _Collectives:
             raise RuntimeError(f"megatron_deepep: {where} failed ({exc}): "
                                f"{self.stalled_peers()}") from exc
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: List[int],
-                   recv_splits: List[int]) -> torch.Tensor:
-        """`all_to_all_single` along dim 0; 2-byte rows travel as int32 bits (gloo has neither
-        bf16 nor int16, and every row holds an even number of elements)."""
-        packed = tensor.element_size() == 2
-        wire = tensor.contiguous().view(torch.int32) if packed else tensor.contiguous()
-        out = wire.new_empty((sum(recv_splits),) + tuple(wire.shape[1:]))
+    def all_to_all(self, records: torch.Tensor, send_splits: List[int], recv_splits: List[int],
+                   zero_tail: bool = False) -> torch.Tensor:
+        """`all_to_all_single` along dim 0 of a contiguous byte tensor `[T, B]` torch.uint8
+        (every backend moves bytes; gloo has no bf16 or int16). With `zero_tail`, the result has
+        one more row, all zero bytes, after the received ones (what padding rows gather)."""
+        num_recv = sum(recv_splits)
+        out = records.new_empty((num_recv + int(zero_tail),) + tuple(records.shape[1:]))
+        if zero_tail:
+            out[num_recv:].zero_()
+        received = out[:num_recv]
         if self.num_ranks == 1:
-            out.copy_(wire)
+            received.copy_(records)
         else:
-            self.wait(dist.all_to_all_single(out, wire, recv_splits, send_splits,
+            self.wait(dist.all_to_all_single(received, records, recv_splits, send_splits,
                                              group=self.group, async_op=True),
                       "all_to_all_single")
-        return out.view(tensor.dtype) if packed else out
+        return out
 
-    def check_ranks_agree(self, header: List[int], names: List[str]) -> None:
-        """Raises ValueError when ranks disagree on call parameters (that would corrupt the
-        layout)."""
+    def exchange_header(self, header: List[int], names: List[str],
+                        num_tokens_per_rank: torch.Tensor) -> Tuple[List[int], List[int]]:
+        """The one metadata collective of a dispatch: every rank's call parameters and tokens
+        per destination rank, all-gathered.
+
+        Raises ValueError when ranks disagree on a call parameter (that would corrupt the
+        layout); every rank sees the same table, so every rank raises.
+
+        Returns:
+            `(send_splits, recv_splits)`: tokens this rank sends to each rank, and receives from
+            each.
+        """
+        mine = torch.cat([torch.tensor(header, dtype=torch.int64),
+                          num_tokens_per_rank.to(device="cpu", dtype=torch.int64)])
         if self.num_ranks == 1:
-            return
-        mine = torch.tensor(header, dtype=torch.int64)
-        if dist.get_backend(self.group) == "nccl":
-            mine = mine.cuda()
-        gathered = [torch.empty_like(mine) for _ in range(self.num_ranks)]
-        self.wait(dist.all_gather(gathered, mine, group=self.group, async_op=True),
-                  "all_gather of the call's parameters")
-        table = torch.stack(gathered).cpu()
+            table = [mine.tolist()]
+        else:
+            if dist.get_backend(self.group) == "nccl":
+                mine = mine.cuda()
+            gathered = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+            self.wait(dist.all_gather(gathered, mine, group=self.group, async_op=True),
+                      "all_gather of the call's parameters and split sizes")
+            table = torch.stack(gathered).tolist()
         for col, name in enumerate(names):
-            values = table[:, col].tolist()
+            values = [row[col] for row in table]
             if len(set(values)) > 1:
                 raise ValueError(f"ranks disagree on {name}: per-rank values {values}")
+        num_fields = len(header)
+        return table[self.rank][num_fields:], [row[num_fields + self.rank] for row in table]
+
+
+@dataclasses.dataclass
+class _Replay:
+    """What a dispatch keeps (in its handle's `transport_state`) for its combine and cached
+    dispatch, as gather indices (a gather is much faster than a masked scatter on the CPU).
+
+    Attributes:
+        send_splits: tokens sent to each rank.
+        recv_splits: tokens received from each rank.
+        order: `[T_send]` int64, the sent tokens in (destination, slot) order.
+        row_source: `[M]` int64, the received slot of every row (T_recv for padding rows: the
+            zero record after the received ones).
+        row_of_entry: `[T_recv, K]` int64, the row of every received (slot, k) entry (M for
+            none: the zero row after the rows).
+        partial_of_token: `[R, N]` int64, the combine record of token n from rank r (T_send
+            when rank r holds none of its experts: the zero record after the received ones).
+    """
+
+    send_splits: List[int]
+    recv_splits: List[int]
+    order: torch.Tensor
+    row_source: torch.Tensor
+    row_of_entry: torch.Tensor
+    partial_of_token: torch.Tensor
+
+
+def _segment_ids(splits: List[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For rows grouped in segments of `splits` rows: each row's segment and index within it
+    (`[T]` int64 each)."""
+    sizes = torch.tensor(splits, dtype=torch.long, device=device)
+    segment = torch.repeat_interleave(torch.arange(len(splits), device=device), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    return segment, torch.arange(segment.numel(), device=device) - starts[segment]
 
 
 class ReferenceTransport(Transport):
@@ -240,41 +329,54 @@ class ReferenceTransport(Transport):
                        hidden: int, wire: int
                        ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Dispatches rows `x [N, W]` of any dtype; the handle records `hidden` (the token width,
-        W for bf16, the element count of the FP8 data otherwise)."""
+        W for bf16, the element count of the FP8 data otherwise).
+
+        Two collectives: the header (call parameters and split sizes) and one all-to-all of
+        records that carry each sent token's row, its per-k local expert ids and positions, and
+        its weights. The receiver counts its entries per (source, local expert) from the
+        received ids. Two host reads: the header table and the segment sizes.
+        """
         num_ranks = self.num_ranks
         num_local = num_experts // num_ranks
         num_tokens, num_topk = topk_idx.shape
-        width = x.shape[1]
+        width, device = x.shape[1], x.device
         validate.check_expert_ids_on_host(topk_idx, num_experts)
-        comm = self.collectives
-        comm.enter("dispatch")
-        comm.check_ranks_agree([hidden, num_topk, num_experts, expert_alignment, wire],
-                               ["hidden", "top-k", "num_experts", "expert_alignment",
-                                "fp8 wire format (0 = bf16)"])
         layout = layout if layout is not None else compute_layout(topk_idx, num_experts,
                                                                   num_ranks)
-        ones = [1] * num_ranks
-        counts_from_src = comm.all_to_all(
-            layout.num_tokens_per_expert.view(num_ranks, num_local), ones, ones)
-        send_splits = layout.num_tokens_per_rank.tolist()
-        recv_splits = comm.all_to_all(layout.num_tokens_per_rank, ones, ones).tolist()
+        comm = self.collectives
+        comm.enter("dispatch")
+        send_splits, recv_splits = comm.exchange_header(
+            [hidden, num_topk, num_experts, expert_alignment, wire],
+            ["hidden", "top-k", "num_experts", "expert_alignment", "fp8 wire format (0 = bf16)"],
+            layout.num_tokens_per_rank)
 
         # Tokens in slot order for every destination, with their per-k local expert ids.
-        order = torch.cat([layout.slot_token[r, :send_splits[r]] for r in range(num_ranks)]).long()
-        dest_of_row = torch.repeat_interleave(
-            torch.arange(num_ranks, device=x.device), torch.tensor(send_splits, device=x.device))
-        idx = topk_idx[order].long()
-        on_dest = (idx >= 0) & (idx // num_local == dest_of_row.unsqueeze(1))
-        local_e = torch.where(on_dest, idx - dest_of_row.unsqueeze(1) * num_local, -1)
-        pos = torch.where(on_dest, layout.pos_in_expert[order].long(), -1)
+        dest_of_row, slot_of_row = _segment_ids(send_splits, device)
+        order = layout.slot_token.view(-1).index_select(
+            0, dest_of_row * layout.slot_token.shape[1] + slot_of_row).long()
+        idx = topk_idx.index_select(0, order).long()
+        dest = dest_of_row.unsqueeze(1)
+        on_dest = (idx >= 0) & (idx // num_local == dest)
+        local_e = torch.where(on_dest, idx - dest * num_local, -1)
+        pos = torch.where(on_dest, layout.pos_in_expert.index_select(0, order).long(), -1)
         meta = torch.cat([local_e, pos], dim=1).to(torch.int32)
+        records, (at_meta, at_w, at_row) = _pack(
+            [meta, topk_weights.index_select(0, order).float(), x.index_select(0, order)])
+        received = comm.all_to_all(records, send_splits, recv_splits, zero_tail=True)
+        num_recv = received.shape[0] - 1
+        recv_meta = _unpack(received[:num_recv], at_meta, torch.int32, 2 * num_topk).long()
 
-        recv_rows = comm.all_to_all(x[order], send_splits, recv_splits)
-        recv_meta = comm.all_to_all(meta, send_splits, recv_splits).long()
-        recv_w = comm.all_to_all(topk_weights[order], send_splits, recv_splits)
-
+        src, slot = _segment_ids(recv_splits, device)
+        e, p = recv_meta[:, :num_topk], recv_meta[:, num_topk:]
+        valid = e >= 0
+        # (source, local expert) of every entry; entries per pair are what the source's layout
+        # counted for them.
+        pair = src.unsqueeze(1) * num_local + e.clamp(min=0)
+        counts_from_src = torch.bincount(pair[valid], minlength=num_ranks * num_local).view(
+            num_ranks, num_local)
         recv = compute_recv_layout(counts_from_src, expert_alignment)
-        num_rows = int(recv.expert_row_start[-1])
+        tokens_per_expert_list = recv.tokens_per_expert.tolist()
+        num_rows = sum(tokens_per_expert_list)
         if num_max_recv_rows is not None:
             if num_rows > num_max_recv_rows:
                 raise ValueError(
@@ -282,34 +384,40 @@ class ReferenceTransport(Transport):
                     f"{num_rows} rows (padding included)")
             num_rows = num_max_recv_rows
 
-        src = torch.repeat_interleave(torch.arange(num_ranks, device=x.device),
-                                      torch.tensor(recv_splits, device=x.device))
-        slot = torch.cat([torch.arange(n, device=x.device) for n in recv_splits]) \
-            if recv_rows.shape[0] else torch.zeros(0, dtype=torch.long, device=x.device)
-        e, p = recv_meta[:, :num_topk], recv_meta[:, num_topk:]
-        valid = e >= 0
-        e_safe = e.clamp(min=0)
-        rows = (recv.expert_row_start.long()[e_safe]
-                + recv.src_expert_offset.long()[src.unsqueeze(1), e_safe] + p)
-        rows = torch.where(valid, rows, -1)
+        row_start = recv.expert_row_start.long().index_select(0, e.clamp(min=0).view(-1))
+        src_offset = recv.src_expert_offset.long().view(-1).index_select(0, pair.view(-1))
+        rows = (row_start + src_offset).view_as(p) + p
+        # Every row gathers its (slot, k) entry; padding rows the zero record after the last.
+        row_of_entry = torch.where(valid, rows, num_rows)
+        entry_of_row = torch.full((num_rows + 1,), num_recv * num_topk, dtype=torch.long,
+                                  device=device)
+        entry_of_row.index_copy_(0, row_of_entry.view(-1),
+                                 torch.arange(num_recv * num_topk, device=device))
+        entry_of_row = entry_of_row[:num_rows]  # slot num_rows took the entries of no row
+        row_source = entry_of_row // num_topk
+        recv_x = _unpack(received, at_row, x.dtype, width).index_select(0, row_source)
+        recv_weights = _unpack(received, at_w, torch.float32, num_topk).reshape(-1).index_select(
+            0, entry_of_row)
 
-        recv_x = torch.zeros(num_rows, width, dtype=x.dtype, device=x.device)
-        recv_weights = torch.zeros(num_rows, dtype=torch.float32, device=x.device)
-        token_of = torch.arange(rows.shape[0], device=x.device).unsqueeze(1).expand_as(rows)
-        recv_x[rows[valid]] = recv_rows[token_of[valid]]
-        recv_weights[rows[valid]] = recv_w[valid]
-
-        slot_rows = torch.full((num_ranks, self.num_max_tokens_per_rank, num_topk), -1,
-                               dtype=torch.int32, device=x.device)
-        slot_rows[src, slot] = rows.to(torch.int32)
+        n_max = self.num_max_tokens_per_rank
+        slot_rows = torch.full((num_ranks, n_max, num_topk), -1, dtype=torch.int32,
+                               device=device)
+        slot_rows.view(-1, num_topk).index_copy_(0, src * n_max + slot,
+                                                 torch.where(valid, rows, -1).to(torch.int32))
+        # Combine: token n's record from rank r, or the zero record after the T_send received.
+        sent_before = torch.tensor([0] + send_splits[:-1], device=device).cumsum(0)
+        partial_of_token = torch.where(
+            layout.is_token_in_rank, sent_before + layout.token_slot_in_rank.long(),
+            sum(send_splits)).t().contiguous()
         handle = DispatchHandle(
             layout=layout, recv=recv,
             num_recv_tokens_per_rank=torch.tensor(recv_splits, dtype=torch.int32,
-                                                  device=x.device),
+                                                  device=device),
             slot_rows=slot_rows, recv_weights=recv_weights, num_experts=num_experts,
             num_topk=num_topk, hidden=hidden, expert_alignment=expert_alignment,
-            num_recv_rows=num_rows, tokens_per_expert_list=recv.tokens_per_expert.tolist(),
-            transport_state=(send_splits, recv_splits))
+            num_recv_rows=num_rows, tokens_per_expert_list=tokens_per_expert_list,
+            transport_state=_Replay(send_splits, recv_splits, order, row_source, row_of_entry,
+                                    partial_of_token))
         return recv_x, recv_weights, handle
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle,
@@ -327,23 +435,21 @@ class ReferenceTransport(Transport):
         return self._cached_rows(x, handle)
 
     def _cached_rows(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        send_splits, recv_splits = handle.transport_state
-        layout = handle.layout
-        order = torch.cat([layout.slot_token[r, :send_splits[r]]
-                           for r in range(self.num_ranks)]).long()
+        """One collective: the rows, in the dispatch's order and split sizes."""
+        state: _Replay = handle.transport_state
+        records, _ = _pack([x.index_select(0, state.order)])
         self.collectives.enter("cached dispatch")
-        recv_rows = self.collectives.all_to_all(x[order], send_splits, recv_splits)
-        rows = self._received_slot_rows(handle, recv_splits)
-        out = torch.zeros(handle.num_recv_rows, x.shape[1], dtype=x.dtype, device=x.device)
-        valid = rows >= 0
-        token_of = torch.arange(rows.shape[0], device=x.device).unsqueeze(1).expand_as(rows)
-        out[rows[valid]] = recv_rows[token_of[valid]]
-        return out
+        received = self.collectives.all_to_all(records, state.send_splits, state.recv_splits,
+                                               zero_tail=True)
+        return _unpack(received, 0, x.dtype, x.shape[1]).index_select(0, state.row_source)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool = False,
                 grad_row_weights: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Combines expert rows `y [M, H]` back to `[N, H]` (see the module docstring).
+
+        One collective: each received token's partial row, with its `grad_row_weights` values
+        when given, travels back in one record.
 
         Args:
             y: `[M, H]` in the dispatch's row order.
@@ -352,45 +458,43 @@ class ReferenceTransport(Transport):
             grad_row_weights: optional `[M]` float32 per-row values returned per (token, k) as
                 `[N, K]` (the gradient of the routing weights in dispatch's backward).
         """
-        send_splits, recv_splits = handle.transport_state
-        rows = self._received_slot_rows(handle, recv_splits)
-        valid = rows >= 0
-        safe = rows.clamp(min=0).long()
-        acc = torch.zeros(rows.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
-        for k in range(rows.shape[1]):
-            term = y[safe[:, k]].float()
+        state: _Replay = handle.transport_state
+        entries = state.row_of_entry
+        # Entries of no row gather the zero row after y's: adding +0.0 to a sum that started at
+        # +0.0 leaves it unchanged, so this is the masked sum, bit for bit.
+        y_ext = torch.cat([y, y.new_zeros(1, y.shape[1])])
+        if weighted:
+            w_ext = torch.cat([handle.recv_weights, handle.recv_weights.new_zeros(1)])
+        acc = torch.zeros(entries.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+        for k in range(entries.shape[1]):
+            term = y_ext.index_select(0, entries[:, k]).float()
             if weighted:
-                term = term * handle.recv_weights[safe[:, k]].unsqueeze(1)
-            acc = torch.where(valid[:, k:k + 1], acc + term, acc)
-        self.collectives.enter("combine")
-        partial = self.collectives.all_to_all(acc.to(y.dtype), recv_splits, send_splits)
-        wvals = None
+                term = term * w_ext.index_select(0, entries[:, k]).unsqueeze(1)
+            acc = acc + term
+        parts = [acc.to(y.dtype)]
         if grad_row_weights is not None:
-            w = torch.where(valid, grad_row_weights.float()[safe], 0.0)
-            wvals = self.collectives.all_to_all(w, recv_splits, send_splits)
+            g_ext = torch.cat([grad_row_weights.float(), y.new_zeros(1, dtype=torch.float32)])
+            parts.insert(0, g_ext.index_select(0, entries.view(-1)).view_as(entries))
+        records, offsets = _pack(parts)
+        self.collectives.enter("combine")
+        received = self.collectives.all_to_all(records, state.recv_splits, state.send_splits,
+                                               zero_tail=True)
+        partial = _unpack(received, offsets[-1], y.dtype, y.shape[1])
 
-        layout = handle.layout
-        offsets = [0]
-        for n in send_splits:
-            offsets.append(offsets[-1] + n)
-        out = torch.zeros(layout.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        wsum = (torch.zeros(layout.num_tokens, handle.num_topk, dtype=torch.float32,
-                            device=y.device) if wvals is not None else None)
+        # Partials summed over ranks in ascending order; a rank that holds none of a token's
+        # experts adds the zero record (+0.0, as above).
+        num_tokens = handle.layout.num_tokens
+        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
         for r in range(self.num_ranks):
-            in_rank = layout.is_token_in_rank[:, r]
-            src = (offsets[r] + layout.token_slot_in_rank[:, r].clamp(min=0)).long()
-            if partial.shape[0] == 0:
-                continue
-            src = src.clamp(max=partial.shape[0] - 1)
-            out = torch.where(in_rank.unsqueeze(1), out + partial[src].float(), out)
-            if wsum is not None:
-                wsum = torch.where(in_rank.unsqueeze(1), wsum + wvals[src], wsum)
+            out = out + partial.index_select(0, state.partial_of_token[r]).float()
+        wsum = None
+        if grad_row_weights is not None:
+            wvals = _unpack(received, offsets[0], torch.float32, handle.num_topk)
+            wsum = torch.zeros(num_tokens, handle.num_topk, dtype=torch.float32,
+                               device=y.device)
+            for r in range(self.num_ranks):
+                wsum = wsum + wvals.index_select(0, state.partial_of_token[r])
         return out.to(y.dtype), wsum
-
-    def _received_slot_rows(self, handle: DispatchHandle, recv_splits: List[int]) -> torch.Tensor:
-        """`[T_recv, K]` rows of every received slot, in (source, slot) order."""
-        parts = [handle.slot_rows[s, :n] for s, n in enumerate(recv_splits)]
-        return torch.cat(parts) if parts else handle.slot_rows[0, :0]
 
     def destroy(self) -> None:
         pass
