@@ -39,7 +39,7 @@ COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into
                "all_reduce", "broadcast", "gather", "scatter", "barrier", "all_gather_object")
 #: Tensor methods that read a value on the host (a device synchronization on a GPU).
 HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megatron_deepep/
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -62,7 +62,7 @@ class Recorder:
     """Records collectives and host reads made inside the transport's calls.
 
     Use as a context manager around the measured iterations; `phase(name)` marks a transport
-    call (only what happens inside one is recorded). Events are `(phase, kind, site, seconds,
+    call (only what happens inside one, while entered, is recorded). Events are `(phase, kind, site, seconds,
     bytes)`; phases are `(phase, seconds)`.
     """
 
@@ -79,7 +79,7 @@ class Recorder:
         try:
             yield
         finally:
-            if outer is None:
+            if outer is None and self._saved:  # only while entered
                 self.phases.append((name, time.perf_counter() - start))
             self._phase = outer
 
@@ -161,31 +161,41 @@ def _layer_step(buffer, x, topk_idx, topk_weights, num_experts: int) -> None:
     out.float().sum().backward()
 
 
+def profile_layer_steps(group, *, tokens: int, hidden: int, experts: int, topk: int,
+                        iters: int, warmup: int) -> Tuple[Recorder, List[float]]:
+    """Runs `warmup` then `iters` recorded layer steps on the reference transport of `group`
+    (collective: every rank calls it); returns the recorder and each step's wall seconds."""
+    from megatron_deepep.buffer import Buffer
+
+    rank = dist.get_rank(group)
+    n_max = max(4096, 1 << max(0, tokens - 1).bit_length())  # as the dispatcher picks it
+    buffer = Buffer(group, n_max, hidden, topk, transport="reference")
+    recorder = Recorder()
+    _instrument(buffer._transport, recorder)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank))
+    x = x.to(torch.bfloat16)
+    wall = []
+    for it in range(warmup + iters):
+        topk_idx, weights = _routing(tokens, experts, topk, 7 * it + rank)
+        dist.barrier(group)  # every rank starts the step together
+        if it < warmup:
+            _layer_step(buffer, x, topk_idx, weights, experts)
+            continue
+        with recorder:
+            start = time.perf_counter()
+            _layer_step(buffer, x, topk_idx, weights, experts)
+            wall.append(time.perf_counter() - start)
+    return recorder, wall
+
+
 def _rank_main(rank: int, world: int, args, init_file: str, results) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        from megatron_deepep.buffer import Buffer
-
-        n_max = max(4096, 1 << max(0, args.tokens - 1).bit_length())  # as the dispatcher
-        buffer = Buffer(None, n_max, args.hidden, args.topk, transport="reference")
-        recorder = Recorder()
-        _instrument(buffer._transport, recorder)
-        x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(rank))
-        x = x.to(torch.bfloat16)
-        wall = []
-        for it in range(args.warmup + args.iters):
-            topk_idx, weights = _routing(args.tokens, args.experts, args.topk, 7 * it + rank)
-            dist.barrier()
-            if it < args.warmup:
-                _layer_step(buffer, x, topk_idx, weights, args.experts)
-                continue
-            with recorder:
-                start = time.perf_counter()
-                _layer_step(buffer, x, topk_idx, weights, args.experts)
-                wall.append(time.perf_counter() - start)
+        recorder, wall = profile_layer_steps(
+            None, tokens=args.tokens, hidden=args.hidden, experts=args.experts, topk=args.topk,
+            iters=args.iters, warmup=args.warmup)
         results[rank] = dict(events=recorder.events, phases=recorder.phases, wall=wall)
     finally:
         dist.destroy_process_group()
