@@ -40,7 +40,6 @@ COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into
 #: Tensor methods that read a value on the host (a device synchronization on a GPU).
 HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megatron_deepep/
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def _call_site(skip: int = 2) -> str:
@@ -62,8 +61,8 @@ class Recorder:
     """Records collectives and host reads made inside the transport's calls.
 
     Use as a context manager around the measured iterations; `phase(name)` marks a transport
-    call (only what happens inside one, while entered, is recorded). Events are `(phase, kind, site, seconds,
-    bytes)`; phases are `(phase, seconds)`.
+    call (only what happens inside one, while entered, is recorded). Events are `(phase, kind,
+    site, seconds, bytes)`; phases are `(phase, seconds)`.
     """
 
     def __init__(self):
