@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import linecache
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -42,19 +43,47 @@ HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megatron_deepep/
 
 
+#: Pass-through helpers: a collective called in one is named by its caller's line.
+_HELPERS = ("all_to_all", "_all_to_all", "wait")
+
+
 def _call_site(skip: int = 2) -> str:
-    """`function:what` of the innermost package frame that called into torch (a pass-through
-    helper whose name starts with `_all_to_all` names its caller instead)."""
+    """`function:what` of the innermost package frame that called into torch (`what`: the
+    assigned name, else the `dist.` call, else the first call on the line; a helper of
+    `_HELPERS` names its caller instead)."""
     frame = sys._getframe(skip)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if (path.startswith(_PACKAGE_DIR) and path != os.path.abspath(__file__)
-                and not frame.f_code.co_name.startswith("_all_to_all")):
+                and frame.f_code.co_name not in _HELPERS):
             line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-            what = line.split(" = ")[0].strip() if " = " in line else line.split("(")[0]
-            return f"{frame.f_code.co_name}:{what.split(', ')[-1]}"
+            called = re.search(r"dist\.(\w+)\(", line)
+            if " = " in line:
+                what = line.split(" = ")[0].strip().split(", ")[-1]
+            elif called:
+                what = "dist." + called.group(1)
+            else:
+                what = line.split("(")[0]
+            return f"{frame.f_code.co_name}:{what}"
         frame = frame.f_back
     return "?"
+
+
+class _TimedWork:
+    """An async collective's work handle whose `wait` records the collective, launch to
+    completion (the transport launches with `async_op=True` and waits with a timeout)."""
+
+    def __init__(self, work, record):
+        self._work, self._record = work, record
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._record()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 class Recorder:
@@ -90,9 +119,8 @@ class Recorder:
         def wrapper(*args, **kwargs):
             if recorder._phase is None:
                 return original(*args, **kwargs)
-            start = time.perf_counter()
+            phase, site, start = recorder._phase, _call_site(), time.perf_counter()
             result = original(*args, **kwargs)
-            seconds = time.perf_counter() - start
             tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
             num_bytes = 0
             if kind == "collective":
@@ -100,8 +128,14 @@ class Recorder:
                         else tensor)
                 if isinstance(sent, torch.Tensor):
                     num_bytes = sent.numel() * sent.element_size()
-            recorder.events.append((recorder._phase, f"{kind} {attr}", _call_site(), seconds,
-                                    num_bytes))
+
+            def record():
+                recorder.events.append((phase, f"{kind} {attr}", site,
+                                        time.perf_counter() - start, num_bytes))
+
+            if kind == "collective" and kwargs.get("async_op"):
+                return _TimedWork(result, record)
+            record()
             return result
 
         setattr(owner, attr, wrapper)
@@ -137,6 +171,21 @@ def _instrument(transport, recorder: Recorder) -> None:
                 return _bound(*args, **kwargs)
 
         setattr(transport, method, marked)
+    collectives = getattr(transport, "collectives", None)
+    if getattr(collectives, "num_ranks", 1) > 1:  # `enter` writes where this rank is
+        enter = collectives.enter
+
+        def recorded_enter(what, _enter=enter):
+            if recorder._phase is None or not recorder._saved:
+                return _enter(what)
+            start = time.perf_counter()
+            try:
+                return _enter(what)
+            finally:
+                recorder.events.append((recorder._phase, "store write", f"enter:{what}",
+                                        time.perf_counter() - start, 0))
+
+        collectives.enter = recorded_enter
 
 
 def _routing(num_tokens: int, num_experts: int, topk: int, seed: int):
@@ -202,28 +251,30 @@ def _rank_main(rank: int, world: int, args, init_file: str, results) -> None:
 
 def summarize(events, phases, iters: int) -> Dict[str, object]:
     """Per (phase, kind, site): calls and µs per iteration, mean µs and bytes per call; per
-    phase: calls, µs and the part outside collectives and host reads, per iteration."""
+    phase: calls, collectives, host reads and store writes, µs and the part outside them, per
+    iteration."""
     sites = defaultdict(lambda: [0, 0.0, 0])
     for phase, kind, site, seconds, num_bytes in events:
         row = sites[(phase, kind, site)]
         row[0] += 1
         row[1] += seconds
         row[2] += num_bytes
-    per_phase = defaultdict(lambda: [0, 0.0, 0.0, 0, 0])
+    per_phase = defaultdict(lambda: [0, 0.0, 0.0, 0, 0, 0])
+    column = {"collective": 3, "host read": 4, "store write": 5}
     for name, seconds in phases:
         per_phase[name][0] += 1
         per_phase[name][1] += seconds
     for phase, kind, _, seconds, _ in events:
         per_phase[phase][2] += seconds
-        per_phase[phase][3 if kind.startswith("collective") else 4] += 1
+        per_phase[phase][next(i for k, i in column.items() if kind.startswith(k))] += 1
     return {
         "sites": [dict(phase=p, kind=k, site=s, calls=n / iters, us=1e6 * t / iters,
                        us_per_call=1e6 * t / n, bytes_per_call=b / n)
                   for (p, k, s), (n, t, b) in sites.items()],
         "phases": [dict(phase=p, calls=n / iters, us=1e6 * t / iters,
                         other_us=1e6 * (t - c) / iters, collectives=nc / iters,
-                        host_reads=nh / iters)
-                   for p, (n, t, c, nc, nh) in per_phase.items()],
+                        host_reads=nh / iters, store_writes=ns / iters)
+                   for p, (n, t, c, nc, nh, ns) in per_phase.items()],
     }
 
 
@@ -235,17 +286,20 @@ def format_table(summary, wall_us: float) -> str:
         lines.append(f"| {row['phase']} | {row['kind']} | `{row['site']}` | {row['calls']:.0f} "
                      f"| {row['us_per_call']:.0f} | {row['us']:.0f} "
                      f"| {row['bytes_per_call']:.0f} |")
-    lines += ["", "| phase | calls | collectives | host reads | µs | of which not in "
-              "collectives or host reads |", "|---|---:|---:|---:|---:|---:|"]
-    total = [0.0, 0.0, 0.0]
+    lines += ["", "| phase | calls | collectives | host reads | store writes | µs | of which "
+              "in none of them |", "|---|---:|---:|---:|---:|---:|---:|"]
+    total = [0.0, 0.0, 0.0, 0.0]
     for row in summary["phases"]:
         lines.append(f"| {row['phase']} | {row['calls']:.0f} | {row['collectives']:.0f} "
-                     f"| {row['host_reads']:.0f} | {row['us']:.0f} | {row['other_us']:.0f} |")
+                     f"| {row['host_reads']:.0f} | {row['store_writes']:.0f} | {row['us']:.0f} "
+                     f"| {row['other_us']:.0f} |")
         total[0] += row["collectives"]
         total[1] += row["host_reads"]
-        total[2] += row["us"]
+        total[2] += row["store_writes"]
+        total[3] += row["us"]
     lines.append(f"\nper layer step (forward + backward): {total[0]:.0f} collectives, "
-                 f"{total[1]:.0f} host reads, {total[2]:.0f} µs in the transport (mean), "
+                 f"{total[1]:.0f} host reads, {total[2]:.0f} store writes, {total[3]:.0f} µs in "
+                 f"the transport (mean), "
                  f"{wall_us:.0f} µs wall (median; Megatron's alltoall: 7 collectives)")
     return "\n".join(lines)
 

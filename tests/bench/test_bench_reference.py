@@ -28,11 +28,14 @@ def _layer_steps(rank, world):
     # Host reads: the expert-id range check (min, max), the header table, the segment sizes.
     assert phases["dispatch"]["host_reads"] == 4
     assert sum(row["host_reads"] for row in phases.values()) == 4
+    # One store write per call: where this rank is, for a timeout's message.
+    assert all(row["store_writes"] == 1 for row in phases.values())
     sites = {(row["phase"], row["kind"], row["site"]) for row in summary["sites"]}
-    assert ("dispatch", "collective all_gather", "_exchange_header:dist.all_gather") in sites
+    assert ("dispatch", "collective all_gather", "exchange_header:dist.all_gather") in sites
     assert ("dispatch", "collective all_to_all_single", "_dispatch_rows:received") in sites
     text = bench_reference.format_table(summary, 1e6 * wall[0])
-    assert "per layer step (forward + backward): 5 collectives, 4 host reads" in text
+    assert ("per layer step (forward + backward): 5 collectives, 4 host reads, 4 store writes"
+            in text)
     # Leaving the recorder restores what it wrapped.
     assert (dist.all_to_all_single, dist.all_gather, torch.Tensor.tolist,
             torch.Tensor.__bool__) == originals
@@ -45,6 +48,7 @@ def test_layer_step_runs_five_collectives(world_size):
 
 def test_summarize_and_table_from_events():
     events = [("dispatch", "collective all_gather", "f:a", 0.002, 8),
+              ("combine", "store write", "enter:combine", 0.0, 0),
               ("dispatch", "host read tolist", "f:b", 0.001, 0),
               ("dispatch", "collective all_gather", "f:a", 0.004, 8),
               ("combine", "collective all_to_all_single", "g:c", 0.003, 100)]
@@ -57,6 +61,7 @@ def test_summarize_and_table_from_events():
     assert rows["dispatch"]["us"] == pytest.approx(11000)
     assert rows["dispatch"]["other_us"] == pytest.approx(7500)  # (22 - 7) ms / 2
     assert (rows["dispatch"]["collectives"], rows["dispatch"]["host_reads"]) == (1, 0.5)
+    assert (rows["combine"]["store_writes"], rows["dispatch"]["store_writes"]) == (0.5, 0)
     text = bench_reference.format_table(summary, 9000)
     assert "| dispatch | collective all_gather | `f:a` | 1 | 3000 | 3000 | 8 |" in text
     assert "2 collectives" in text and "9000 µs wall" in text
