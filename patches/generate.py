@@ -148,7 +148,7 @@ def edit_moe_layer(root, group_kw):
         return
     branch = (
         f'        elif config.moe_token_dispatcher_type == "{TYPE}":\n'
-        f"            # megatron_deepep (pip install megatron_deepep): our EP kernels.\n"
+        f"            # megatron_deepep (pip install 'megatron_deepep[jit]'): our EP kernels.\n"
         f"            from megatron_deepep.megatron.dispatcher import DeepEPTokenDispatcher\n\n"
         f"            self.token_dispatcher = DeepEPTokenDispatcher(\n"
         f"                self.num_local_experts,\n"

@@ -146,6 +146,7 @@ def compile_program(code, name: str, name_expressions: Sequence[str], opts: Sequ
     Raises:
         `error` (default CompileError): with the kernel names, options and the NVRTC log.
     """
+    require_nvrtc()
     from cuda.bindings import nvrtc
 
     error = error or CompileError
@@ -202,7 +203,59 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
+#: What installs NVRTC: this package's `jit` extra, or the packages themselves (cuda-bindings
+#: alone is not enough: it loads `libnvrtc` from the nvidia-cuda-nvrtc wheel or a CUDA toolkit).
+INSTALL_HINT = ('pip install "megatron_deepep[jit]" (from a checkout: pip install -e ".[jit]"), '
+                'or the packages alone: pip install cuda-bindings nvidia-cuda-nvrtc '
+                'nvidia-nvjitlink')
+
+
+class NvrtcUnavailable(RuntimeError):
+    """NVRTC cannot be used here: its Python binding or its library is missing."""
+
+
+def nvrtc_problem() -> Optional[str]:
+    """None when NVRTC loads, else one line saying what is missing and how to install it.
+
+    Loads `libnvrtc` (cuda-bindings loads it lazily, at the first call), so a binding
+    installed without the library is caught here, not as a traceback at the first compile.
+    """
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        return (f"NVRTC's Python binding is not installed ({exc}); install it with "
+                f"{INSTALL_HINT}")
+    try:
+        err, _, _ = nvrtc.nvrtcVersion()
+    except Exception as exc:  # cuda.pathfinder's DynamicLibNotFoundError, or an OSError
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        if "NotFound" in type(exc).__name__:  # "Failure finding "libnvrtc...": <each try>"
+            first = first.split(": ")[0]
+        return (f"cuda-bindings is installed but the NVRTC library is not ({first[:200]}); "
+                f"install it with {INSTALL_HINT}")
+    if int(err) != 0:
+        return f"NVRTC does not start ({err}); install it with {INSTALL_HINT}"
+    return None
+
+
+def require_nvrtc() -> None:
+    """Raises `NvrtcUnavailable` (one line: what is missing, how to install it) unless NVRTC
+    loads. Checked once per process; a failure is checked again at the next call."""
+    global _NVRTC_OK
+    if _NVRTC_OK:
+        return
+    problem = nvrtc_problem()
+    if problem is not None:
+        raise NvrtcUnavailable(f"megatron_deepep: {problem}")
+    _NVRTC_OK = True
+
+
+_NVRTC_OK = False
+
+
 def _nvrtc_version() -> str:
+    require_nvrtc()
     from cuda.bindings import nvrtc
     _, major, minor = nvrtc.nvrtcVersion()
     return f"{major}.{minor}"

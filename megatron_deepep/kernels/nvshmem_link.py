@@ -78,7 +78,7 @@ def _unavailable(what: str, looked_in: Sequence[object]) -> NvshmemUnavailable:
     return NvshmemUnavailable(
         f"megatron_deepep: the internode transport needs {what}, which was not found (looked "
         f"in: {places}). Install the CUDA 13 wheels with `pip install {PIP_PACKAGES}` (or "
-        "`pip install megatron-deepep[jit]`), or use transport='reference', which works "
+        "`pip install \"megatron_deepep[jit]\"`), or use transport='reference', which works "
         "without NVSHMEM.")
 
 
@@ -158,8 +158,9 @@ def _bindings():
     except Exception as exc:  # ImportError, or the shared library failed to load
         raise NvshmemUnavailable(
             f"megatron_deepep: linking NVSHMEM kernels needs cuda-bindings with nvJitLink "
-            f"({type(exc).__name__}: {exc}). Install `pip install cuda-bindings {PIP_PACKAGES}`, "
-            "or use transport='reference', which works without NVSHMEM.") from exc
+            f"({type(exc).__name__}: {exc}). Install `pip install \"megatron_deepep[jit]\"` "
+            f"(or `pip install cuda-bindings nvidia-cuda-nvrtc {PIP_PACKAGES}`), or use "
+            "transport='reference', which works without NVSHMEM.") from exc
     return nvrtc, nvjitlink
 
 

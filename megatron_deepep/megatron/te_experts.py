@@ -57,6 +57,7 @@ import torch
 from megatron_deepep import knobs
 from megatron_deepep.fp8 import columnwise, te_bridge
 from megatron_deepep.fp8.formats import BLOCKWISE_1x128, Fp8Format, ScaleKind
+from megatron_deepep.jit import NvrtcUnavailable
 from megatron_deepep.logs import log_once
 
 logger = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ def columnwise_operands(x_fp8: torch.Tensor, scales: torch.Tensor, call: _Call) 
         if not reason:
             try:
                 return _columnwise_by_kernel(x_fp8, scales, call)
-            except ImportError as exc:  # no cuda-bindings: NVRTC cannot build the kernel
+            except (ImportError, NvrtcUnavailable) as exc:  # NVRTC cannot build the kernel
                 reason = f"{type(exc).__name__}: {exc}"
         log_once(logger, "megatron_deepep: FP8 experts make the columnwise copy by "
                  "dequantize + TE split_quantize: %s", reason)

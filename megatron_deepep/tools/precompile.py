@@ -270,10 +270,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_deepep.tools.precompile",
         description="Compile every kernel a model shape needs into the kernel cache, ahead of "
-                    "a job. Needs NVRTC (pip install cuda-bindings), no GPU; run it on a login "
-                    "node into a shared directory and give jobs MDEEP_CACHE_DIR=<that "
-                    "directory> (and, when another account fills it, MDEEP_CACHE_TRUST="
-                    "user:<that account> or group:<team> to both).")
+                    "a job. Needs NVRTC (pip install \"megatron_deepep[jit]\"), no GPU; run "
+                    "it on a login node into a shared directory and give jobs "
+                    "MDEEP_CACHE_DIR=<that directory> (and, when another account fills it, "
+                    "MDEEP_CACHE_TRUST=user:<that account> or group:<team> to both).")
     parser.add_argument("--topk", type=int, nargs="+", required=True, metavar="K",
                         help="the router's top-k (Megatron's --moe-router-topk), 1-16; several "
                              "values allowed")
@@ -334,11 +334,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for source, family in families:
             print(f"{source} " + " ".join(family))
         return 0
-    try:
-        from cuda.bindings import nvrtc  # noqa: F401
-    except ImportError as exc:
-        print(f"precompile: NVRTC is not available ({exc}); pip install cuda-bindings",
-              file=sys.stderr)
+    problem = jit.nvrtc_problem()
+    if problem is not None:
+        print(f"precompile: {problem}", file=sys.stderr)
         return 2
     arch = args.arch or _default_arch()
     cache = jit.cache_path("notify.cu", "notify_kernel", arch, cache_dir).parent

@@ -12,8 +12,8 @@ from megatron_deepep import ops
 from megatron_deepep.kernels import jit
 from tests.helpers import compile_jobs
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC compile checks need cuda-bindings: "
-                    "pip install cuda-bindings")
+pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC compile checks need NVRTC: "
+                    "pip install -e '.[jit]'")
 
 
 @pytest.mark.nvrtc_job

@@ -4,6 +4,7 @@ the cache, under the very keys a job's first dispatch looks up (no GPU needed)."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,6 +13,8 @@ import pytest
 from megatron_deepep import ops
 from megatron_deepep.kernels import jit
 from megatron_deepep.tools import precompile
+
+from tests.helpers import REPO_ROOT as ROOT
 
 CHEAP = [("notify.cu", "notify_kernel"), ("bench/ceiling.cu", "fill_kernel"),
          ("bench/ceiling.cu", "fan_out_copy")]
@@ -90,7 +93,7 @@ def test_expressions_render_as_the_runtime_renders_them():
 
 def test_builds_into_the_cache_a_job_then_loads(tmp_path, monkeypatch, capsys):
     pytest.importorskip("cuda.bindings.nvrtc", reason="precompile needs NVRTC: pip install "
-                        "cuda-bindings")
+                        "-e '.[jit]'")
     monkeypatch.setattr(precompile, "kernels_for", lambda *args, **kwargs: list(CHEAP))
     monkeypatch.delenv("MDEEP_JIT_NO_CACHE", raising=False)
     cache = tmp_path / "shared"
@@ -112,7 +115,7 @@ def test_builds_into_the_cache_a_job_then_loads(tmp_path, monkeypatch, capsys):
 
 def test_a_failed_kernel_fails_the_command(tmp_path, monkeypatch, capsys):
     pytest.importorskip("cuda.bindings.nvrtc", reason="precompile needs NVRTC: pip install "
-                        "cuda-bindings")
+                        "-e '.[jit]'")
     monkeypatch.setattr(precompile, "kernels_for",
                         lambda *args, **kwargs: [("notify.cu", "no_such_kernel<1>")])
     argv = ["--topk", "8", "--cache-dir", str(tmp_path), "-j", "1"]
@@ -152,3 +155,74 @@ def test_internode_modules_are_the_ones_the_transport_links(capsys, monkeypatch)
                      ops.internode_combine_expressions(k, 2)]
     assert sorted(modules) == sorted(expected)
     assert not [s for s, _ in _listed(capsys, "--topk", "8") if s in sources]
+
+
+
+class _FakeNvrtcNoLibrary:
+    """cuda.bindings' nvrtc as installed without the nvidia-cuda-nvrtc wheel: the module
+    imports, its first call fails to load the library (cuda.pathfinder's error)."""
+
+    class DynamicLibNotFoundError(RuntimeError):
+        pass
+
+    @classmethod
+    def nvrtcVersion(cls):
+        raise cls.DynamicLibNotFoundError(
+            'Failure finding "libnvrtc.so.13 or libnvrtc.so.12": No such file: '
+            'libnvrtc.so.13 or libnvrtc.so.12\nsearched: site-packages/nvidia/cu13/lib')
+
+
+def _hide_cuda_bindings(monkeypatch):
+    """Makes `from cuda.bindings import nvrtc` raise ImportError, as without cuda-bindings."""
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.nvrtc"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def _fake_nvrtc_without_library(monkeypatch):
+    import types
+
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.nvrtc = _FakeNvrtcNoLibrary
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    monkeypatch.setitem(sys.modules, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", _FakeNvrtcNoLibrary)
+
+
+@pytest.mark.parametrize("missing", ["module", "library"])
+def test_missing_nvrtc_is_one_line_naming_the_install_that_works(missing, monkeypatch, capsys):
+    """Without cuda-bindings, and with cuda-bindings but no libnvrtc (what `pip install
+    cuda-bindings` alone gives): one line naming the jit extra and the exact packages, exit 2,
+    no traceback; the library call at run time raises the same line."""
+    if missing == "module":
+        _hide_cuda_bindings(monkeypatch)
+    else:
+        _fake_nvrtc_without_library(monkeypatch)
+    monkeypatch.setattr(jit, "_NVRTC_OK", False)
+    problem = jit.nvrtc_problem()
+    assert problem is not None and "\n" not in problem
+    assert 'pip install "megatron_deepep[jit]"' in problem
+    assert "pip install cuda-bindings nvidia-cuda-nvrtc" in problem
+    if missing == "module":
+        assert "Python binding is not installed" in problem
+    else:
+        assert "NVRTC library is not" in problem and 'libnvrtc.so.13 or libnvrtc.so.12"' in problem
+        assert "searched" not in problem  # the search log stays out of the one line
+    assert precompile.main(["--topk", "8", "--cache-dir", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"precompile: {problem}" and "Traceback" not in err
+    with pytest.raises(jit.NvrtcUnavailable, match=r"pip install \"megatron_deepep\[jit\]\""):
+        jit.compile_code("__global__ void k() {}", "k.cu")
+
+
+def test_every_nvrtc_install_hint_names_packages_the_jit_extra_installs():
+    """The hint's packages are the ones setup.py's jit extra lists (so it installs NVRTC)."""
+    import re
+
+    setup = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    extra = re.search(r"JIT_PACKAGES = \[(.*?)\]", setup, re.S).group(1)
+    packages = {re.split(r"[<>=]", p.strip().strip('"'))[0] for p in extra.split(",")
+                if p.strip()}
+    named = jit.INSTALL_HINT.split("pip install cuda-bindings ")[1].split()
+    assert {"cuda-bindings", *named} <= packages
