@@ -178,7 +178,7 @@ def dispatch(buffer, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
 def combine(buffer, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Differentiable (unweighted) combine of `y [M, H]` back to `[N, H]`."""
     _check_buffer(buffer)
-    validate.check_handle(handle, hidden=buffer.hidden, num_topk=buffer.num_topk,
+    validate.check_handle(handle, hidden=buffer.row_bytes // 2, num_topk=buffer.num_topk,
                           num_ranks=buffer.num_ranks, max_tokens=buffer.num_max_tokens_per_rank)
     return _Combine.apply(y, buffer, handle, False)
 

@@ -41,8 +41,11 @@ class Buffer:
     Args:
         group: the EP `torch.distributed` process group (NCCL, or gloo when ranks share a GPU).
         num_max_tokens_per_rank: N_max, the most tokens any rank dispatches in one call.
-        hidden: the widest row any call dispatches, in elements of 2 bytes (bf16, fp16): an
-            fp32 row of H elements needs hidden >= 2 * H.
+        hidden: the widest row any call dispatches, in elements of `dtype`.
+        dtype: the row dtype `hidden` counts (torch.bfloat16, the default, torch.float16 or
+            torch.float32): the buffers hold rows of `hidden * dtype.itemsize` bytes, so a
+            Buffer for fp32 rows of H takes `hidden=H, dtype=torch.float32`. Narrower rows fit
+            too (a bf16 row of up to 2 H elements in that Buffer).
         num_topk: the largest top-k any call uses (at most 16).
         transport: "auto" (with CUDA: the EP = 1 kernels for one rank, the NVLink kernels for
             2-8 ranks of one node, the internode kernels for a group spanning nodes; without:
@@ -56,9 +59,10 @@ class Buffer:
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
                  transport: str = "auto", num_sms: int = DEFAULT_NUM_SMS,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, num_ranks_per_node: Optional[int] = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, num_ranks_per_node: Optional[int] = None,
+                 dtype: torch.dtype = torch.bfloat16):
         _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
-                      num_topk=num_topk)
+                      num_topk=num_topk, dtype=dtype)
         _check_transport(transport)
         validate.check_int("num_sms", num_sms, low=1)
         timeout_s = validate.check_timeout("timeout_s", timeout_s)
@@ -70,12 +74,15 @@ class Buffer:
         self.num_ranks = dist.get_world_size(group)
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
+        self.dtype = dtype
+        #: Bytes of the widest row; the transports size their buffers in 2-byte elements.
+        self.row_bytes = hidden * dtype.itemsize
         self.num_topk = num_topk
         self.num_sms = num_sms
         self.timeout_s = timeout_s
         self._transport = transport_module.create(
-            transport, group, num_max_tokens_per_rank, hidden, num_topk, num_sms=num_sms,
-            timeout_s=timeout_s, num_ranks_per_node=num_ranks_per_node)
+            transport, group, num_max_tokens_per_rank, self._hidden_2b, num_topk,
+            num_sms=num_sms, timeout_s=timeout_s, num_ranks_per_node=num_ranks_per_node)
         self.device = self._transport.device  # None: the transport follows its inputs
         self._comm_stream = (torch.cuda.Stream(device=self.device)
                              if self.device is not None else None)
@@ -96,31 +103,41 @@ class Buffer:
     # ----------------------------------------------------------------------------------------
     @staticmethod
     def size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int,
-                  transport: str = "auto", num_ranks_per_node: Optional[int] = None) -> int:
-        """Bytes of device memory each rank's transport holds for these limits (0 for the
-        EP = 1 kernels and the reference: they hold none between calls).
+                  transport: str = "auto", num_ranks_per_node: Optional[int] = None,
+                  dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of device memory each rank's transport holds for these limits on GPUs (0 for
+        the EP = 1 kernels and the reference: they hold none between calls). Needs no GPU.
 
         Args:
             num_max_tokens_per_rank: N_max.
-            hidden: the widest row (bf16 elements).
+            hidden: the widest row, in elements of `dtype`.
             num_ranks: the EP size.
             num_topk: the largest top-k.
-            transport: as for `Buffer` ("auto" resolves as it would on this machine; "local",
-                "nvlink" and "internode" are sized without needing a GPU).
-            num_ranks_per_node: ranks per node; None: one node, except for "internode", which
-                then assumes nodes of 8 ranks.
+            transport: as for `Buffer`; "auto" gives the transport the group gets on GPUs
+                (EP = 1: local; one node: nvlink; several nodes: internode), also on a machine
+                without one.
+            num_ranks_per_node: ranks per node; None: one node for up to 8 ranks, nodes of 8
+                ranks for larger groups ("internode": nodes of min(num_ranks, 8) ranks).
+            dtype: the row dtype `hidden` counts (as for `Buffer`).
         """
         _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
-                      num_topk=num_topk)
+                      num_topk=num_topk, dtype=dtype)
         validate.check_int("num_ranks", num_ranks, low=1)
         _check_transport(transport)
         if num_ranks_per_node is not None:
             validate.check_int("num_ranks_per_node", num_ranks_per_node, low=1, high=8)
-        # A size needs no GPU: the kernel transports are sized as if one were present.
+        # Sized as on GPUs: the answer does not depend on the machine asking.
         return transport_module.size_hint(
-            transport, num_ranks, num_max_tokens_per_rank, hidden, num_topk,
-            cuda_available=transport != "auto" or torch.cuda.is_available(),
-            num_ranks_per_node=num_ranks_per_node)
+            transport, num_ranks, num_max_tokens_per_rank, hidden * dtype.itemsize // 2,
+            num_topk, cuda_available=True, num_ranks_per_node=num_ranks_per_node)
+
+    @property
+    def _hidden_2b(self) -> int:
+        """The row size in 2-byte elements: the unit the transports and handles count in."""
+        return self.row_bytes // 2
+
+    def _buffer_rows(self) -> str:
+        return f"hidden={self.hidden}, dtype={self.dtype}"
 
     @property
     def transport_name(self) -> str:
@@ -233,8 +250,9 @@ class Buffer:
 
         Args:
             x: `[N, H]`, torch.bfloat16, torch.float16 or torch.float32 (`H * element_size`
-                a multiple of 16 bytes, at most `2 * hidden` bytes), contiguous; every transport
-                copies the bytes as they are. With `fp8`, either bf16 `[N, H]` (quantized inside
+                a multiple of 16 bytes, at most the Buffer's `row_bytes`), contiguous; every
+                transport copies the bytes as they are. With `fp8`, either bf16 `[N, H]`
+                (quantized inside
                 the send; other dtypes are refused) or a pre-quantized pair
                 `(x_fp8 [N, H] torch.float8_e4m3fn, x_scales [N, ceil(H / block)]
                 fmt.scale_dtype)`.
@@ -275,13 +293,14 @@ class Buffer:
         device = self._device_of(x)
         if spec is None:
             validate.check_tensor("x", x, ndim=2, dtypes=self._row_dtypes(), device=device)
-            validate.check_hidden("x", x.shape[1], x.element_size(), self.hidden)
+            validate.check_hidden("x", x.shape[1], x.element_size(), self.row_bytes,
+                                  self._buffer_rows())
         elif x_scales is None:
             validate.check_fp8_input(x)
             validate.check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16,), device=device)
-            validate.check_fp8_hidden("x", x.shape[1], self.hidden)
+            validate.check_fp8_hidden("x", x.shape[1], self._hidden_2b)
         else:
-            validate.check_fp8_hidden("x_fp8", x.shape[1], self.hidden)
+            validate.check_fp8_hidden("x_fp8", x.shape[1], self._hidden_2b)
         # FP8 arguments reach the transport only when FP8 is asked for.
         fp8_kwargs = {} if spec is None else dict(fp8=spec, x_scales=x_scales)
         inputs = [x] if x_scales is None else [x, x_scales]
@@ -344,7 +363,7 @@ class Buffer:
         return recv_x, event
 
     def _check_handle(self, handle) -> None:
-        validate.check_handle(handle, hidden=self.hidden, num_topk=self.num_topk,
+        validate.check_handle(handle, hidden=self._hidden_2b, num_topk=self.num_topk,
                               num_ranks=self.num_ranks, max_tokens=self.num_max_tokens_per_rank)
         if handle.buffer_lineage != self._lineage:
             raise ValueError("handle was made by another Buffer (another group, or another "
@@ -492,19 +511,21 @@ def _capture_of(stream) -> int:
     return CallOrder.UNKNOWN_CAPTURE if capture is None else capture
 
 
-def _check_limits(*, num_max_tokens_per_rank, hidden, num_topk) -> None:
+def _check_limits(*, num_max_tokens_per_rank, hidden, num_topk, dtype=torch.bfloat16) -> None:
     """Raises ValueError naming the argument unless the Buffer limits are usable."""
+    validate.check_row_dtype("dtype", dtype)
     for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank),
                         ("hidden", hidden), ("num_topk", num_topk)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if num_topk > validate.MAX_TOPK:
         raise ValueError(f"num_topk={num_topk} exceeds the limit {validate.MAX_TOPK}")
-    rows_per_vector = validate.ROW_ALIGN_BYTES // 2
-    if hidden % rows_per_vector:
-        raise ValueError(f"hidden={hidden} gives bf16 rows of {2 * hidden} bytes; rows must be a "
-                         f"multiple of {validate.ROW_ALIGN_BYTES} bytes (hidden a multiple of "
-                         f"{rows_per_vector})")
+    per_vector = validate.ROW_ALIGN_BYTES // dtype.itemsize
+    if hidden % per_vector:
+        raise ValueError(f"hidden={hidden} gives {validate.ROW_DTYPE_NAMES[dtype]} rows of "
+                         f"{hidden * dtype.itemsize} bytes; "
+                         f"rows must be a multiple of {validate.ROW_ALIGN_BYTES} bytes (hidden a "
+                         f"multiple of {per_vector})")
 
 
 def _check_transport(transport) -> None:
@@ -561,8 +582,11 @@ def check_buffers() -> None:
 
 
 def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
-               transport: str = "auto", **kwargs) -> Buffer:
+               transport: str = "auto", dtype: torch.dtype = torch.bfloat16, **kwargs) -> Buffer:
     """A process-wide Buffer for `group` that grows (never shrinks) when a call needs more.
+
+    `hidden` counts elements of `dtype` (as for `Buffer`); rows are compared in bytes, so a
+    Buffer made for fp32 rows of H serves bf16 rows of up to 2 H without growing.
 
     Growing replaces the Buffer by a larger one and retires the old one: handles it made (the
     autograd context of a micro-batch still waiting for its backward, a cached dispatch) stay
@@ -570,7 +594,7 @@ def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, 
     ask for the same sizes in the same order (growth is collective).
     """
     _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
-                  num_topk=num_topk)
+                  num_topk=num_topk, dtype=dtype)
     _check_transport(transport)
     unknown = sorted(set(kwargs) - {"num_sms", "timeout_s", "num_ranks_per_node"})
     if unknown:
@@ -580,14 +604,16 @@ def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, 
     key = (id(group), transport)
     buf = _BUFFERS.get(key)
     if buf is not None and (buf.num_max_tokens_per_rank >= num_max_tokens_per_rank
-                            and buf.hidden >= hidden and buf.num_topk >= num_topk):
+                            and buf.row_bytes >= hidden * dtype.itemsize
+                            and buf.num_topk >= num_topk):
         return buf
     if buf is not None and buf.captured:
         raise ValueError(
             f"megatron_deepep: a CUDA graph replays into the Buffer of this EP group "
-            f"(num_max_tokens_per_rank={buf.num_max_tokens_per_rank}, hidden={buf.hidden}, "
+            f"(num_max_tokens_per_rank={buf.num_max_tokens_per_rank}, {buf._buffer_rows()}, "
             f"num_topk={buf.num_topk}), and a call now needs num_max_tokens_per_rank="
-            f"{num_max_tokens_per_rank}, hidden={hidden}, num_topk={num_topk}; growing would free "
+            f"{num_max_tokens_per_rank}, hidden={hidden}, dtype={dtype}, num_topk={num_topk}; "
+            f"growing would free "
             f"memory the graph uses. Size it for the largest call before the capture "
             f"(--moe-mdeep-num-max-tokens-per-rank / MDEEP_NUM_MAX_TOKENS_PER_RANK)")
     if is_capturing():
@@ -597,11 +623,13 @@ def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, 
             "warm-up steps do) before capturing")
     if buf is not None:
         num_max_tokens_per_rank = max(num_max_tokens_per_rank, buf.num_max_tokens_per_rank)
-        hidden, num_topk = max(hidden, buf.hidden), max(num_topk, buf.num_topk)
+        # The wider rows in the requested dtype (both byte counts are multiples of 16).
+        hidden = max(hidden * dtype.itemsize, buf.row_bytes) // dtype.itemsize
+        num_topk = max(num_topk, buf.num_topk)
         # The old transport goes first: its memory is free before the new one's is taken.
         buf.destroy()
     new = Buffer(group, num_max_tokens_per_rank, hidden, num_topk, transport=transport,
-                 **kwargs)
+                 dtype=dtype, **kwargs)
     if buf is not None:
         buf._retire(new)
     _BUFFERS[key] = new

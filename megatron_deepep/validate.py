@@ -12,6 +12,16 @@ MAX_TOPK = 16
 MAX_LOCAL_EXPERTS = 256
 MAX_RANKS = 8
 ROW_ALIGN_BYTES = 16
+#: Row dtypes every transport moves (dispatch copies bytes; combine sums in fp32).
+ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ROW_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def check_row_dtype(name: str, dtype) -> torch.dtype:
+    """`dtype` if it is a row dtype (bf16, fp16, fp32), else ValueError naming `name`."""
+    if dtype not in ROW_DTYPES:
+        raise ValueError(f"{name} must be one of {[str(d) for d in ROW_DTYPES]}, got {dtype!r}")
+    return dtype
 
 
 def check_int(name: str, value, *, low: int, high: Optional[int] = None) -> int:
@@ -75,27 +85,30 @@ def check_tensor(name: str, t, *, ndim: int, dtypes: Iterable[torch.dtype],
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
 
 
-def check_hidden(name: str, hidden: int, element_size: int, max_hidden: int) -> None:
-    """Checks the row width against the 16-byte vector rule and the buffer's declared hidden.
+def check_hidden(name: str, hidden: int, element_size: int, max_row_bytes: int,
+                 buffer_rows: str = "") -> None:
+    """Checks the row width against the 16-byte vector rule and the Buffer's row size.
 
     Args:
         name: the argument, for the message.
         hidden: elements per row.
         element_size: bytes per element (2 for bf16 / fp16, 4 for fp32).
-        max_hidden: the Buffer's `hidden`, in 2-byte elements (its rows hold
-            `2 * max_hidden` bytes: an fp32 row of H elements needs `hidden >= 2 * H`).
+        max_row_bytes: the bytes of the Buffer's rows (its `hidden` x its dtype's size).
+        buffer_rows: how the Buffer was declared, e.g. "hidden=7168, dtype=torch.bfloat16",
+            for the message.
     """
     if hidden * element_size % ROW_ALIGN_BYTES != 0:
         raise ValueError(
             f"{name}: hidden={hidden} gives rows of {hidden * element_size} bytes; rows must be a "
             f"multiple of {ROW_ALIGN_BYTES} bytes (hidden a multiple of "
             f"{ROW_ALIGN_BYTES // element_size})")
-    if hidden * element_size > 2 * max_hidden:
-        wide = "" if element_size == 2 else (
-            f" (rows of {element_size}-byte elements: {hidden * element_size} bytes, a Buffer "
-            f"hidden of {hidden * element_size // 2} 2-byte elements)")
-        raise ValueError(f"{name}: hidden={hidden} exceeds the Buffer's hidden={max_hidden}"
-                         f"{wide}")
+    if hidden * element_size > max_row_bytes:
+        declared = f" ({buffer_rows})" if buffer_rows else ""
+        raise ValueError(
+            f"{name}: rows of {hidden} elements of {element_size} bytes are "
+            f"{hidden * element_size} bytes, more than the Buffer's rows of {max_row_bytes} "
+            f"bytes{declared}; build the Buffer with the dtype of these rows (dtype=) and a "
+            f"hidden of at least {hidden}")
 
 
 def check_fp8_input(x) -> None:
@@ -160,13 +173,16 @@ def check_alignment(expert_alignment) -> None:
 
 
 def check_fp8_hidden(name: str, hidden: int, max_hidden: int) -> None:
-    """FP8 rows are `hidden` e4m3 bytes: they must be a multiple of 16 bytes."""
+    """FP8 rows are `hidden` e4m3 bytes: they must be a multiple of 16 bytes; FP8 dispatch
+    takes bf16 rows, so `hidden` is at most the Buffer's rows in bf16 elements
+    (`max_hidden`)."""
     if hidden % ROW_ALIGN_BYTES != 0:
         raise ValueError(
             f"{name}: FP8 dispatch needs hidden % {ROW_ALIGN_BYTES} == 0 (e4m3 rows of hidden "
             f"bytes must be a multiple of {ROW_ALIGN_BYTES} bytes), got hidden={hidden}")
     if hidden > max_hidden:
-        raise ValueError(f"{name}: hidden={hidden} exceeds the Buffer's hidden={max_hidden}")
+        raise ValueError(f"{name}: FP8 dispatch of bf16 rows of {hidden} elements; the Buffer's "
+                         f"rows hold {max_hidden} bf16 elements ({2 * max_hidden} bytes)")
 
 
 def check_fp8_pair(x, fmt, *, device: Optional[torch.device] = None):

@@ -215,6 +215,13 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         self.cudagraph_attrs.append("shared_experts.cached_fc1_input")  # set by pre_forward_comm
 
     # ------------------------------------------------------------------------------------------
+    def _row_dtype(self, hidden: torch.Tensor) -> torch.dtype:
+        """The Buffer's row dtype: the layer's `params_dtype` (bf16, fp16 or fp32 layers), or
+        the rows' own dtype where that is wider."""
+        dtypes = [d for d in (getattr(self.config, "params_dtype", None), hidden.dtype)
+                  if d in (torch.bfloat16, torch.float16, torch.float32)]
+        return max(dtypes, key=lambda d: d.itemsize, default=torch.bfloat16)
+
     def _get_buffer(self, hidden: torch.Tensor):
         from megatron_deepep.buffer import get_buffer
 
@@ -229,9 +236,9 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
                 f"deepep: this rank dispatches {num_tokens} tokens, more than "
                 f"num_max_tokens_per_rank={n_max} (set moe_mdeep_num_max_tokens_per_rank / "
                 f"MDEEP_NUM_MAX_TOKENS_PER_RANK, the same on every rank)")
-        hidden_2b = hidden.shape[1] * max(hidden.element_size(), 2) // 2
         self._buffer = get_buffer(self.ep_group, num_max_tokens_per_rank=n_max,
-                                  hidden=hidden_2b, num_topk=self.topk,
+                                  hidden=hidden.shape[1], dtype=self._row_dtype(hidden),
+                                  num_topk=self.topk,
                                   transport=self.options.transport,
                                   num_sms=self.options.num_sms,
                                   num_ranks_per_node=self.options.ranks_per_node)

@@ -93,11 +93,13 @@ def size_hint(name: str, num_ranks: int, num_max_tokens_per_rank: int, hidden: i
               num_topk: int, *, cuda_available: bool,
               num_ranks_per_node: Optional[int] = None) -> int:
     """Bytes of device memory one rank of the transport `name` resolves to holds. Nodes are
-    `num_ranks_per_node` ranks each; None: one node, except for "internode", which then assumes
-    nodes of 8 ranks (fewer when the group is smaller)."""
+    `num_ranks_per_node` ranks each; None: one node of up to 8 ranks, nodes of 8 ranks for a
+    larger group, and nodes of min(num_ranks, 8) for "internode"."""
+    from megatron_deepep.transport.regions import MAX_RANKS
+
     per_node = num_ranks_per_node
-    if per_node is None and name == "internode":
-        per_node = min(num_ranks, 8)
+    if per_node is None and (name == "internode" or (name == "auto" and num_ranks > MAX_RANKS)):
+        per_node = min(num_ranks, MAX_RANKS)
     num_nodes = max(1, num_ranks // per_node) if per_node is not None else 1
     resolved = resolve(name, num_ranks, cuda_available, num_nodes)
     cls = transport_class(resolved)

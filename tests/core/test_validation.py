@@ -34,8 +34,8 @@ def _inputs(n=4, h=64, k=2, e=4):
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda x, i, w: (x.to(torch.float64), i, w), "x must have dtype"),
-    (lambda x, i, w: (torch.zeros(4, 36), i, w), r"hidden=36 exceeds the Buffer's hidden=64 "
-     r"\(rows of 4-byte elements: 144 bytes"),
+    (lambda x, i, w: (torch.zeros(4, 36), i, w), r"x: rows of 36 elements of 4 bytes are 144 "
+     r"bytes, more than the Buffer's rows of 128 bytes \(hidden=64, dtype=torch.bfloat16\)"),
     (lambda x, i, w: (x[:, :12], i, w), "contiguous|multiple of 16 bytes"),
     (lambda x, i, w: (x.view(-1), i, w), "x must be 2-D"),
     (lambda x, i, w: (x, i.float(), w), "topk_idx must have dtype"),

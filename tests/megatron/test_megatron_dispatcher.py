@@ -129,6 +129,8 @@ def _case(rank, world_size, pg, *, num_experts, topk, tokens, dtype=torch.float3
     else:
         out = _hooks(dispatcher, x_a, routing_map, probs_a, weights, log)
     assert out.shape == x.shape and out.dtype == dtype
+    # The Buffer counts the layer's rows in its params_dtype (fp32 here): no 2-byte arithmetic.
+    assert (dispatcher._buffer.hidden, dispatcher._buffer.dtype) == (H, config.params_dtype)
     (out.float() * grad_out.float()).sum().backward()
 
     x_b = x.float().clone().requires_grad_(True)

@@ -139,9 +139,50 @@ def test_fp32_rows_count_twice_the_bytes(ref_buffer):
     idx, w = torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2)
     recv_x, _, _, _ = ref_buffer.dispatch(torch.ones(4, 32), idx, w, num_experts=4)
     assert recv_x.dtype == torch.float32  # 128 bytes: the Buffer's hidden=64 of 2 bytes
-    with pytest.raises(ValueError, match="hidden=36 exceeds the Buffer's hidden=64"):
+    with pytest.raises(ValueError, match="rows of 36 elements of 4 bytes are 144 bytes, more "
+                                         "than the Buffer's rows of 128 bytes"):
         ref_buffer.dispatch(torch.ones(4, 36), idx, w, num_experts=4)
     with pytest.raises(ValueError, match=r"multiple of 16 bytes \(hidden a multiple of 4\)"):
         ref_buffer.dispatch(torch.ones(4, 30), idx, w, num_experts=4)
     with pytest.raises(ValueError, match=r"multiple of 16 bytes \(hidden a multiple of 8\)"):
         ref_buffer.dispatch(torch.ones(4, 12, dtype=torch.float16), idx, w, num_experts=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_buffer_takes_rows_of_its_dtype(ref_buffer, dtype):
+    """`Buffer(..., hidden=H, dtype=D)` takes rows of H elements of D with no arithmetic by the
+    caller; a wider row is refused in bytes (never "hidden=H exceeds ... hidden=H")."""
+    import re
+
+    idx, w = torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2)
+    buf = Buffer(None, 16, 64, 4, transport="reference", dtype=dtype)
+    assert (buf.hidden, buf.dtype, buf.row_bytes) == (64, dtype, 64 * dtype.itemsize)
+    recv_x, _, handle, _ = buf.dispatch(torch.ones(4, 64, dtype=dtype), idx, w, num_experts=4)
+    assert recv_x.dtype == dtype and recv_x.shape[1] == 64
+    out, _, _ = buf.combine(recv_x, handle)
+    assert out.dtype == dtype and out.shape == (4, 64)
+    wide = torch.float32 if dtype != torch.float32 else None
+    if wide is not None:  # a bf16/fp16 Buffer of H: fp32 rows of H are twice its bytes
+        with pytest.raises(ValueError) as info:
+            buf.dispatch(torch.ones(4, 64, dtype=wide), idx, w, num_experts=4)
+        message = str(info.value)
+        assert f"rows of 64 elements of 4 bytes are 256 bytes, more than the Buffer's rows " \
+               f"of 128 bytes (hidden=64, dtype={dtype})" in message
+        assert not re.search(r"hidden=(\d+) exceeds.*hidden=\1\b", message)
+    else:  # an fp32 Buffer of H also takes bf16 rows of 2 H (the same bytes)
+        buf.dispatch(torch.ones(4, 128, dtype=torch.bfloat16), idx, w, num_experts=4)
+    with pytest.raises(ValueError, match=r"dtype must be one of"):
+        Buffer(None, 16, 64, 4, transport="reference", dtype=torch.float64)
+
+
+def test_get_buffer_compares_rows_in_bytes(ref_buffer):
+    import torch.distributed as dist
+
+    from megatron_deepep.buffer import get_buffer
+
+    group = dist.new_group([0])
+    fp32 = get_buffer(group, 16, 64, 2, transport="reference", dtype=torch.float32)
+    assert get_buffer(group, 16, 128, 2, transport="reference") is fp32  # bf16, same bytes
+    grown = get_buffer(group, 16, 256, 2, transport="reference")  # bf16 rows of 512 bytes
+    assert grown is not fp32 and (grown.hidden, grown.dtype, grown.row_bytes) == (
+        256, torch.bfloat16, 512)

@@ -106,6 +106,22 @@ def test_size_hint():
             Buffer.size_hint(**args, transport="reference")
 
 
+def test_size_hint_without_a_gpu_is_the_gpu_transports():
+    """`auto` gives the bytes of the transport the group gets on GPUs, on any machine: the EP = 1
+    kernels (none), NVLink within a node, internode across nodes (nodes of 8 unless given)."""
+    nvlink = transport.transport_class("nvlink").size_hint(8, 4096, 7168, 8)
+    assert nvlink > 0 and Buffer.size_hint(4096, 7168, 8, 8) == nvlink
+    assert Buffer.size_hint(4096, 7168, 1, 8) == 0
+    internode = transport.transport_class("internode")
+    assert Buffer.size_hint(4096, 7168, 16, 8, num_ranks_per_node=8) == \
+        internode.size_hint(16, 4096, 7168, 8, 8) > 0
+    assert Buffer.size_hint(4096, 7168, 64, 8) == internode.size_hint(64, 4096, 7168, 8, 8)
+    assert Buffer.size_hint(4096, 7168, 8, 8, num_ranks_per_node=4) == \
+        internode.size_hint(8, 4096, 7168, 8, 4)
+    # Rows in bytes: fp32 rows of H hold what bf16 rows of 2 H do.
+    assert Buffer.size_hint(4096, 3584, 8, 8, dtype=torch.float32) == nvlink
+
+
 def _step(buf, x, idx, w, num_experts, g):
     """A forward through dispatch, a stand-in expert and combine; returns the loss."""
     recv_x, recv_w, handle = dispatch(buf, x, idx, w, num_experts=num_experts)
