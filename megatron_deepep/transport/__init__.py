@@ -141,18 +141,12 @@ def _resolve_here(name: str, num_ranks: int, num_nodes: int) -> Tuple[str, str]:
     resolved = resolve(name, num_ranks, cuda, num_nodes)
     if name != "auto":
         return resolved, f"asked for transport={name!r} ({where})"
-    if resolved == "reference" and num_nodes > 1:
-        logger.warning("megatron_deepep: the EP group spans %d nodes but torch sees no CUDA "
-                       "device; transport='auto' runs the pure-torch reference", num_nodes)
     if resolved == "internode":
         from megatron_deepep.kernels.nvshmem_link import NvshmemUnavailable
         from megatron_deepep.transport.nvshmem_heap import check_available
         try:
             check_available()
-        except NvshmemUnavailable as exc:
-            logger.warning("megatron_deepep: the EP group spans %d nodes, but NVSHMEM "
-                           "cannot start (%s); transport='auto' runs the pure-torch "
-                           "reference", num_nodes, exc)
+        except NvshmemUnavailable as exc:  # logged as a warning by `log_auto_choice`
             return "reference", f"auto: {where}, no NVSHMEM ({type(exc).__name__}: {exc})"
         return resolved, f"auto: {where}, NVSHMEM available"
     return resolved, f"auto: {where}"
@@ -235,6 +229,12 @@ def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk
         raise
     if num_ranks > 1:
         resolved = agree(name, (resolved, reason), group)
+    if name == "auto":
+        cuda_available = torch.cuda.is_available()
+        why = None
+        if resolved == "reference":
+            why = reason if cuda_available else "torch sees no CUDA device"
+        log_auto_choice(resolved, num_ranks, num_nodes, cuda_available, why)
     kwargs = dict(num_sms=num_sms, timeout_s=timeout_s)
     if resolved == "internode":
         kwargs["num_ranks_per_node"] = num_ranks_per_node
@@ -246,5 +246,29 @@ def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk
                                      **kwargs)
 
 
+_LOGGED_CHOICES = set()
+
+
+def log_auto_choice(resolved: str, num_ranks: int, num_nodes: int, cuda_available: bool,
+                    why: Optional[str] = None) -> None:
+    """Logs what `auto` chose, once per process and choice: INFO, or a WARNING naming `why`
+    when it falls back to the pure-torch reference on a machine with CUDA (slow, and never
+    what a GPU job wants)."""
+    key = (resolved, num_ranks, num_nodes, why)
+    if key in _LOGGED_CHOICES:
+        return
+    _LOGGED_CHOICES.add(key)
+    group = (f"an EP group of {num_ranks} rank{'s' * (num_ranks != 1)} on {num_nodes} "
+             f"node{'s' * (num_nodes != 1)}")
+    if resolved == "reference" and cuda_available:
+        logger.warning("megatron_deepep: transport='auto' falls back to the pure-torch "
+                       "reference for %s on a machine with CUDA (%s); the dispatch runs "
+                       "through all_to_all_single, not our kernels", group, why)
+        return
+    logger.info("megatron_deepep: transport='auto' chose %r for %s%s", resolved, group,
+                f" ({why})" if why else "")
+
+
 __all__ = ["KERNEL_TRANSPORTS", "TRANSPORT_NAMES", "Transport", "TransportMismatchError", "agree",
-           "bandwidth_refusal", "create", "resolve", "size_hint", "transport_class"]
+           "bandwidth_refusal", "create", "log_auto_choice", "resolve", "size_hint",
+           "transport_class"]

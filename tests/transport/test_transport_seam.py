@@ -178,9 +178,11 @@ def _virtual_nodes_worker(rank, world):
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("megatron_deepep.transport").addHandler(handler)
+    logging.getLogger("megatron_deepep.transport").setLevel(logging.INFO)
     buf = Buffer(torch.distributed.group.WORLD, 16, 64, 2, num_ranks_per_node=1)
     assert buf.transport_name == "reference"  # no CUDA here: the reference, said in the log
-    assert any("spans 2 nodes" in r.getMessage() for r in records)
+    assert any("2 ranks on 2 nodes (torch sees no CUDA device)" in r.getMessage()
+               for r in records)
     with pytest.raises(ValueError, match="no CUDA device"):
         Buffer(torch.distributed.group.WORLD, 16, 64, 2, transport="internode",
                num_ranks_per_node=1)
@@ -191,3 +193,41 @@ def _virtual_nodes_worker(rank, world):
 def test_declared_nodes_pick_the_internode_path_or_say_why_not():
     from tests.helpers.distributed import run_distributed
     run_distributed(2, _virtual_nodes_worker, backend="gloo", timeout_s=120)
+
+
+def test_auto_logs_its_choice_once_per_process(caplog, monkeypatch):
+    """`auto`'s choice at INFO, once per process however many Buffers are built."""
+    import logging
+
+    import torch.distributed as dist
+    from tests.distributed import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transport, "_LOGGED_CHOICES", set())
+    with caplog.at_level(logging.INFO, logger=transport.logger.name):
+        for _ in range(3):
+            Buffer(dist.group.WORLD, 16, 64, 2)
+    choices = [r for r in caplog.records if "transport='auto'" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in choices] == [(
+        logging.INFO, "megatron_deepep: transport='auto' chose 'reference' for an EP group of "
+                      "1 rank on 1 node (torch sees no CUDA device)")]
+
+
+def test_a_fallback_to_the_reference_with_cuda_is_a_warning_naming_why(caplog, monkeypatch):
+    import logging
+
+    monkeypatch.setattr(transport, "_LOGGED_CHOICES", set())
+    with caplog.at_level(logging.INFO, logger=transport.logger.name):
+        transport.log_auto_choice("nvlink", 8, 1, True)
+        for _ in range(2):
+            transport.log_auto_choice("reference", 16, 2, True, "NVSHMEM cannot start: no lib")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "megatron_deepep: transport='auto' chose 'nvlink' for an EP group of 8 "
+                       "ranks on 1 node"),
+        (logging.WARNING, "megatron_deepep: transport='auto' falls back to the pure-torch "
+                          "reference for an EP group of 16 ranks on 2 nodes on a machine with "
+                          "CUDA (NVSHMEM cannot start: no lib); the dispatch runs through "
+                          "all_to_all_single, not our kernels")]
