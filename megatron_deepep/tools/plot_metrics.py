@@ -10,7 +10,11 @@ the lowest rank present) and writes:
   with the load imbalance (max/mean) of the last step in the title;
 * `comm_time_per_layer.png`: median dispatch and combine time per layer (bars) and their
   GB/s to and from other ranks (lines), over all steps. When no bytes cross ranks (EP = 1)
-  the figure has no GB/s axis and says so.
+  the figure has no GB/s axis and says so;
+* `monitoring.png`: per step, the comm share of each layer (with the `MDEEP_COMM_SHARE_WARN`
+  limit), the idle share of the expert phase from time (solid) and from token counts
+  (dashed), and the tokens dropped (all layers). A field the run did not record (metrics
+  written before it existed) leaves its panel empty, saying so.
 
 Needs matplotlib (`pip install matplotlib`).
 """
@@ -84,8 +88,8 @@ def bytes_cross_ranks(steps) -> bool:
                for step in steps for layer in step["layers"].values())
 
 
-def plot(steps, out_dir: str):
-    """Writes both figures to `out_dir`; returns their paths."""
+def plot(steps, out_dir: str, limit: float = None):
+    """Writes the three figures to `out_dir`; returns their paths."""
     plt = _pyplot()
     import numpy as np
 
@@ -148,7 +152,76 @@ def plot(steps, out_dir: str):
     comm = os.path.join(out_dir, "comm_time_per_layer.png")
     fig.savefig(comm, dpi=110)
     plt.close(fig)
-    return heat, comm
+    return heat, comm, plot_monitoring(plt, steps, layers, out_dir, limit)
+
+
+def recorded(steps, key: str) -> bool:
+    """Whether any layer of any step has `key` (older metrics files lack the newer fields)."""
+    return any(key in layer for step in steps for layer in step["layers"].values())
+
+
+def _series(steps, layer: int, key: str):
+    rows = [(s["step"], s["layers"][str(layer)].get(key)) for s in steps
+            if str(layer) in s["layers"]]
+    return [x for x, _ in rows if _ is not None], [v for _, v in rows if v is not None]
+
+
+def plot_monitoring(plt, steps, layers, out_dir: str, limit: float = None) -> str:
+    """`monitoring.png`: comm share, idle share (time and counts) and drops per step."""
+    limit = _comm_share_limit() if limit is None else limit
+    fig, (share, idle, drops) = plt.subplots(1, 3, figsize=(15, 3.8))
+
+    def missing(ax, field):
+        ax.text(0.5, 0.5, f"not recorded\n(no {field} field)", ha="center", va="center",
+                transform=ax.transAxes, fontsize=9, color="0.4")
+
+    if recorded(steps, "comm_share"):
+        for layer in layers:
+            share.plot(*_series(steps, layer, "comm_share"), label=f"layer {layer}")
+        if limit > 0:
+            share.axhline(limit, color="tab:red", linestyle="--", linewidth=1,
+                          label=f"limit {100 * limit:.0f}%")
+        share.legend(fontsize=7)
+    else:
+        missing(share, "comm_share")
+    share.set_title("comm share: (dispatch + combine) / expert")
+    for i, layer in enumerate(layers):
+        color = f"C{i % 10}"
+        if recorded(steps, "idle_share_time"):
+            idle.plot(*_series(steps, layer, "idle_share_time"), color=color,
+                      label=f"layer {layer} (time)")
+        idle.plot(*_series(steps, layer, "idle_share"), color=color, linestyle="--",
+                  label=f"layer {layer} (counts)")
+    if not recorded(steps, "idle_share_time"):
+        idle.text(0.02, 0.97, "from time: not recorded (no idle_share_time field)",
+                  transform=idle.transAxes, va="top", fontsize=8, color="0.4")
+    idle.legend(fontsize=7)
+    idle.set_title("idle share of the expert phase (worst rank)")
+    if recorded(steps, "tokens_dropped"):
+        xs = [s["step"] for s in steps]
+        drops.plot(xs, [sum(layer.get("tokens_dropped", 0) for layer in s["layers"].values())
+                        for s in steps], color="tab:red")
+        drops.set_ylim(bottom=0)
+    else:
+        missing(drops, "tokens_dropped")
+    drops.set_title("tokens dropped per step (all layers)")
+    for ax in (share, idle, drops):
+        ax.set_xlabel("step")
+    fig.suptitle(f"deepep: monitoring, EP = {ep_size(steps)}")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "monitoring.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _comm_share_limit() -> float:
+    """`MDEEP_COMM_SHARE_WARN` as a fraction (default 20%)."""
+    text = os.environ.get("MDEEP_COMM_SHARE_WARN", "").strip()
+    try:
+        return (float(text) if text else 20.0) / 100.0
+    except ValueError:
+        return 0.2
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,6 +2,11 @@
 
     python -m megatron_deepep.tools.report METRICS_DIR [--out report.html] [--comm-share-limit 20]
 
+The one command that turns any run's metrics folder into its report. Beside the HTML it also
+writes the PNG figures of `scripts/plot_metrics.py` (load heatmaps, communication per layer,
+comm share / idle share / drops per step) where matplotlib is installed, and says so in one
+line where it is not (`--no-png`: the HTML only).
+
 Reads every `deepep_metrics_rank<N>.jsonl` in METRICS_DIR (a run with `--moe-mdeep-metrics
 --moe-mdeep-metrics-dir METRICS_DIR`, or `MDEEP_METRICS=1 MDEEP_METRICS_DIR=...`, writes one per
 EP group: rank 0 of each group; its values are already reduced over the group) and all of their
@@ -359,7 +364,7 @@ def render(metrics_dir: str, limit: float = 0.20, max_heatmaps: int = 64) -> str
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>deepep metrics: "
              f"{html.escape(os.path.basename(os.path.abspath(metrics_dir)))}</title>"
              f"<style>{CSS}</style></head><body>",
-             f"<h1>deepep dispatcher metrics</h1><p>{html.escape(os.path.abspath(metrics_dir))}"
+             f"<h1>deepep dispatcher metrics</h1><p>{html.escape(os.path.normpath(metrics_dir))}"
              f": {len(sources)} file(s), {len(all_steps)} steps ({all_steps[0]}&ndash;"
              f"{all_steps[-1]}), {len(layers)} MoE layer(s), EP = {ep}, {num_experts} experts."
              f"</p>"]
@@ -484,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "MDEEP_COMM_SHARE_WARN, else 20)")
     parser.add_argument("--max-heatmaps", type=int, default=64,
                         help="draw the load heatmaps of at most this many layers (default 64)")
+    parser.add_argument("--no-png", action="store_true",
+                        help="write the HTML only (by default the PNG figures of "
+                             "plot_metrics.py go beside it where matplotlib is installed)")
     return parser
 
 
@@ -508,7 +516,30 @@ def main(argv=None) -> int:
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)
     print(out)
+    if not args.no_png:
+        write_pngs(args.metrics_dir, os.path.dirname(os.path.abspath(out)), limit)
     return 0
+
+
+def write_pngs(metrics_dir: str, out_dir: str, limit: float) -> list:
+    """The plot_metrics.py figures into `out_dir` (printed); without matplotlib, one line."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import plot_metrics
+    finally:
+        sys.path.pop(0)
+    try:
+        plt = plot_metrics._pyplot()
+    except plot_metrics.MissingDependency:
+        print("report.py: PNG figures not drawn: matplotlib is not installed (pip install "
+              "matplotlib); the HTML report above has every chart")
+        return []
+    del plt
+    _, steps = plot_metrics.load(metrics_dir)
+    paths = list(plot_metrics.plot(steps, out_dir, limit))
+    for path in paths:
+        print(path)
+    return paths
 
 
 if __name__ == "__main__":

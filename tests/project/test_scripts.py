@@ -87,9 +87,15 @@ def test_plot_metrics_renders(tmp_path, capsys, ep_size):
     finally:
         matplotlib.figure.Figure.savefig = original
     printed = capsys.readouterr().out
-    for name in ("expert_load_heatmap.png", "comm_time_per_layer.png"):
+    for name in ("expert_load_heatmap.png", "comm_time_per_layer.png", "monitoring.png"):
         assert (tmp_path / "png" / name).stat().st_size > 1000
         assert name in printed
+    monitoring = next(t for t in texts if t[0] == "monitoring.png")
+    assert monitoring[1] == 3  # comm share, idle share, drops
+    # This file predates expert timing and drops: the panels say so.
+    assert "not recorded\n(no comm_share field)" in monitoring[2]
+    assert "not recorded\n(no tokens_dropped field)" in monitoring[2]
+    assert any("no idle_share_time field" in n for n in monitoring[2])
     comm = next(t for t in texts if t[0] == "comm_time_per_layer.png")
     _, num_axes, notes, ylabels = comm
     if ep_size == 1:

@@ -156,3 +156,40 @@ def test_marks_replacements_with_idle_share_before_and_after(tmp_path):
     _write(tmp_path, 0, [1])  # no map: no re-placement
     _run(str(tmp_path))
     assert "No re-placement recorded" in (tmp_path / "report.html").read_text(encoding="utf-8")
+
+
+def test_pngs_beside_the_report_with_every_field(tmp_path):
+    """With matplotlib the one command also draws the PNG figures, the monitoring one with
+    comm share, idle share from time and drops; the old sample says what it lacks."""
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="the PNG figures need matplotlib")
+    _write(tmp_path, 0, [1, 2])
+    proc = _run(str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    names = ("expert_load_heatmap.png", "comm_time_per_layer.png", "monitoring.png")
+    for name in names:
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG" and name in proc.stdout
+    old = tmp_path / "old"
+    old.mkdir()
+    proc = _run(EXAMPLE, "--out", str(old / "report.html"))
+    assert proc.returncode == 0, proc.stderr
+    assert all((old / name).stat().st_size > 1000 for name in names)
+    proc = _run(str(tmp_path), "--no-png", "--out", str(tmp_path / "only.html"))
+    assert proc.returncode == 0 and ".png" not in proc.stdout
+
+
+def test_without_matplotlib_one_line_and_the_html(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import sys as _sys
+
+    spec = importlib.util.spec_from_file_location("_report_nompl", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _write(tmp_path, 0, [1])
+    monkeypatch.setitem(_sys.modules, "matplotlib", None)
+    assert module.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [str(tmp_path / "report.html"),
+                   "report.py: PNG figures not drawn: matplotlib is not installed (pip install "
+                   "matplotlib); the HTML report above has every chart"]
