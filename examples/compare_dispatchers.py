@@ -7,6 +7,15 @@
     python examples/compare_dispatchers.py --plot-only compare_out/step_times.json  # no GPU
     python examples/compare_dispatchers.py --steps 20 --profile-steps 3   # + torch.profiler tables
     torchrun --nproc-per-node 2 examples/compare_dispatchers.py --cpu     # no GPU: 2 gloo ranks
+    torchrun --nproc-per-node 2 examples/compare_dispatchers.py --cpu --metrics-dir m -- \
+        --num-experts 64 --moe-router-topk 8 --moe-router-num-groups 8 --moe-router-group-topk 4
+
+Megatron flags after `--` build that model instead of the default one
+(`examples/megatron_flags.py`: config fields, sizes, our `--moe-mdeep-*` options; what has no
+meaning here is dropped with one line naming it, an unknown flag is refused). `--metrics-dir`
+turns on the dispatcher's per-layer metrics for the deepep runs and writes their JSON lines
+there (`python -m megatron_deepep.tools.report DIR` renders them), as do `MDEEP_METRICS=1
+MDEEP_METRICS_DIR=DIR`.
 
 `--cpu` (what `bash examples/run_gpt_moe.sh` runs on a machine without a GPU) trains a smaller
 GPT-MoE (2 layers, hidden 128, 4 experts) on the CPU over gloo, `deepep` on the pure-torch
@@ -54,6 +63,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import megatron_flags  # noqa: E402  (examples/megatron_flags.py, beside this file)
 
 
 #: Sizes of the GPU runs and of the `--cpu` demonstration (an option left unset takes these).
@@ -71,7 +82,14 @@ def parse_args(argv=None):
                                                          CPU_DEFAULTS.items()))
     p.add_argument("--steps", type=int, default=None, help="training steps per run (50)")
     p.add_argument("--warmup-steps", type=int, default=5, help="left out of the median time")
-    p.add_argument("--out", default="compare_out", help="output folder (rank 0 writes there)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="output folder (rank 0 writes there; default runs/compare_out in the "
+                        "repository, which git ignores)")
+    p.add_argument("--metrics-dir", default=None,
+                   help="per-layer dispatcher metrics of the deepep runs, one JSON line per step "
+                        "(a second deepep run writes into a subfolder named after it)")
+    p.add_argument("--name", default=None,
+                   help="what the run is called in its messages and plot (e.g. a model family)")
     p.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (512)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank (4)")
     p.add_argument("--num-layers", type=int, default=None, help="transformer layers (4)")
@@ -99,16 +117,27 @@ def parse_args(argv=None):
     p.add_argument("--only-run", default=None, help=argparse.SUPPRESS)  # a child's one run
     p.add_argument("--plot-only", default=None, metavar="JSON",
                    help="redraw loss_curves.png from a step_times.json (no GPU needed)")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.model_flags = model_flags
+    args.flags = megatron_flags.MegatronFlags()
+    if model_flags:
+        try:
+            args.flags = megatron_flags.parse(model_flags)
+        except megatron_flags.FlagError as exc:
+            p.error(str(exc))
+        for key, value in args.flags.args.items():
+            if key in ("topk", "seed") or getattr(args, key) is None:
+                setattr(args, key, value)
     for key, value in (CPU_DEFAULTS if args.cpu else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.cpu:
-        if args.fp8_dispatch:
-            p.error("--fp8-dispatch needs a GPU (the FP8 formats travel through the kernels)")
     return args
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO, "runs", "compare_out")
 FP8_CHOICES = ["blockwise", "mxfp8", "blockwise_1x128", "blockwise_1x128_fp32_scales",
                "mxfp8_1x32"]
 FP8_SUFFIX = "+fp8:"
@@ -242,27 +271,54 @@ def build_model(args, dispatcher):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_deepep import knobs
+
     dispatcher, permute_fusion = baselines.split_run(dispatcher)
     torch.manual_seed(args.seed)
     if not args.cpu:
         model_parallel_cuda_manual_seed(args.seed)
-    config = TransformerConfig(
+    fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=4 * args.hidden_size, moe_ffn_hidden_size=2 * args.hidden_size,
         num_attention_heads=8, num_moe_experts=args.num_experts, moe_router_topk=args.topk,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-        moe_router_dtype="fp32", moe_token_dispatcher_type=dispatcher,
-        moe_permute_fusion=permute_fusion, expert_model_parallel_size=dist.get_world_size(),
-        add_bias_linear=False, gradient_accumulation_fusion=False, bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+        moe_router_dtype="fp32", add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0)
+    fields.update(args.flags.config)  # the Megatron flags after `--` win
+    config = TransformerConfig(
+        **fields, moe_token_dispatcher_type=dispatcher, moe_permute_fusion=permute_fusion,
+        expert_model_parallel_size=dist.get_world_size(), gradient_accumulation_fusion=False,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         use_cpu_initialization=args.cpu)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    if knobs.get("GROUPED_MM_EXPERTS"):  # the examples/configs proxies: grouped experts
+        from megatron_deepep.megatron.grouped_experts import with_grouped_mm_experts
+
+        spec, note = with_grouped_mm_experts(spec, "cpu" if args.cpu else "cuda")
+        if dist.get_rank() == 0 and dispatcher == run_names(args)[0]:
+            print(f"MDEEP_GROUPED_MM_EXPERTS=1: {note}", flush=True)
+    model_kwargs = dict(position_embedding_type="rope")
+    model_kwargs.update(args.flags.model)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
-                     max_sequence_length=args.seq_length, position_embedding_type="rope")
+                     max_sequence_length=args.seq_length, **model_kwargs)
     # As Megatron's Float16Module does: the local spec's norms are created in fp32.
     model = model.bfloat16()
     return model if args.cpu else model.cuda()
+
+
+def update_expert_bias(model) -> None:
+    """What Megatron's `finalize_model_grads` does for aux-loss-free balancing: moves each
+    router's expert bias by the step's token counts (summed over the data-parallel ranks),
+    then starts the next step's counts from zero."""
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+    config = model.config
+    if not getattr(config, "moe_router_enable_expert_bias", False):
+        return
+    _update_router_expert_bias([model], config)
+    for module in model.modules():
+        if hasattr(module, "expert_bias"):
+            module.local_tokens_per_expert.zero_()
 
 
 def batches(args, rank):
@@ -290,10 +346,18 @@ def train(args, name):
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
     import megatron_deepep.megatron as mdm
 
+    from megatron_deepep.megatron import metrics
+    from megatron_deepep.megatron.options import resolve_options
+
     dispatcher, _, fp8 = name.partition(FP8_SUFFIX)
     # Dispatchers read their options when built: set the FP8 switch for this model only.
-    mdm.register_deepep_dispatcher(fp8_dispatch=fp8 or "off",
-                                   transport="reference" if args.cpu else "auto")
+    options = dict(args.flags.deepep, fp8_dispatch=fp8 or args.flags.deepep.get(
+        "fp8_dispatch", "off"), transport="reference" if args.cpu else "auto")
+    metrics_dir = run_metrics_dir(args, name)
+    if metrics_dir:
+        options.update(metrics=True, metrics_dir=metrics_dir)
+    mdm.register_deepep_dispatcher(**options)
+    record_metrics = dispatcher == "deepep" and bool(resolve_options(None).metrics)
     model = build_model(args, dispatcher)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
@@ -315,6 +379,7 @@ def train(args, name):
         per_token = model(tokens, pos, mask, labels=labels)
         loss = per_token.float().mean()
         loss.backward()
+        update_expert_bias(model)
         if dist.get_world_size() > 1:
             # Data-parallel average of the replicated grads (EP ranks are the DP ranks here);
             # Megatron marks expert weights `allreduce=False`: each rank owns its own.
@@ -323,6 +388,8 @@ def train(args, name):
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         opt.step()
         _synchronize(args)
+        if record_metrics:  # ends the step: one JSON line (collective over the EP group)
+            metrics.flush(step)
         if profiler is not None:
             clear_tracker(clear_aux_losses_tracker)
             continue
@@ -342,6 +409,17 @@ def train(args, name):
     if not args.cpu:
         torch.cuda.empty_cache()
     return losses, times
+
+
+def run_metrics_dir(args, name):
+    """Where run `name` writes its metrics: `--metrics-dir` for the first deepep run, a
+    subfolder named after any other deepep run, None for the rest (and without the option)."""
+    deepep_runs = [n for n in run_names(args) if n.partition(FP8_SUFFIX)[0] == "deepep"]
+    if not args.metrics_dir or name not in deepep_runs:
+        return None
+    if name == deepep_runs[0]:
+        return args.metrics_dir
+    return os.path.join(args.metrics_dir, _file_stem(name))
 
 
 def clear_tracker(clear) -> None:
@@ -424,7 +502,7 @@ def plot(out_dir, curves, steps, world_size):
 def plot_only(args):
     with open(args.plot_only) as f:
         summary = json.load(f)
-    out_dir = args.out if args.out != "compare_out" else os.path.dirname(args.plot_only) or "."
+    out_dir = args.out if args.out != DEFAULT_OUT else os.path.dirname(args.plot_only) or "."
     os.makedirs(out_dir, exist_ok=True)
     path = plot(out_dir, summary["losses"], summary.get("steps"), summary.get("world_size", "?"))
     print(path)
@@ -464,6 +542,9 @@ def main(argv=None):
     if args.only_run is not None:
         return train_one_run(args)
     runs, skipped = plan_runs(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in describe(args):
+            print(f"compare_dispatchers.py: {line}", flush=True)
     if args.same_process:
         init_distributed(cpu=args.cpu)
         results = {name: train_with_plugin(args, name) for name in runs}
@@ -493,7 +574,9 @@ def main(argv=None):
             print(f"{' and '.join(curves)}: max |loss difference| "
                   f"{summary.get('max_abs_loss_diff', 0.0):.2e} over {args.steps} steps; "
                   f"median step {times} ms on the CPU ({fresh}; deepep on the pure-torch "
-                  f"reference transport)")
+                  f"reference transport)"
+                  + ("; FP8 dispatch rounds deepep's rows, so its curve parts from the other"
+                     if args.flags.deepep.get("fp8_dispatch", "off") != "off" else ""))
         else:
             print(json.dumps({k: summary[k] for k in summary if k != "losses"}, indent=1))
         try:
@@ -502,6 +585,37 @@ def main(argv=None):
             print(f"(no matplotlib: loss_curves.png not drawn; the losses are in "
                   f"{os.path.join(args.out, 'step_times.json')})")
     return 0
+
+
+def describe(args):
+    """What this run trains, in a few lines: the model (the routing the flags after `--` give),
+    where it runs, and each flag it dropped with the reason."""
+    config = dict(moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss")
+    config.update(args.flags.config)
+    routing = [f"{config['moe_router_score_function']} scores"]
+    if config.get("moe_router_enable_expert_bias"):
+        routing.append("expert bias")
+    if config.get("moe_router_num_groups"):
+        routing.append(f"a token's experts in {config.get('moe_router_group_topk')} of "
+                       f"{config['moe_router_num_groups']} groups")
+    routing.append(config["moe_router_load_balancing_type"])
+    if config.get("moe_shared_expert_intermediate_size"):
+        routing.append("a shared expert")
+    fp8 = args.fp8_dispatch or args.flags.deepep.get("fp8_dispatch", "off")
+    where = ("the CPU: gloo ranks, deepep on the pure-torch reference transport"
+             if args.cpu else "the GPUs")
+    lines = [f"{args.name or 'GPT-MoE'}: {args.num_layers} MoE layers, hidden "
+             f"{args.hidden_size}, {args.num_experts} experts, top-{args.topk}, "
+             f"{', '.join(routing)}; {args.steps} steps of {args.micro_batch_size} x "
+             f"{args.seq_length} tokens per rank on {where}"]
+    if fp8 != "off":
+        lines.append(f"FP8 dispatch {fp8}" + (
+            ": quantized and dequantized in torch by the reference transport (the wire "
+            "format's numerics; its speed needs the kernels)" if args.cpu else ""))
+    if args.flags.dropped:
+        lines.append("dropped (no meaning in this run): " + "; ".join(
+            f"{flag} ({why})" for flag, why in args.flags.dropped))
+    return lines
 
 
 def train_with_plugin(args, name):
@@ -547,7 +661,10 @@ def train_in_fresh_processes(args, argv, runs=None):
     for i, name in enumerate(run_names(args) if runs is None else runs):
         env = dict(os.environ, MASTER_PORT=str(base_port + 1 + i))
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--only-run", name]
+        # Our options go before `--` (what follows it are the model's Megatron flags).
+        split = argv.index("--") if "--" in argv else len(argv)
+        cmd = [sys.executable, os.path.abspath(__file__), *argv[:split], "--only-run", name,
+               *argv[split:]]
         done = subprocess.run(cmd, env=env)
         if done.returncode != 0:
             raise SystemExit(f"run {name!r} failed (exit {done.returncode}): {' '.join(cmd)}")

@@ -19,8 +19,9 @@ prints one line on stdout for the launcher: `<path> <number of GPUs torch sees>`
 
 What it installs when missing: torch pinned as for the tests (`TORCH_PIN`; an installed torch
 is kept), megatron-core in the supported range (`MEGATRON_CORE`, with `megatron.training` where
-the Python allows), pyyaml for `megatron.training`, and on GPUs this package with its `gpu`
-extra (NVRTC and the CUDA wheels the kernels compile and link with).
+the Python allows), pyyaml for `megatron.training`, matplotlib (the loss plot and the metrics
+report's PNGs), and on GPUs this package with its `gpu` extra (NVRTC and the CUDA wheels the
+kernels compile and link with).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Found:
     megatron_training: bool  # importable now (a wheel >= 0.17, or MEGATRON_LM on PYTHONPATH)
     pyyaml: str | None
     nvrtc: bool  # NVRTC loads through cuda.bindings
+    matplotlib: str | None  # draws the loss plot and the metrics PNGs
 
 
 @dataclasses.dataclass
@@ -126,12 +128,14 @@ def plan(found: Found, root: str = ROOT) -> Plan:
                         f"{'.'.join(map(str, MEGATRON_CORE_END))}")
         else:
             reqs.append(f"megatron-core{MEGATRON_CORE}")
+    plotting = ["matplotlib"] if found.matplotlib is None else []
     if found.num_gpus == 0:
-        return Plan("cpu-demo", reqs, notes)
+        return Plan("cpu-demo", reqs + plotting, notes)
     if will_train and found.pyyaml is None:
         reqs.append("pyyaml")  # megatron.training imports it
     if reqs or not found.nvrtc:
         reqs += ["-e", f"{root}[gpu]"]
+    reqs += plotting
     if not will_train:
         if training_python:
             notes.append(f"megatron-core {found.megatron_core} has no megatron.training "
@@ -169,6 +173,7 @@ def look() -> Found:
         megatron_core=installed("megatron-core"),
         megatron_training=_has_megatron_training(num_gpus),
         pyyaml=installed("pyyaml") or installed("PyYAML"),
+        matplotlib=installed("matplotlib"),
         nvrtc=num_gpus > 0 and _python_ok(
             "from cuda.bindings import nvrtc; assert nvrtc.nvrtcVersion()[0] == 0"))
 

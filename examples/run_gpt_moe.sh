@@ -10,14 +10,19 @@
 #   megatron-core      GPUs, megatron-core alone (Python 3.10/3.11: 0.16):
 #                      examples/compare_dispatchers.py, TRAIN_ITERS steps of DISPATCHER
 #   cpu-demo           no GPU: examples/compare_dispatchers.py --cpu on 2 gloo ranks, deepep
-#                      (reference transport) beside alltoall, losses side by side (~1 minute)
+#                      (reference transport) beside alltoall, losses side by side (~1 minute);
+#                      Megatron flags given to this script build that model instead
+#                      (examples/megatron_flags.py: what has no meaning on the CPU is dropped
+#                      with one line, an unknown flag refused)
 # Env: PYTHON (default python3), INSTALL=0 (install nothing), MEGATRON_LM (a Megatron-LM
 # checkout, for megatron.training with megatron-core 0.16), DISPATCHER (default deepep;
 # alltoall to compare, alltoall-fused for Megatron's alltoall with Transformer Engine's fused
-# permute, --moe-permute-fusion, which needs TE), TRAIN_ITERS (50; the CPU demo: 20), METRICS=1
-# (per-layer comm/load metrics, JSON lines in $OUT/metrics -> python -m
-# megatron_deepep.tools.plot_metrics $OUT/metrics), OUT (run
-# folder, default runs/gpt_moe_<dispatcher>).
+# permute, --moe-permute-fusion, which needs TE), TRAIN_ITERS (50; the CPU demo: CPU_TRAIN_ITERS,
+# else TRAIN_ITERS, else 20), METRICS=1 (per-layer comm/load metrics, JSON lines in
+# $OUT/metrics, then the report: $OUT/metrics/report.html and its PNGs; `python -m
+# megatron_deepep.tools.report DIR` renders any metrics folder, MDEEP_METRICS_DIR's too), OUT
+# (run folder, default runs/gpt_moe_<dispatcher> or runs/cpu_demo in the repository: git
+# ignores runs/).
 # The local (non-TE) layers need --no-rope-fusion and --no-persist-layer-norm without TE / Apex.
 # FP8 dispatch (README, "FP8 dispatch"; hidden size % 16 == 0): pass our flag through, e.g.
 #   bash examples/run_gpt_moe.sh --moe-mdeep-fp8-dispatch blockwise   # or mxfp8, auto, off
@@ -37,37 +42,70 @@ case "$JOB_PATH" in
   *) echo "run_gpt_moe.sh: examples/prepare_env.py gave no path (got: $PLAN)" >&2; exit 1 ;;
 esac
 
+# The report of a run's metrics (HTML, and PNGs with matplotlib), when it wrote any.
+report() {
+  local dir=$1
+  if compgen -G "$dir/deepep_metrics_rank*.jsonl" > /dev/null; then
+    "$PY" -m megatron_deepep.tools.report "$dir" || true
+  fi
+}
+
+# METRICS=1: the run's metrics in $OUT/metrics; else MDEEP_METRICS_DIR's, if set.
+metrics_dir() {
+  if [ "${METRICS:-0}" = 1 ]; then echo "$OUT/metrics"; else echo "${MDEEP_METRICS_DIR:-}"; fi
+}
+
+# compare_dispatchers.py's options for the metrics folder and the run's name (FAMILY).
+compare_options() {
+  COMPARE=()
+  if [ -n "$MDIR" ]; then COMPARE+=(--metrics-dir "$MDIR"); fi
+  if [ -n "${FAMILY:-}" ]; then COMPARE+=(--name "$FAMILY"); fi
+}
+
 if [ "$JOB_PATH" = cpu-demo ]; then
-  OUT=${OUT:-runs/cpu_demo}
+  OUT=${OUT:-$REPO/runs/cpu_demo}
+  MDIR=$(metrics_dir)
+  compare_options
+  # The reference transport's times say nothing of the kernels': no comm-share warnings.
+  export MDEEP_COMM_SHARE_WARN=${MDEEP_COMM_SHARE_WARN:-0}
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PY" -m torch.distributed.run --standalone \
-    --nproc-per-node 2 "$HERE/compare_dispatchers.py" --cpu --steps "${TRAIN_ITERS:-20}" \
-    --out "$OUT"
+    --nproc-per-node 2 "$HERE/compare_dispatchers.py" --cpu \
+    --steps "${CPU_TRAIN_ITERS:-${TRAIN_ITERS:-20}}" --out "$OUT" \
+    "${COMPARE[@]}" -- "$@"
+  if [ -n "$MDIR" ]; then report "$MDIR"; fi
+  what="the CPU demonstration: the same model and seed"
+  if [ $# -gt 0 ]; then what="the model of the flags above, on the CPU, from one seed"; fi
   cat >&2 <<MSG
-run_gpt_moe.sh: that was the CPU demonstration: the same model and seed with deepep (on the
-pure-torch reference transport, over gloo) and with Megatron's alltoall. On a machine with
-NVIDIA GPUs the same command trains with the deepep kernels. Tests (from the repository root):
+run_gpt_moe.sh: that was $what with deepep (on the pure-torch reference transport, over gloo)
+and with Megatron's alltoall. On a machine with NVIDIA GPUs the same command trains with the
+deepep kernels. Redraw the loss plot: python examples/compare_dispatchers.py --plot-only
+$OUT/step_times.json. Tests (from the repository root):
     $TEST_COMMAND
 MSG
   exit 0
 fi
 
 DISPATCHER=${DISPATCHER:-deepep}
-OUT=${OUT:-runs/gpt_moe_${DISPATCHER}}
+OUT=${OUT:-$REPO/runs/gpt_moe_${DISPATCHER}}
 mkdir -p "$OUT"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0
+MDIR=$(metrics_dir)
 METRIC_FLAGS=()
 if [ "${METRICS:-0}" = 1 ]; then
   METRIC_FLAGS=(--moe-mdeep-metrics --moe-mdeep-metrics-dir "$OUT/metrics" --moe-per-layer-logging)
 fi
 
 if [ "$JOB_PATH" = megatron-core ]; then
-  if [ $# -gt 0 ]; then
-    echo "run_gpt_moe.sh: without megatron.training the Megatron flags are not used: $*" >&2
-  fi
+  compare_options
   "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
     "$HERE/compare_dispatchers.py" --steps "${TRAIN_ITERS:-50}" --dispatchers "$DISPATCHER" \
-    --out "$OUT" 2>&1 | tee "$OUT/train.log"
-  exit "${PIPESTATUS[0]}"
+    --out "$OUT" "${COMPARE[@]}" -- "$@" \
+    2>&1 | tee "$OUT/train.log"
+  status=${PIPESTATUS[0]}
+  if [ -n "$MDIR" ]; then report "$MDIR"; fi
+  echo "run_gpt_moe.sh: loss plot: $OUT/loss_curves.png (redraw: python" \
+    "examples/compare_dispatchers.py --plot-only $OUT/step_times.json)" >&2
+  exit "$status"
 fi
 PERMUTE_FLAGS=()
 if [ "$DISPATCHER" = alltoall-fused ]; then  # Megatron's alltoall on TE's fused permute kernels
@@ -89,3 +127,6 @@ fi
   --expert-model-parallel-size "$NGPU" --moe-token-dispatcher-type "$DISPATCHER" \
   --tensorboard-dir "$OUT/tensorboard" \
   "${METRIC_FLAGS[@]}" "${PERMUTE_FLAGS[@]}" "$@" 2>&1 | tee "$OUT/train.log"
+status=${PIPESTATUS[0]}
+if [ -n "$MDIR" ]; then report "$MDIR"; fi
+exit "$status"

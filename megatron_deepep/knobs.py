@@ -104,7 +104,8 @@ _TABLE = (
     Knob("METRICS", "bool", None, "0", "per-layer communication and load metrics in Megatron's "
          "MoE tracker (TensorBoard / W&B)", "dispatcher"),
     Knob("METRICS_DIR", "str", None, "unset", "also write one JSON line per step and rank there "
-         "(for `python -m megatron_deepep.tools.plot_metrics`)", "dispatcher"),
+         "(`python -m megatron_deepep.tools.report DIR`: the HTML report, and PNGs with "
+         "matplotlib)", "dispatcher"),
     Knob("FP8_DISPATCH", "str", None, "off", "FP8 on the wire: `off`, `blockwise`, `mxfp8`, "
          "`auto` (TE's active recipe) or a format name", "dispatcher"),
     Knob("RANK_CAPACITY_FACTOR", "str", None, "unset", "sync-free dispatch: receive at most "

@@ -10,9 +10,11 @@
 #   MODE=proxy (default)  bash examples/run_gpt_moe.sh with the proxy flags appended (they
 #                         override its defaults), TRAIN_ITERS (default 30) steps, metrics on,
 #                         grouped experts (MDEEP_GROUPED_MM_EXPERTS, default 1: two grouped GEMMs
-#                         instead of a Python loop over the experts), then python -m
-# megatron_deepep.tools.report
-#                         renders $OUT/metrics/report.html
+#                         instead of a Python loop over the experts); run_gpt_moe.sh renders
+#                         $OUT/metrics/report.html. Without a GPU run_gpt_moe.sh trains the same
+#                         flags on 2 CPU processes (CPU_TRAIN_ITERS, default 10 steps): the
+#                         family's experts, top-k and routing, deepep beside alltoall; what has
+#                         no meaning on the CPU is dropped with one line naming it
 #   MODE=full             sbatch examples/slurm_gpt_moe.sbatch on NODES nodes; the family's
 #                         flags reach examples/pretrain_gpt_moe.py through GPT_MOE_ARGS (Slurm
 #                         passes the environment), appended after the template's own flags
@@ -34,23 +36,20 @@ _print_command() {  # one shell-quoted line
 
 _proxy() {
   local name=$1; shift
-  local out=${OUT:-runs/${name}_proxy}
+  local out=${OUT:-$REPO_DIR/runs/${name}_proxy}
   local args=("${PROXY_MODEL[@]}" "${MOE_FLAGS[@]}" "${DEEPEP_FLAGS[@]}" "$@")
   local grouped=${MDEEP_GROUPED_MM_EXPERTS:-1}
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    echo "TRAIN_ITERS=${TRAIN_ITERS:-30} METRICS=${METRICS:-1} OUT=$out" \
-      "MDEEP_GROUPED_MM_EXPERTS=$grouped"
+    echo "TRAIN_ITERS=${TRAIN_ITERS:-30} CPU_TRAIN_ITERS=${CPU_TRAIN_ITERS:-10}" \
+      "METRICS=${METRICS:-1} OUT=$out MDEEP_GROUPED_MM_EXPERTS=$grouped FAMILY=$name"
     _print_command bash "$REPO_DIR/examples/run_gpt_moe.sh" "${args[@]}"
     return 0
   fi
-  echo "$name.sh: scaled-down proxy (${TRAIN_ITERS:-30} steps, EP = GPUs of this machine)," \
-    "run folder $out" >&2
-  TRAIN_ITERS=${TRAIN_ITERS:-30} METRICS=${METRICS:-1} OUT=$out \
-    MDEEP_GROUPED_MM_EXPERTS=$grouped bash "$REPO_DIR/examples/run_gpt_moe.sh" "${args[@]}"
-  if [ -d "$out/metrics" ]; then
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" \
-      -m megatron_deepep.tools.report "$out/metrics" || true
-  fi
+  echo "$name.sh: scaled-down proxy (${TRAIN_ITERS:-30} steps, EP = GPUs of this machine;" \
+    "without a GPU ${CPU_TRAIN_ITERS:-10} steps on 2 CPU processes), run folder $out" >&2
+  TRAIN_ITERS=${TRAIN_ITERS:-30} CPU_TRAIN_ITERS=${CPU_TRAIN_ITERS:-10} METRICS=${METRICS:-1} \
+    OUT=$out MDEEP_GROUPED_MM_EXPERTS=$grouped FAMILY=$name \
+    bash "$REPO_DIR/examples/run_gpt_moe.sh" "${args[@]}"
 }
 
 _full() {

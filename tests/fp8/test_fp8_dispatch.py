@@ -165,7 +165,8 @@ _M = quantize(torch.randn(4, 64).to(torch.bfloat16), FORMATS["mxfp8_1x32"])
 @pytest.mark.parametrize("x, kwargs, match", [
     (torch.zeros(4, 24, dtype=torch.bfloat16), dict(fp8="blockwise_1x128"),
      r"hidden % 16 == 0.*hidden=24"),
-    (torch.zeros(4, 512, dtype=torch.bfloat16), dict(fp8="mxfp8_1x32"), "Buffer's hidden=256"),
+    (torch.zeros(4, 512, dtype=torch.bfloat16), dict(fp8="mxfp8_1x32"),
+     "rows of 512 elements; the Buffer's rows hold 256 bf16 elements"),
     (torch.zeros(4, 64), dict(fp8="blockwise_1x128"), "x must have dtype"),
     ((_Q[0].view(torch.uint8), _Q[1]), dict(fp8="blockwise_1x128"), "x_fp8 must have dtype"),
     ((_Q[0], _Q[1][:, :0]), dict(fp8="blockwise_1x128"), r"x_scales must have shape.*\[4, 1\]"),

@@ -387,3 +387,108 @@ def test_deepseek_proxy_moe_layers_train_on_cpu(tmp_path):
     assert [json.loads(ln)["step"] for ln in lines] == [-1] + list(range(steps))
     steady = sorted(report["step_s"][1:])[len(report["step_s"][1:]) // 2]
     assert max(report["step_s"][2:]) < 4 * steady + 0.5, report["step_s"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Without a GPU: the template trains its own flags on the CPU, never the generic demo.
+
+def _megatron_flags():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "megatron_flags", os.path.join(ROOT, "examples", "megatron_flags.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["megatron_flags"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cpu_proxy_places_every_flag_of_the_family(name):
+    """Every proxy flag reaches the CPU run's model (the family's experts, top-k and routing)
+    or is dropped with its reason; none is ignored silently."""
+    mf = _megatron_flags()
+    flags = proxy_flags(name)
+    placed = mf.parse(flags)
+    shape = sweep.FAMILIES[name]
+    assert (placed.args["num_experts"], placed.args["topk"]) == (shape.experts, shape.topk)
+    given = as_dict(flags)
+    assert placed.deepep["fp8_dispatch"] == given["--moe-mdeep-fp8-dispatch"]
+    dropped = dict(placed.dropped)
+    assert set(dropped) == {"--moe-mdeep-num-sms"}, dropped  # the kernels' SM budget only
+    for flag, text in given.items():
+        field = flag[2:].replace("-", "_")
+        assert (flag in mf.ARGS or flag in mf.MODEL or flag in dropped or flag in mf.IMPLIED
+                or flag == "--swiglu" or field in placed.config
+                or field[len("moe_mdeep_"):] in placed.deepep), flag
+    if "--moe-router-num-groups" in given:  # DeepSeek-V3's group-limited routing
+        assert placed.config["moe_router_num_groups"] == int(given["--moe-router-num-groups"])
+        assert placed.config["moe_router_group_topk"] == int(given["--moe-router-group-topk"])
+    with pytest.raises(mf.FlagError, match=r"^--no-such-flag is no TransformerConfig field"):
+        mf.parse(flags + ["--no-such-flag", "3"])
+
+
+def test_template_without_a_gpu_passes_its_flags_to_the_cpu_run(tmp_path):
+    """`bash examples/configs/<family>.sh` on a machine without a GPU: run_gpt_moe.sh's CPU path
+    gets the family's flags after `--`, its name, the metrics folder and CPU_TRAIN_ITERS (a
+    stand-in python records the command; prepare_env says "cpu-demo")."""
+    record = tmp_path / "argv.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+case "$1" in
+  *prepare_env.py) echo "cpu-demo 0" ;;
+  -m) printf '%s\\n' "$@" > {record} ;;
+esac
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / "run"))
+    for key in ("DRY_RUN", "MODE", "METRICS", "CPU_TRAIN_ITERS", "TRAIN_ITERS"):
+        env.pop(key, None)
+    done = subprocess.run(["bash", os.path.join(CONFIGS, "deepseek_v3.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    argv = record.read_text().splitlines()
+    assert argv[argv.index("--steps") + 1] == "10"
+    assert argv[argv.index("--metrics-dir") + 1] == str(tmp_path / "run" / "metrics")
+    assert argv[argv.index("--name") + 1] == "deepseek_v3"
+    assert argv[argv.index("--") + 1:] == proxy_flags("deepseek_v3")
+    assert "the model of the flags above, on the CPU" in done.stderr
+    assert "--plot-only" in done.stderr
+
+
+@pytest.mark.wall_time  # after the background compiles (conftest.py)
+def test_deepseek_cpu_proxy_trains_its_routing_and_writes_the_report(tmp_path):
+    """The DeepSeek-V3 proxy's flags through compare_dispatchers.py --cpu (what the template
+    runs without a GPU): says what it trains and drops, writes every metrics field, and the
+    report renders them."""
+    import json
+
+    flags = proxy_flags("deepseek_v3")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MDEEP_GROUPED_MM_EXPERTS="1",
+               MDEEP_COMM_SHARE_WARN="0",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    metrics_dir = tmp_path / "metrics"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(ROOT, "examples", "compare_dispatchers.py"), "--cpu", "--steps", "3",
+         "--out", str(tmp_path), "--metrics-dir", str(metrics_dir), "--name", "deepseek_v3",
+         "--", *flags], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert ("deepseek_v3: 4 MoE layers, hidden 256, 256 experts, top-8, sigmoid scores, expert "
+            "bias, a token's experts in 4 of 8 groups, seq_aux_loss, a shared expert") in out
+    assert "FP8 dispatch blockwise: quantized and dequantized in torch" in out
+    assert "dropped (no meaning in this run): --moe-mdeep-num-sms" in out
+    lines = [json.loads(ln) for ln in
+             (metrics_dir / "deepep_metrics_rank0.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [0, 1, 2] and len(lines[0]["layers"]) == 4
+    layer = lines[-1]["layers"]["1"]
+    for key in ("comm_share", "idle_share_time", "tokens_dropped", "expert_ms_per_rank"):
+        assert key in layer, key
+    assert len(layer["tokens_per_expert"]) == 256 and len(layer["tokens_per_rank"]) == 2
+    report = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "report.py"),
+                             str(metrics_dir), "--no-png"], capture_output=True, text=True,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr
+    text = (metrics_dir / "report.html").read_text(encoding="utf-8")
+    assert "4 MoE layer(s), EP = 2, 256 experts" in text and "comm share not recorded" not in text

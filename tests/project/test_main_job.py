@@ -35,7 +35,7 @@ prepare = _load("prepare_env")
 
 def _found(**kw):
     base = dict(python=(3, 11, 7), num_gpus=0, torch=None, megatron_core=None,
-                megatron_training=False, pyyaml=None, nvrtc=False)
+                megatron_training=False, pyyaml=None, nvrtc=False, matplotlib="3.10.0")
     base.update(kw)
     return prepare.Found(**base)
 
@@ -44,6 +44,14 @@ def test_fresh_cpu_machine_installs_the_pinned_torch_and_megatron_core_for_the_d
     todo = prepare.plan(_found())
     assert todo.path == "cpu-demo"
     assert todo.requirements == [prepare.TORCH_PIN, "megatron-core" + prepare.MEGATRON_CORE]
+
+
+@pytest.mark.parametrize("num_gpus", [0, 8])
+def test_the_main_job_installs_matplotlib_so_it_plots(num_gpus):
+    everything = dict(python=(3, 12, 1), torch="2.13.0", megatron_core="0.19.2",
+                      megatron_training=True, pyyaml="6.0", nvrtc=True)
+    todo = prepare.plan(_found(num_gpus=num_gpus, matplotlib=None, **everything))
+    assert todo.requirements == ["matplotlib"]  # nothing else: it was all there
 
 
 def test_cpu_machine_with_everything_installs_nothing():
@@ -133,7 +141,12 @@ def test_one_test_command_everywhere():
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 def test_cpu_demo_trains_deepep_beside_alltoall_with_the_same_losses(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    """... and writes the dispatcher's metrics on the CPU too (`MDEEP_METRICS=1
+    MDEEP_METRICS_DIR`: one JSON line per step, deepep's run only)."""
+    import json
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MDEEP_METRICS="1",
+               MDEEP_METRICS_DIR=str(tmp_path / "metrics"),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -147,6 +160,10 @@ def test_cpu_demo_trains_deepep_beside_alltoall_with_the_same_losses(tmp_path):
     losses = [(float(r[1]), float(r[2])) for r in rows]
     assert all(abs(a - b) < 1e-3 for a, b in losses), losses
     assert losses[-1][0] < losses[0][0]  # it learns
+    lines = (tmp_path / "metrics" / "deepep_metrics_rank0.jsonl").read_text().splitlines()
+    steps = [json.loads(ln) for ln in lines]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert {"comm_share", "idle_share_time", "tokens_dropped"} <= set(steps[0]["layers"]["1"])
     # The default runs name Megatron's fused-permute alltoall too; on the CPU it says why not.
     assert "alltoall (fused permute): skipped: Transformer Engine's fused permute" in done.stdout
     summary = json.loads((tmp_path / "step_times.json").read_text())
