@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Trains the tiny GPT-MoE N steps with `deepep` and with `alltoall` from one seed; compares.
 
-    python examples/compare_dispatchers.py --steps 50 --out compare_out          # 1 GPU, EP=1
+    python examples/compare_dispatchers.py --steps 50        # 1 GPU, EP=1; runs/compare_out
     torchrun --nproc-per-node 8 examples/compare_dispatchers.py --steps 50       # EP = 8
     python examples/compare_dispatchers.py --fp8-dispatch blockwise_1x128 --steps 200
-    python examples/compare_dispatchers.py --plot-only compare_out/step_times.json  # no GPU
+    python examples/compare_dispatchers.py --plot-only runs/compare_out/step_times.json  # no GPU
     python examples/compare_dispatchers.py --steps 20 --profile-steps 3   # + torch.profiler tables
     torchrun --nproc-per-node 2 examples/compare_dispatchers.py --cpu     # no GPU: 2 gloo ranks
     torchrun --nproc-per-node 2 examples/compare_dispatchers.py --cpu --metrics-dir m -- \
@@ -14,7 +14,7 @@ Megatron flags after `--` build that model instead of the default one
 (`examples/megatron_flags.py`: config fields, sizes, our `--moe-mdeep-*` options; what has no
 meaning here is dropped with one line naming it, an unknown flag is refused). `--metrics-dir`
 turns on the dispatcher's per-layer metrics for the deepep runs and writes their JSON lines
-there (`python -m megatron_deepep.tools.report DIR` renders them), as do `MDEEP_METRICS=1
+there (`python scripts/report.py DIR` renders them), as do `MDEEP_METRICS=1
 MDEEP_METRICS_DIR=DIR`.
 
 `--cpu` (what `bash examples/run_gpt_moe.sh` runs on a machine without a GPU) trains a smaller
@@ -34,7 +34,8 @@ is skipped, and the summary says why (`skipped`).
 
 `--fp8-dispatch FORMAT` compares `deepep` with FP8 dispatch (FORMAT on the wire; the local spec's
 experts get bf16 rows dequantized on the receiver) against `deepep` with bf16 dispatch instead of
-`deepep` against `alltoall`, and adds the max / mean relative loss difference per step.
+`deepep` against `alltoall`, and adds the max / mean relative loss difference per step (with
+`--cpu` the reference transport quantizes and dequantizes the rows in torch).
 
 Needs only megatron-core (not megatron.training, which 0.16's wheel lacks): GPTModel with the
 local (non-TE) layer spec, 4 layers, hidden 512, 8 experts, top-2, aux loss, bf16, random
