@@ -57,7 +57,6 @@ import torch
 from megatron_deepep import knobs
 from megatron_deepep.fp8 import columnwise, te_bridge
 from megatron_deepep.fp8.formats import BLOCKWISE_1x128, Fp8Format, ScaleKind
-from megatron_deepep.jit import NvrtcUnavailable
 from megatron_deepep.logs import log_once
 
 logger = logging.getLogger(__name__)
@@ -292,9 +291,11 @@ def columnwise_operands(x_fp8: torch.Tensor, scales: torch.Tensor, call: _Call) 
     if call.columnwise == COLUMNWISE_KERNEL:
         reason = te_bridge.columnwise_reason(x_fp8)
         if not reason:
+            from megatron_deepep import ops
+
             try:
                 return _columnwise_by_kernel(x_fp8, scales, call)
-            except (ImportError, NvrtcUnavailable) as exc:  # NVRTC cannot build the kernel
+            except (ImportError, ops.NvrtcUnavailable) as exc:  # NVRTC cannot build it
                 reason = f"{type(exc).__name__}: {exc}"
         log_once(logger, "megatron_deepep: FP8 experts make the columnwise copy by "
                  "dequantize + TE split_quantize: %s", reason)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from megatron_deepep.kernels import jit
+from megatron_deepep.kernels.jit import NvrtcUnavailable  # noqa: F401 (callers above ops catch it)
 from megatron_deepep.ops.bench.ceiling import (  # noqa: F401
     FanInArgs, FanOutArgs, FillArgs, PeerCopyArgs)
 from megatron_deepep.ops.bench.internode_leg import LegArgs  # noqa: F401
