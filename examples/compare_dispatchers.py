@@ -125,7 +125,7 @@ def parse_args(argv=None):
     args.flags = megatron_flags.MegatronFlags()
     if model_flags:
         try:
-            args.flags = megatron_flags.parse(model_flags)
+            args.flags = megatron_flags.parse(model_flags, cpu=args.cpu)
         except megatron_flags.FlagError as exc:
             p.error(str(exc))
         for key, value in args.flags.args.items():
@@ -352,8 +352,12 @@ def train(args, name):
 
     dispatcher, _, fp8 = name.partition(FP8_SUFFIX)
     # Dispatchers read their options when built: set the FP8 switch for this model only.
-    options = dict(args.flags.deepep, fp8_dispatch=fp8 or args.flags.deepep.get(
-        "fp8_dispatch", "off"), transport="reference" if args.cpu else "auto")
+    options = dict(args.flags.deepep)
+    options["fp8_dispatch"] = fp8 or options.get("fp8_dispatch", "off")
+    if args.cpu:
+        options["transport"] = "reference"
+    else:
+        options.setdefault("transport", "auto")
     metrics_dir = run_metrics_dir(args, name)
     if metrics_dir:
         options.update(metrics=True, metrics_dir=metrics_dir)

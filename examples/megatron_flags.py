@@ -25,11 +25,14 @@ ARGS = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
         "--vocab-size": "vocab_size", "--lr": "lr", "--seed": "seed"}
 #: GPTModel's own arguments.
 MODEL = {"--rotary-base": "rotary_base", "--position-embedding-type": "position_embedding_type"}
-#: Flags with no meaning in this run: the reason it says when it drops them.
-DROPPED = {
+#: Our flags with no meaning on the CPU (`--cpu`): the reason it says when it drops them.
+DROPPED_ON_CPU = {
     "--moe-mdeep-num-sms": "the SM budget of the kernels; the reference transport runs none",
     "--moe-mdeep-transport": "a machine without a GPU has the reference transport only",
     "--moe-mdeep-ranks-per-node": "the gloo ranks of this run are one node",
+}
+#: Flags with no meaning in this run: the reason it says when it drops them.
+DROPPED = {
     "--moe-mdeep-metrics": "metrics follow --metrics-dir (METRICS=1 in run_gpt_moe.sh)",
     "--moe-mdeep-metrics-dir": "metrics follow --metrics-dir (METRICS=1 in run_gpt_moe.sh)",
     "--moe-layer-freq": "every layer of this model is an MoE layer",
@@ -86,8 +89,9 @@ def value(text):
     return {"true": True, "false": False}.get(str(text).lower(), text)
 
 
-def parse(flags: Sequence[str]) -> MegatronFlags:
-    """Places every flag (the last of a repeated flag wins, as with argparse).
+def parse(flags: Sequence[str], cpu: bool = True) -> MegatronFlags:
+    """Places every flag (the last of a repeated flag wins, as with argparse); `cpu`: the run
+    is on the CPU (`DROPPED_ON_CPU` is dropped too).
 
     Raises:
         FlagError: a flag that is no `TransformerConfig` field and none this run knows.
@@ -108,8 +112,8 @@ def parse(flags: Sequence[str]) -> MegatronFlags:
             out.args[ARGS[flag]] = value(text)
         elif flag in MODEL:
             out.model[MODEL[flag]] = value(text)
-        elif flag in DROPPED:
-            out.dropped.append((flag, DROPPED[flag]))
+        elif flag in DROPPED or (cpu and flag in DROPPED_ON_CPU):
+            out.dropped.append((flag, DROPPED.get(flag) or DROPPED_ON_CPU[flag]))
         elif flag in IMPLIED:
             continue
         elif flag == "--swiglu":

@@ -426,6 +426,8 @@ def test_cpu_proxy_places_every_flag_of_the_family(name):
         assert placed.config["moe_router_group_topk"] == int(given["--moe-router-group-topk"])
     with pytest.raises(mf.FlagError, match=r"^--no-such-flag is no TransformerConfig field"):
         mf.parse(flags + ["--no-such-flag", "3"])
+    on_gpus = mf.parse(flags, cpu=False)  # the same flags on GPUs: the SM budget is kept
+    assert on_gpus.deepep["num_sms"] == 24 and not on_gpus.dropped
 
 
 def test_template_without_a_gpu_passes_its_flags_to_the_cpu_run(tmp_path):
