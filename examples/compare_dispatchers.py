@@ -14,7 +14,7 @@ Megatron flags after `--` build that model instead of the default one
 (`examples/megatron_flags.py`: config fields, sizes, our `--moe-mdeep-*` options; what has no
 meaning here is dropped with one line naming it, an unknown flag is refused). `--metrics-dir`
 turns on the dispatcher's per-layer metrics for the deepep runs and writes their JSON lines
-there (`python scripts/report.py DIR` renders them), as do `MDEEP_METRICS=1
+there (`python -m megatron_deepep.tools.report DIR` renders them), as do `MDEEP_METRICS=1
 MDEEP_METRICS_DIR=DIR`.
 
 `--cpu` (what `bash examples/run_gpt_moe.sh` runs on a machine without a GPU) trains a smaller

@@ -29,6 +29,8 @@ import os
 import re
 import sys
 
+from megatron_deepep import knobs
+
 INSTALL_HINT = "plot_metrics.py needs matplotlib to draw: pip install matplotlib"
 
 
@@ -216,10 +218,9 @@ def plot_monitoring(plt, steps, layers, out_dir: str, limit: float = None) -> st
 
 
 def _comm_share_limit() -> float:
-    """`MDEEP_COMM_SHARE_WARN` as a fraction (default 20%)."""
-    text = os.environ.get("MDEEP_COMM_SHARE_WARN", "").strip()
+    """`MDEEP_COMM_SHARE_WARN` as a fraction (20% unset or unreadable)."""
     try:
-        return (float(text) if text else 20.0) / 100.0
+        return float(knobs.get("COMM_SHARE_WARN")) / 100.0
     except ValueError:
         return 0.2
 

@@ -3,7 +3,7 @@
     python -m megatron_deepep.tools.report METRICS_DIR [--out report.html] [--comm-share-limit 20]
 
 The one command that turns any run's metrics folder into its report. Beside the HTML it also
-writes the PNG figures of `scripts/plot_metrics.py` (load heatmaps, communication per layer,
+writes the PNG figures of `tools/plot_metrics.py` (load heatmaps, communication per layer,
 comm share / idle share / drops per step) where matplotlib is installed, and says so in one
 line where it is not (`--no-png`: the HTML only).
 
@@ -523,11 +523,8 @@ def main(argv=None) -> int:
 
 def write_pngs(metrics_dir: str, out_dir: str, limit: float) -> list:
     """The plot_metrics.py figures into `out_dir` (printed); without matplotlib, one line."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        import plot_metrics
-    finally:
-        sys.path.pop(0)
+    from megatron_deepep.tools import plot_metrics
+
     try:
         plt = plot_metrics._pyplot()
     except plot_metrics.MissingDependency:

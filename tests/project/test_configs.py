@@ -488,9 +488,9 @@ def test_deepseek_cpu_proxy_trains_its_routing_and_writes_the_report(tmp_path):
     for key in ("comm_share", "idle_share_time", "tokens_dropped", "expert_ms_per_rank"):
         assert key in layer, key
     assert len(layer["tokens_per_expert"]) == 256 and len(layer["tokens_per_rank"]) == 2
-    report = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "report.py"),
+    report = subprocess.run([sys.executable, "-m", "megatron_deepep.tools.report",
                              str(metrics_dir), "--no-png"], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, env=env)
     assert report.returncode == 0, report.stderr
     text = (metrics_dir / "report.html").read_text(encoding="utf-8")
     assert "4 MoE layer(s), EP = 2, 256 experts" in text and "comm share not recorded" not in text
