@@ -200,7 +200,7 @@ def test_auto_logs_its_choice_once_per_process(caplog, monkeypatch):
     import logging
 
     import torch.distributed as dist
-    from tests.distributed import free_port
+    from tests.helpers.distributed import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
