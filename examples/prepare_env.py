@@ -182,8 +182,8 @@ PATHS = {
     "megatron-training": "train the GPT-MoE with megatron.training (examples/pretrain_gpt_moe.py)",
     "megatron-core": "train the GPT-MoE on megatron-core alone "
                      "(examples/compare_dispatchers.py)",
-    "cpu-demo": "no GPU, so the CPU demonstration: the tiny GPT-MoE, a few steps on 2 gloo "
-                "ranks, deepep (reference transport) beside alltoall",
+    "cpu-demo": "no GPU, so a CPU run: the tiny GPT-MoE (or the model of the flags given), a "
+                "few steps on 2 gloo ranks, deepep (reference transport) beside alltoall",
 }
 
 
