@@ -109,7 +109,9 @@ def plot(steps, out_dir: str, limit: float = None):
         step_ids = [s["step"] for s in steps if str(layer) in s["layers"]]
         im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
                        extent=(-0.5, grid.shape[1] - 0.5, step_ids[-1] + 0.5, step_ids[0] - 0.5))
-        ax.set_title(f"layer {layer}: imbalance {rows_[-1]['load_imbalance']:.2f}")
+        imbalance = rows_[-1].get("load_imbalance")
+        ax.set_title(f"layer {layer}: imbalance "
+                     + (f"{imbalance:.2f}" if imbalance is not None else "not recorded"))
         ax.set_xlabel("expert")
         ax.set_ylabel("step")
         fig.colorbar(im, ax=ax, label="tokens")
@@ -120,7 +122,8 @@ def plot(steps, out_dir: str, limit: float = None):
     plt.close(fig)
 
     def med(layer, key):
-        return _median([s["layers"][str(layer)][key] for s in steps if str(layer) in s["layers"]])
+        return _median([s["layers"][str(layer)].get(key, 0.0) for s in steps
+                        if str(layer) in s["layers"]])
 
     disp = [med(l, "dispatch_ms") for l in layers]
     comb = [med(l, "combine_ms") for l in layers]

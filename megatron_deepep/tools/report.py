@@ -533,7 +533,12 @@ def write_pngs(metrics_dir: str, out_dir: str, limit: float) -> list:
         return []
     del plt
     _, steps = plot_metrics.load(metrics_dir)
-    paths = list(plot_metrics.plot(steps, out_dir, limit))
+    try:
+        paths = list(plot_metrics.plot(steps, out_dir, limit))
+    except (KeyError, ValueError) as exc:  # a file without a field every figure needs
+        print(f"report.py: PNG figures not drawn: the metrics lack what they need "
+              f"({type(exc).__name__}: {exc}); the HTML report above has every chart")
+        return []
     for path in paths:
         print(path)
     return paths
