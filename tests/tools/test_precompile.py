@@ -157,7 +157,6 @@ def test_internode_modules_are_the_ones_the_transport_links(capsys, monkeypatch)
     assert not [s for s, _ in _listed(capsys, "--topk", "8") if s in sources]
 
 
-
 class _FakeNvrtcNoLibrary:
     """cuda.bindings' nvrtc as installed without the nvidia-cuda-nvrtc wheel: the module
     imports, its first call fails to load the library (cuda.pathfinder's error)."""
