@@ -253,22 +253,30 @@ def _patch_moe_layer() -> None:
         if not is_deepep(config):
             return original(self, config, *args, **kwargs)
         slots_box[0] = _slots_per_rank(config, args, kwargs)
-        experts_spec = getattr(kwargs.get("submodules", args[0] if args else None),
-                               "experts", None)
-        build = moe_layer.build_module
+        submodules = kwargs.get("submodules", args[0] if args else None)
+        experts_spec = getattr(submodules, "experts", None)
+        # The experts get S local experts too: before 0.19 MoELayer builds them through
+        # moe_layer.build_module(spec, num_local_experts, ...), from 0.19 it calls
+        # submodules.experts(num_local_experts, ...) itself.
+        build = getattr(moe_layer, "build_module", None)
 
-        def build_module(spec, *a, **kw):  # the experts get S local experts too
+        def build_module(spec, *a, **kw):
             if slots_box[0] is not None and spec is experts_spec and a:
                 a = (slots_box[0],) + a[1:]
             return build(spec, *a, **kw)
 
-        try:
-            with _temporarily(moe_layer, _BUILD_AS_CLASS, build_dispatcher), \
-                    _temporarily(moe_layer, "build_module", build_module), \
-                    _dispatcher_type_as(config, _BUILD_AS):
-                original(self, config, *args, **kwargs)
-        finally:
-            slots_box[0] = None
+        def build_experts(num_local_experts, *a, **kw):
+            return experts_spec(slots_box[0], *a, **kw)
+
+        with contextlib.ExitStack() as stack:
+            stack.callback(slots_box.__setitem__, 0, None)
+            stack.enter_context(_temporarily(moe_layer, _BUILD_AS_CLASS, build_dispatcher))
+            if build is not None:
+                stack.enter_context(_temporarily(moe_layer, "build_module", build_module))
+            elif slots_box[0] is not None and callable(experts_spec):
+                stack.enter_context(_temporarily(submodules, "experts", build_experts))
+            stack.enter_context(_dispatcher_type_as(config, _BUILD_AS))
+            original(self, config, *args, **kwargs)
         if not isinstance(self.token_dispatcher, DeepEPTokenDispatcher):
             raise RuntimeError("megatron_deepep: MoELayer did not build the deepep dispatcher; "
                                "this Megatron version needs the patch from patches/")
