@@ -17,6 +17,7 @@ import stat
 import pytest
 
 from megatron_deepep.kernels import cache_trust, jit
+from tests.helpers.nvshmem_fakes import fake_nvshmem_link
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC compile checks need cuda-bindings: "
                     "pip install cuda-bindings")
@@ -220,22 +221,7 @@ def test_a_shim_in_a_world_writable_folder_goes_to_a_private_one(cache, caplog, 
 @needs_root
 def test_a_planted_linked_entry_is_refused_and_relinked(cache, monkeypatch, caplog):
     from megatron_deepep.kernels import nvshmem_link
-    try:
-        nvshmem_link.nvshmem_paths()
-        nvshmem_link._bindings()
-    except nvshmem_link.NvshmemUnavailable as exc:
-        pytest.skip(f"NVSHMEM link wheels not installed ({str(exc).split('. ')[0]})")
-    links = []
-
-    def fake_compile(nvrtc, code, name, exprs, opts):
-        return b"unit " + name.encode(), {e: f"_Z{len(e)}{e}" for e in exprs}
-
-    def fake_link(nvjitlink, units, library, arch, context):
-        links.append(context)
-        return b"\x7fELF linked " + context.encode()
-
-    monkeypatch.setattr(nvshmem_link, "_nvrtc_compile", fake_compile)
-    monkeypatch.setattr(nvshmem_link, "_nvjitlink", fake_link)
+    links = fake_nvshmem_link(monkeypatch)
     names = ["internode_leg_send"]
     first = nvshmem_link.link_cubin("bench/internode_leg.cu", names, "sm_90")
     (entry,) = (cache / "nvshmem").glob("*.kernel")

@@ -15,6 +15,7 @@ import multiprocessing
 import pytest
 
 from megatron_deepep.kernels import cache_trust, jit
+from tests.helpers.nvshmem_fakes import fake_nvshmem_link
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC compile checks need NVRTC: "
                     "pip install -e '.[jit]'")
@@ -177,25 +178,9 @@ def test_processes_racing_on_one_fresh_cache_directory(tmp_path):
 def test_nvshmem_link_cache_is_one_checked_file(tmp_path, monkeypatch):
     """nvshmem_link's cache: names and cubin in one entry; a damaged one is relinked."""
     from megatron_deepep.kernels import nvshmem_link
-    try:
-        nvshmem_link.nvshmem_paths()
-        nvshmem_link._bindings()
-    except nvshmem_link.NvshmemUnavailable as exc:
-        pytest.skip(f"NVSHMEM link wheels not installed ({str(exc).split('. ')[0]}); "
-                    f"pip install {nvshmem_link.PIP_PACKAGES}")
     monkeypatch.setenv("MDEEP_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MDEEP_JIT_NO_CACHE", raising=False)
-    links = []
-
-    def fake_compile(nvrtc, code, name, exprs, opts):
-        return b"unit " + name.encode(), {e: f"_Z{len(e)}{e}" for e in exprs}
-
-    def fake_link(nvjitlink, units, library, arch, context):
-        links.append(context)
-        return b"\x7fELF linked " + context.encode()
-
-    monkeypatch.setattr(nvshmem_link, "_nvrtc_compile", fake_compile)
-    monkeypatch.setattr(nvshmem_link, "_nvjitlink", fake_link)
+    links = fake_nvshmem_link(monkeypatch)
     names = ["internode_leg_send", "internode_leg_wait"]
     first = nvshmem_link.link_cubin("bench/internode_leg.cu", names, "sm_90")
     (entry,) = (tmp_path / "nvshmem").glob("*.kernel")
