@@ -21,8 +21,10 @@ MDEEP_METRICS_DIR=DIR`.
 GPT-MoE (2 layers, hidden 128, 4 experts) on the CPU over gloo, `deepep` on the pure-torch
 reference transport beside Megatron's `alltoall`, each in a fresh process per rank as on the GPU
 (oneDNN's per-shape bf16 GEMM kernels play the part of cuBLAS's heuristics: a second run in the
-same process found them built and ran ~25 ms per step faster), and prints the two loss curves
-side by side. Megatron-core's modules put their buffers on
+same process found them built and ran ~25 ms per step faster), twice in alternating order
+(`--rounds 2`: deepep, alltoall, alltoall, deepep; on a shared CPU a load that changes during
+the comparison would otherwise weigh on one run alone), and prints the two loss curves side by
+side. Megatron-core's modules put their buffers on
 `torch.cuda.current_device()` and its `alltoall` dispatcher copies counts on a CUDA side stream:
 `--cpu` maps both to the CPU in this process (`allow_megatron_on_cpu`).
 
@@ -70,9 +72,9 @@ import megatron_flags  # noqa: E402  (examples/megatron_flags.py, beside this fi
 
 #: Sizes of the GPU runs and of the `--cpu` demonstration (an option left unset takes these).
 GPU_DEFAULTS = dict(steps=50, seq_length=512, micro_batch_size=4, num_layers=4, hidden_size=512,
-                    num_experts=8, vocab_size=8192, lr=3e-4, motifs=0)
+                    num_experts=8, vocab_size=8192, lr=3e-4, motifs=0, rounds=1)
 CPU_DEFAULTS = dict(steps=20, seq_length=128, micro_batch_size=2, num_layers=2, hidden_size=128,
-                    num_experts=4, vocab_size=1024, lr=3e-3, motifs=4)
+                    num_experts=4, vocab_size=1024, lr=3e-3, motifs=4, rounds=2)
 
 
 def parse_args(argv=None):
@@ -115,12 +117,21 @@ def parse_args(argv=None):
                    help="train every run in this process (default: each in a fresh process, "
                         "so none inherits the kernel and GEMM-heuristic caches warmed by the "
                         "one before: with the same seed the expert GEMM shapes repeat)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="fresh-process rounds of every run, each round in the reverse order of "
+                        "the one before (deepep, alltoall, alltoall, deepep: a load that drifts "
+                        "during the comparison weighs on both); the median step pools every "
+                        "round's timed steps, the losses are the first round's (1 on GPUs, 2 "
+                        "with --cpu)")
     p.add_argument("--only-run", default=None, help=argparse.SUPPRESS)  # a child's one run
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)  # ... in this round
     p.add_argument("--plot-only", default=None, metavar="JSON",
                    help="redraw loss_curves.png from a step_times.json (no GPU needed)")
     argv = list(sys.argv[1:] if argv is None else argv)
     model_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     args.model_flags = model_flags
     args.flags = megatron_flags.MegatronFlags()
     if model_flags:
@@ -358,7 +369,7 @@ def train(args, name):
         options["transport"] = "reference"
     else:
         options.setdefault("transport", "auto")
-    metrics_dir = run_metrics_dir(args, name)
+    metrics_dir = run_metrics_dir(args, name) if args.round == 0 else None
     if metrics_dir:
         options.update(metrics=True, metrics_dir=metrics_dir)
     mdm.register_deepep_dispatcher(**options)
@@ -565,6 +576,7 @@ def main(argv=None):
         summary = summarize(results, args.steps, args.warmup_steps, world_size,
                             "cpu" if args.cpu else torch.cuda.get_device_name(), skipped)
         summary["fresh_process_per_run"] = not args.same_process
+        summary["rounds"] = 1 if args.same_process else args.rounds
         if args.fp8_dispatch:
             summary["fp8_dispatch"] = args.fp8_dispatch
         with open(os.path.join(args.out, "step_times.json"), "w") as f:
@@ -575,7 +587,8 @@ def main(argv=None):
         if args.cpu:
             times = " / ".join(f"{v:.0f}" for v in summary["median_step_time_ms"].values())
             fresh = ("one process for all runs" if args.same_process
-                     else "each run in a fresh process")
+                     else f"each run in a fresh process, {args.rounds} rounds pooled"
+                     if args.rounds > 1 else "each run in a fresh process")
             print(f"{' and '.join(curves)}: max |loss difference| "
                   f"{summary.get('max_abs_loss_diff', 0.0):.2e} over {args.steps} steps; "
                   f"median step {times} ms on the CPU ({fresh}; deepep on the pure-torch "
@@ -635,8 +648,9 @@ def _file_stem(name: str) -> str:
     return name.replace(":", "_").replace("+", "_")
 
 
-def _run_file(args, name) -> str:
-    return os.path.join(args.out, f"run_{_file_stem(name)}.json")
+def _run_file(args, name, round_index=0) -> str:
+    suffix = f"_round{round_index}" if round_index else ""
+    return os.path.join(args.out, f"run_{_file_stem(name)}{suffix}.json")
 
 
 def train_one_run(args) -> int:
@@ -645,39 +659,71 @@ def train_one_run(args) -> int:
     losses, times = train_with_plugin(args, args.only_run)
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
-        with open(_run_file(args, args.only_run), "w") as f:
+        with open(_run_file(args, args.only_run, args.round), "w") as f:
             json.dump({"losses": losses, "times": times}, f)
     dist.destroy_process_group()
     return 0
 
 
-def train_in_fresh_processes(args, argv, runs=None):
-    """Runs each dispatcher in a child process of every rank; returns {run: (losses, times)}.
+def round_orders(runs, rounds):
+    """The order of the runs in each round: as given, then reversed, and so on (ABBA)."""
+    return [list(runs) if i % 2 == 0 else list(reversed(runs)) for i in range(rounds)]
 
-    Under torchrun every rank starts its child for run i at once; the children meet on
-    MASTER_PORT + 1 + i, so no two runs share a rendezvous. Rank 0's child serves that store
-    itself: torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) listens on MASTER_PORT only.
+
+def pool_rounds(per_round, warmup_steps):
+    """One run's `(losses, times)` from its rounds' `[(losses, times), ...]`: the first round's
+    losses, and its times followed by every later round's timed steps (their first
+    `warmup_steps` left out, as `summarize` leaves out the first round's)."""
+    losses, times = per_round[0]
+    times = list(times)
+    for _, later in per_round[1:]:
+        times.extend(later[warmup_steps:])
+    return losses, times
+
+
+def train_in_fresh_processes(args, argv, runs=None):
+    """Runs each dispatcher in a child process of every rank, `args.rounds` times in
+    `round_orders`; returns {run: (losses, times)} pooled by `pool_rounds`.
+
+    Under torchrun every rank starts its child for one run of one round at once; the children
+    meet on their own port above MASTER_PORT, so no two runs share a rendezvous. Rank 0's child
+    serves that store itself: torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) listens on
+    MASTER_PORT only. Rounds after the first record no metrics (the first round's are the run's).
     """
     import subprocess
 
     argv = list(sys.argv[1:] if argv is None else argv)
     base_port = int(os.environ.get("MASTER_PORT", "29533"))
-    results = {}
-    for i, name in enumerate(run_names(args) if runs is None else runs):
-        env = dict(os.environ, MASTER_PORT=str(base_port + 1 + i))
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        # Our options go before `--` (what follows it are the model's Megatron flags).
-        split = argv.index("--") if "--" in argv else len(argv)
-        cmd = [sys.executable, os.path.abspath(__file__), *argv[:split], "--only-run", name,
-               *argv[split:]]
-        done = subprocess.run(cmd, env=env)
-        if done.returncode != 0:
-            raise SystemExit(f"run {name!r} failed (exit {done.returncode}): {' '.join(cmd)}")
-        if int(os.environ.get("RANK", "0")) == 0:
-            with open(_run_file(args, name)) as f:
-                run = json.load(f)
-            results[name] = (run["losses"], run["times"])
-    return results
+    runs = run_names(args) if runs is None else runs
+    per_run = {name: [] for name in runs}
+    # Our options go before `--` (what follows it are the model's Megatron flags).
+    split = argv.index("--") if "--" in argv else len(argv)
+    launch = 0
+    for round_index, order in enumerate(round_orders(runs, args.rounds)):
+        for name in order:
+            launch += 1
+            env = dict(os.environ, MASTER_PORT=str(base_port + launch))
+            env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+            if round_index:
+                env["MDEEP_METRICS"] = "0"
+            cmd = [sys.executable, os.path.abspath(__file__), *argv[:split], "--only-run", name,
+                   "--round", str(round_index), *argv[split:]]
+            done = subprocess.run(cmd, env=env)
+            if done.returncode != 0:
+                raise SystemExit(f"run {name!r} failed (exit {done.returncode}): {' '.join(cmd)}")
+            if int(os.environ.get("RANK", "0")) == 0:
+                with open(_run_file(args, name, round_index)) as f:
+                    run = json.load(f)
+                per_run[name].append((run["losses"], run["times"]))
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    for name, rounds in per_run.items():
+        drift = max((abs(a - b) for later, _ in rounds[1:] for a, b in zip(later, rounds[0][0])),
+                    default=0.0)
+        if drift:
+            print(f"{run_label(name)}: the rounds' losses differ by up to {drift:.2e} (the "
+                  "first round's are compared)", flush=True)
+    return {name: pool_rounds(rounds, args.warmup_steps) for name, rounds in per_run.items()}
 
 
 if __name__ == "__main__":

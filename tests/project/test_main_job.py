@@ -194,6 +194,24 @@ def test_comparison_runs_alltoall_with_and_without_fused_permute(monkeypatch):
     assert diffs["alltoall"]["max_rel_loss_diff"] == pytest.approx(0.1)
 
 
+def test_cpu_comparison_alternates_the_order_and_pools_the_rounds():
+    """`--cpu` runs two rounds, the second in reverse order, so that a load drifting during the
+    comparison weighs on both dispatchers; the first round's warm-up steps are left out by
+    `summarize`, later rounds' here."""
+    example = _load("compare_dispatchers")
+    assert example.parse_args(["--cpu"]).rounds == 2 and example.parse_args([]).rounds == 1
+    assert example.round_orders(["deepep", "alltoall"], 3) == [
+        ["deepep", "alltoall"], ["alltoall", "deepep"], ["deepep", "alltoall"]]
+    first = ([3.0, 2.0, 1.0], [9.0, 1.0, 2.0])
+    second = ([3.0, 2.0, 1.0], [8.0, 3.0, 4.0])
+    losses, times = example.pool_rounds([first, second], warmup_steps=1)
+    assert losses == first[0] and times == [9.0, 1.0, 2.0, 3.0, 4.0]
+    summary = example.summarize({"deepep": (losses, times)}, 3, 1, 2, "cpu")
+    assert summary["median_step_time_ms"]["deepep"] == pytest.approx(2500.0)
+    with pytest.raises(SystemExit):
+        example.parse_args(["--rounds", "0"])
+
+
 def test_run_gpt_moe_maps_alltoall_fused_to_megatrons_flag():
     with open(os.path.join(ROOT, "examples", "run_gpt_moe.sh")) as f:
         text = f.read()
