@@ -10,10 +10,11 @@ CUDA kernels compiled at run time (NVRTC, nvJitLink), with a pure-torch referenc
 from megatron_deepep import autograd
 from megatron_deepep.buffer import Buffer, get_buffer
 from megatron_deepep.events import EventHandle
+from megatron_deepep.fp8.dispatch import Fp8Dispatch
 from megatron_deepep.handle import DispatchHandle
 from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.errors import PeerTimeoutError
 
 __all__ = ["Buffer", "get_buffer", "EventHandle", "DispatchHandle", "DispatchLayout",
-           "PeerTimeoutError", "autograd"]
+           "Fp8Dispatch", "PeerTimeoutError", "autograd"]
 __version__ = "0.1.0"

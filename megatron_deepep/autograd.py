@@ -32,6 +32,7 @@ import torch
 
 from megatron_deepep import validate
 from megatron_deepep.buffer import Buffer
+from megatron_deepep.fp8.dispatch import Fp8Dispatch, check_fp8_argument
 from megatron_deepep.handle import DispatchHandle
 from megatron_deepep.logs import log_once
 
@@ -139,7 +140,7 @@ class _Combine(torch.autograd.Function):
 
 def dispatch(buffer, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
              num_experts: int, expert_alignment: int = 1,
-             num_max_recv_rows: Optional[int] = None, fp8=None, fp8_output: str = "fp8"
+             num_max_recv_rows: Optional[int] = None, fp8: Optional[Fp8Dispatch] = None
              ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Differentiable dispatch.
 
@@ -152,18 +153,16 @@ def dispatch(buffer, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
         num_experts: E.
         expert_alignment: pad every local expert's segment to this many rows.
         num_max_recv_rows: an upper bound on the received rows: no host synchronization.
-        fp8: None, a format name, an `Fp8Format` or an `Fp8Dispatch` (as `Buffer.dispatch`).
-        fp8_output: "fp8" (TE quantized tensor when TE's recipe matches, else bf16) or "bf16";
-            see the module docstring.
+        fp8: None or an `Fp8Dispatch` (as `Buffer.dispatch`); its output "fp8" gives TE's
+            quantized tensor when TE's recipe matches, else bf16 rows (see the module
+            docstring).
 
     Returns:
         `recv_x [M, H]` (bf16 rows or a TE quantized tensor under FP8), `recv_weights [M]`
         float32 and the handle.
     """
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch, check_output
-
     _check_buffer(buffer)
-    spec, wrap = resolve_fp8_output(as_fp8_dispatch(fp8, check_output(fp8_output)))
+    spec, wrap = resolve_fp8_output(check_fp8_argument(fp8))
     x_scales = None
     if isinstance(x, (tuple, list)):
         validate.check_x_sequence(x, spec is not None)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_deepep import ops, validate
 from megatron_deepep import transport as transport_module
 from megatron_deepep.events import EventHandle
+from megatron_deepep.fp8.dispatch import Fp8Dispatch, check_fp8_argument
 from megatron_deepep.handle import DispatchHandle
 from megatron_deepep.layout import DispatchLayout
 
@@ -244,7 +245,7 @@ class Buffer:
                  layout: Optional[DispatchLayout] = None, expert_alignment: int = 1,
                  num_max_recv_rows: Optional[int] = None,
                  previous_event: Optional[EventHandle] = None, async_finish: bool = False,
-                 fp8=None, fp8_output: str = "fp8"
+                 fp8: Optional[Fp8Dispatch] = None
                  ) -> Tuple[object, Optional[torch.Tensor], DispatchHandle, EventHandle]:
         """Sends every token once per destination rank and expands it into expert-major rows.
 
@@ -268,14 +269,13 @@ class Buffer:
                 unspecified, and a bound that is too small is reported as an error.
             previous_event: wait for this event instead of the current stream.
             async_finish: return an event instead of making the current stream wait.
-            fp8: None (bf16 rows on the wire), or FP8 dispatch: a format name
-                ("blockwise_1x128", "blockwise_1x128_fp32_scales", "mxfp8_1x32"), an
-                `fp8.Fp8Format`, or an `fp8.dispatch.Fp8Dispatch` (which carries its output).
-                Needs H % 16 == 0. Each token is quantized on its own (TE's recipe rules), so the
-                rows are those of the bf16 dispatch of `fp8.quantize(x)`.
-            fp8_output: with `fp8` given as a name or format: "fp8" (`recv_x` is the pair
-                `(recv_x_fp8 [M, H] float8_e4m3fn, recv_scales [M, num_blocks])`, padding rows
-                all zero bytes) or "bf16" (`recv_x [M, H]` bf16, dequantized on the receiver).
+            fp8: None (bf16 rows on the wire) or an `Fp8Dispatch` (`Fp8Dispatch.named(
+                "blockwise")`, `Fp8Dispatch(MXFP8_1x32, output="bf16")`): its format travels
+                and its output says what `recv_x` is: "fp8", the pair `(recv_x_fp8 [M, H]
+                float8_e4m3fn, recv_scales [M, num_blocks])`, padding rows all zero bytes;
+                "bf16", `recv_x [M, H]` bf16, dequantized on the receiver. Needs H % 16 == 0.
+                Each token is quantized on its own (TE's recipe rules), so the rows are those
+                of the bf16 dispatch of `fp8.quantize(x)`.
 
         Returns:
             `recv_x [M, H]` (rows grouped by local expert, each expert's rows ordered by source
@@ -287,9 +287,9 @@ class Buffer:
                 x, topk_idx, topk_weights, num_experts=num_experts, handle=handle,
                 layout=layout, expert_alignment=expert_alignment,
                 num_max_recv_rows=num_max_recv_rows, previous_event=previous_event,
-                async_finish=async_finish, fp8=fp8, fp8_output=fp8_output)
+                async_finish=async_finish, fp8=fp8)
         _check_call_options(previous_event, async_finish)
-        x, x_scales, spec = self._dispatch_input(x, fp8, fp8_output)
+        x, x_scales, spec = self._dispatch_input(x, fp8)
         device = self._device_of(x)
         if spec is None:
             validate.check_tensor("x", x, ndim=2, dtypes=self._row_dtypes(), device=device)
@@ -343,7 +343,7 @@ class Buffer:
 
     def cached_dispatch(self, x, handle: DispatchHandle, *,
                         previous_event: Optional[EventHandle] = None, async_finish: bool = False,
-                        fp8=None, fp8_output: str = "fp8") -> Tuple[object, EventHandle]:
+                        fp8: Optional[Fp8Dispatch] = None) -> Tuple[object, EventHandle]:
         """Replays a previous dispatch's routing for new rows: no layout, no count exchange, no
         host synchronization (what combine's backward runs). `dispatch(x, handle=handle)` is
         the same call.
@@ -352,14 +352,13 @@ class Buffer:
             x: `[N, H]` rows of the handle's shape, as for `dispatch`.
             handle: the `DispatchHandle` a `dispatch` of this Buffer (or the one it grew from)
                 returned.
-            previous_event, async_finish, fp8, fp8_output: as for `dispatch`.
+            previous_event, async_finish, fp8: as for `dispatch`.
 
         Returns:
             `recv_x` (in the handle's row order; the FP8 pair for FP8 output) and an event.
         """
         recv_x, _, _, event = self.dispatch(x, handle=handle, previous_event=previous_event,
-                                            async_finish=async_finish, fp8=fp8,
-                                            fp8_output=fp8_output)
+                                            async_finish=async_finish, fp8=fp8)
         return recv_x, event
 
     def _check_handle(self, handle) -> None:
@@ -370,19 +369,17 @@ class Buffer:
                              "Buffer on this group); pass it to the Buffer whose dispatch "
                              "returned it")
 
-    def _dispatch_input(self, x, fp8, fp8_output: str):
+    def _dispatch_input(self, x, fp8):
         """Splits `x` into (rows, scales or None, `Fp8Dispatch` or None), checking the pair."""
-        from megatron_deepep.fp8.dispatch import as_fp8_dispatch, check_output
-
-        check_output(fp8_output)
-        spec = as_fp8_dispatch(fp8, fp8_output)
+        spec = check_fp8_argument(fp8)
         if isinstance(x, (tuple, list)):
             validate.check_x_sequence(x, spec is not None)
             x_fp8, x_scales = validate.check_fp8_pair(x, spec.fmt, device=self.device)
             return x_fp8, x_scales, spec
         if isinstance(x, torch.Tensor) and x.dtype == torch.float8_e4m3fn:
             raise ValueError("x is float8_e4m3fn without its scales: pass the pair "
-                             "(x_fp8, x_scales) with fp8=<format> (e.g. fp8='blockwise')")
+                             "(x_fp8, x_scales) with fp8=Fp8Dispatch(...) (e.g. "
+                             "fp8=Fp8Dispatch.named('blockwise'))")
         return x, None, spec
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = False,

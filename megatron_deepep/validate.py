@@ -225,7 +225,8 @@ def check_x_sequence(x, has_fp8: bool) -> None:
     if not has_fp8:
         raise ValueError(
             "x is a pair of tensors, i.e. a pre-quantized (x_fp8, x_scales): pass "
-            "fp8=<format> (e.g. fp8='blockwise') so the scales can be read")
+            "fp8=Fp8Dispatch(...) (e.g. fp8=Fp8Dispatch.named('blockwise')) so the scales can "
+            "be read")
 
 
 def check_handle(handle, *, hidden: int, num_topk: int, num_ranks: int,

@@ -315,7 +315,7 @@ def time_us(fn, group, iters: int, warmup: int) -> float:
 
 def run_ours(rec: Record, cfg: dict, check, full, group) -> None:
     from megatron_deepep.buffer import Buffer
-    from megatron_deepep.fp8 import formats
+    from megatron_deepep.fp8 import Fp8Dispatch, formats
     from tests.helpers.oracle import oracle_combine
 
     rank, experts, num_sms = cfg["rank"], cfg["experts"], cfg["num_sms"]
@@ -339,7 +339,7 @@ def run_ours(rec: Record, cfg: dict, check, full, group) -> None:
         stage = "check fp8"
         pair = tuple(t.to(device) for t in check["fp8"][rank])
         (recv_q, recv_s), _, _, _ = buf.dispatch(pair, idx, w, num_experts=experts,
-                                                 fp8=fmt.name)
+                                                 fp8=Fp8Dispatch(fmt))
         problems = [compare("e4m3 rows", recv_q.cpu(), check["oracle_q"][rank][0]),
                     compare("scales", recv_s.cpu(), check["oracle_s"][rank][0])]
         rec.put("ours", "check_fp8", "; ".join(p for p in problems if p) or "passed")
@@ -359,7 +359,7 @@ def run_ours(rec: Record, cfg: dict, check, full, group) -> None:
         rec.put("ours", "combine_us", time_us(lambda: buf.combine(y, handle), group,
                                               cfg["iters"], cfg["warmup"]))
         rec.put("ours", "fp8_dispatch_us", time_us(
-            lambda: buf.dispatch(pair, idx, w, num_experts=experts, fp8=fmt.name), group,
+            lambda: buf.dispatch(pair, idx, w, num_experts=experts, fp8=Fp8Dispatch(fmt)), group,
             cfg["iters"], cfg["warmup"]))
         buf.destroy()
     except Exception as exc:  # recorded with its stage; DeepEP's side still runs

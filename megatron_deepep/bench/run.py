@@ -314,8 +314,8 @@ def profile_kernels(buf, x, idx, w, num_experts: int) -> str:
 
 def _fp8_formats(names: str):
     """`--fp8`'s names (those `fp8=` takes) as specs; "off" and "auto" without TE drop out."""
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
-    specs = (as_fp8_dispatch(n.strip(), "fp8") for n in names.split(",") if n.strip())
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    specs = (Fp8Dispatch.named(n.strip(), "fp8") for n in names.split(",") if n.strip())
     return [spec for spec in specs if spec is not None]
 
 

@@ -6,6 +6,7 @@ quantized tensor types when Transformer Engine is importable; `columnwise` descr
 copy the FP8 experts' weight gradient needs (`cuda_src/fp8_columnwise.cu`) and its reference.
 """
 
+from megatron_deepep.fp8.dispatch import Fp8Dispatch
 from megatron_deepep.fp8.formats import (
     BLOCKWISE_1x128,
     BLOCKWISE_1x128_FP32_SCALES,
@@ -22,6 +23,7 @@ __all__ = [
     "BLOCKWISE_1x128_FP32_SCALES",
     "FORMATS",
     "MXFP8_1x32",
+    "Fp8Dispatch",
     "Fp8Format",
     "ScaleKind",
     "dequantize",

@@ -1,5 +1,10 @@
 """FP8 dispatch: which format travels and what the experts receive.
 
+`Fp8Dispatch` is the one type of the `fp8=` argument of `Buffer.dispatch`,
+`Buffer.cached_dispatch` and `autograd.dispatch` (None: bf16 rows on the wire). Build it from a
+format, `Fp8Dispatch(MXFP8_1x32, output="bf16")`, or from a name of Megatron's
+`--moe-mdeep-fp8-dispatch` flag or of `formats.FORMATS`, `Fp8Dispatch.named("blockwise")`.
+
 A dispatch with an `Fp8Dispatch` moves each token as e4m3 data plus its block scales (about half
 the bytes of bf16), quantized inside the send (bf16 input) or taken as given (pre-quantized
 `(x_fp8, x_scales)` input). The receiver either keeps the FP8 form (`output="fp8"`: `recv_x` is a
@@ -14,14 +19,14 @@ scales (they dequantize to zero rows).
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
 from megatron_deepep.fp8.formats import FORMATS, Fp8Format, ScaleKind
 
 OUTPUTS = ("fp8", "bf16")
-#: The values of Megatron's `--moe-mdeep-fp8-dispatch` flag, which `fp8=` accepts too.
+#: The values of Megatron's `--moe-mdeep-fp8-dispatch` flag, which `Fp8Dispatch.named` takes too.
 FLAG_NAMES = ("off", "blockwise", "mxfp8", "auto")
 #: Flag values that name one format.
 ALIASES = {"blockwise": "blockwise_1x128", "mxfp8": "mxfp8_1x32"}
@@ -34,7 +39,7 @@ WIRE_MXFP8 = 3
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Dispatch:
-    """An FP8 dispatch request.
+    """An FP8 dispatch request: the `fp8=` argument of a dispatch.
 
     Attributes:
         fmt: the wire format (`formats.BLOCKWISE_1x128`, `MXFP8_1x32`, ...).
@@ -43,6 +48,22 @@ class Fp8Dispatch:
 
     fmt: Fp8Format
     output: str = "fp8"
+
+    @classmethod
+    def named(cls, name: str, output: str = "fp8") -> "Optional[Fp8Dispatch]":
+        """The request a name means now.
+
+        Args:
+            name: one of `names()`: Megatron's flag values ("off", "blockwise", "mxfp8",
+                "auto": TE's active recipe, read at this call) or a format of `formats.FORMATS`.
+            output: "fp8" or "bf16" (see the module docstring).
+
+        Returns:
+            The request, or None for a bf16 dispatch ("off", or "auto" with no TE recipe that
+            has a matching format).
+        """
+        fmt = format_for_name(name)
+        return None if fmt is None else cls(fmt, check_output(output))
 
     def __post_init__(self):
         if self.output not in OUTPUTS:
@@ -62,33 +83,26 @@ class Fp8Dispatch:
         return self.output == "bf16"
 
 
-def as_fp8_dispatch(value: Union[None, str, Fp8Format, Fp8Dispatch],
-                    output: str = "fp8") -> "Fp8Dispatch | None":
-    """Normalizes a user's `fp8=` argument.
+def check_fp8_argument(value) -> "Fp8Dispatch | None":
+    """Returns a dispatch's `fp8=` argument if it is None or an `Fp8Dispatch`.
 
-    Args:
-        value: None or "off" (bf16 rows on the wire); a name of Megatron's
-            `--moe-mdeep-fp8-dispatch` flag ("blockwise", "mxfp8", "auto": TE's active recipe,
-            bf16 when there is none or it has no matching format) or of `formats.FORMATS`; an
-            `Fp8Format`; or an `Fp8Dispatch` (returned as is: it carries its output).
-        output: "fp8" or "bf16" (see the module docstring).
-
-    Returns:
-        The `Fp8Dispatch`, or None for a bf16 dispatch.
+    Raises:
+        TypeError: for anything else, saying how to build the `Fp8Dispatch` from a name or a
+            format.
     """
     if value is None or isinstance(value, Fp8Dispatch):
         return value
+    hint = ""
     if isinstance(value, str):
-        fmt = format_for_name(value)
-        return None if fmt is None else Fp8Dispatch(fmt, check_output(output))
-    if not isinstance(value, Fp8Format):
-        raise ValueError(f"fp8 must be None, a name ({', '.join(repr(n) for n in names())}), an "
-                         f"Fp8Format or an Fp8Dispatch; got {type(value).__name__} {value!r}")
-    return Fp8Dispatch(value, check_output(output))
+        hint = f" (from a name: fp8=Fp8Dispatch.named({value!r}))"
+    elif isinstance(value, Fp8Format):
+        hint = " (from a format: fp8=Fp8Dispatch(fmt))"
+    raise TypeError(f"fp8 must be None or an Fp8Dispatch{hint}; got {type(value).__name__} "
+                    f"{value!r}")
 
 
 def names() -> Tuple[str, ...]:
-    """Every name `fp8=` accepts: Megatron's flag values, then the format names."""
+    """Every name `Fp8Dispatch.named` takes: Megatron's flag values, then the format names."""
     return FLAG_NAMES + tuple(sorted(FORMATS))
 
 
@@ -105,7 +119,7 @@ def format_for_name(name: str) -> "Fp8Format | None":
         return te_bridge.format_for_recipe(te_bridge.active_recipe())[0]
     fmt = FORMATS.get(ALIASES.get(name, name))
     if fmt is None:
-        raise ValueError(f"fp8={name!r}: unknown FP8 format; use one of "
+        raise ValueError(f"FP8 format {name!r} is unknown; use one of "
                          f"{', '.join(repr(n) for n in names())}")
     return fmt
 
@@ -113,7 +127,7 @@ def format_for_name(name: str) -> "Fp8Format | None":
 def check_output(output: str) -> str:
     """Raises ValueError unless `output` is one of `OUTPUTS`; returns it."""
     if output not in OUTPUTS:
-        raise ValueError(f"fp8_output must be one of {OUTPUTS}, got {output!r}")
+        raise ValueError(f"fp8 output must be one of {OUTPUTS}, got {output!r}")
     return output
 
 

@@ -162,10 +162,10 @@ def check_args(args) -> None:
     if args.timeout_s <= 0:
         raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     if args.fp8:
-        from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+        from megatron_deepep.fp8.dispatch import Fp8Dispatch
 
         try:
-            if as_fp8_dispatch(args.fp8) is None:
+            if Fp8Dispatch.named(args.fp8) is None:
                 raise ValueError("it names no FP8 format")
         except ValueError as e:
             raise UsageError(f"--fp8 {args.fp8!r}: {e}") from None
@@ -374,10 +374,11 @@ def check_case(case: str, hidden: int, tested, ref, shape: Shape, seed: int, arg
                    ref_handle.tokens_per_expert.cpu())
 
     if args.fp8:
+        spec = _fp8_spec(args.fp8)
         got8, _, _, _ = tested.dispatch(x.to(device), d_idx, d_w, num_experts=e,
-                                        expert_alignment=alignment, fp8=args.fp8)
+                                        expert_alignment=alignment, fp8=spec)
         want8, _, _, _ = ref.dispatch(x, idx, w, num_experts=e, expert_alignment=alignment,
-                                      fp8=args.fp8)
+                                      fp8=spec)
         fails += _same(f"fp8 dispatch ({args.fp8})", list(got8), list(want8))
     return fails
 
@@ -463,12 +464,17 @@ def sweep_point(rows: Dict[str, List[int]], row_bytes: int, us: float, num_ranks
             "gbps_per_nic": gbps(nic), "nvlink_gbps_per_rank": gbps(nvl_rank)}
 
 
+def _fp8_spec(name: str):
+    """The `Fp8Dispatch` that `--fp8 NAME` asks for (FP8 rows to the experts)."""
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+
+    return Fp8Dispatch.named(name)
+
+
 def _row_bytes(hidden: int, fp8: Optional[str]) -> int:
     if not fp8:
         return 2 * hidden
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
-
-    return as_fp8_dispatch(fp8).fmt.bytes_per_token(hidden)
+    return _fp8_spec(fp8).fmt.bytes_per_token(hidden)
 
 
 def run_sweep(ctx) -> List[dict]:
@@ -501,7 +507,7 @@ def run_sweep(ctx) -> List[dict]:
         d_idx, d_w = idx.to(ctx.device), w.to(ctx.device)
         for hidden in args.sweep_hidden:
             x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(ctx.device)
-            fp8 = {"fp8": args.fp8} if args.fp8 else {}
+            fp8 = {"fp8": _fp8_spec(args.fp8)} if args.fp8 else {}
             times = {"dispatch": [], "combine": []}
             for i in range(args.warmup + args.iters):
                 us, (recv_x, _, handle, _) = ctx.timed(lambda: tested.dispatch(

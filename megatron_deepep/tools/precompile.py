@@ -71,7 +71,7 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
         ValueError: naming the argument and what it accepts.
     """
     from megatron_deepep import ops
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
 
     for k in topks:
         if not 1 <= int(k) <= 16:
@@ -86,7 +86,7 @@ def kernels_for(topks: Sequence[int], fp8_formats: Sequence[str] = (),
     if bad or not row_dtypes:
         raise ValueError(f"row dtype: {bad or 'none given'}; choose from "
                          f"{sorted(ops.ROW_DTYPE_NAMES)}")
-    wire_codes = {str(as_fp8_dispatch(name).wire_code) for name in fp8_formats}
+    wire_codes = {str(Fp8Dispatch.named(name).wire_code) for name in fp8_formats}
     dequants = {FP8_OUTPUTS[o] for o in fp8_outputs}
     index_types = {INDEX_TYPES[d] for d in index_dtypes}
     out: Dict[Tuple[str, str], None] = {}
@@ -121,12 +121,12 @@ def columnwise_kernels(fp8_formats: Sequence[str]) -> List[Tuple[str, str]]:
     """The FP8 experts' columnwise-copy kernel (`cuda_src/fp8_columnwise.cu`) for the blockwise
     formats among `fp8_formats` (its template argument: the format's power-of-two scales, which
     the recipe's input quantizer shares)."""
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
     from megatron_deepep.fp8.formats import ScaleKind
 
     out = []
     for name in fp8_formats:
-        spec = as_fp8_dispatch(name)
+        spec = Fp8Dispatch.named(name)
         if spec is not None and spec.fmt.scale_kind is ScaleKind.FP32_SCALE_INV:
             power_2 = jit.render_template_arg(spec.fmt.power_2_scale)
             out.append(("fp8_columnwise.cu", f"columnwise_from_rowwise<{power_2}>"))
@@ -147,7 +147,7 @@ def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = ()
     (> 0: the network ring; None: the knob `MDEEP_INTERNODE_NET_RING_CHUNKS`). "auto" picks
     its staging from the EP group's shape at run time, so every staging it may pick is built."""
     from megatron_deepep import ops
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
     from megatron_deepep.transport.internode_regions import net_ring_config, staging_config
 
     mode = staging_config(staging)[0]
@@ -157,7 +157,7 @@ def internode_families_for(topks: Sequence[int], fp8_formats: Sequence[str] = ()
         modes = ["full", "ring", "net"] if mode == "auto" else [mode]
 
     wires = [None] if bf16 else []
-    wires += [as_fp8_dispatch(name, output) for name in fp8_formats for output in fp8_outputs]
+    wires += [Fp8Dispatch.named(name, output) for name in fp8_formats for output in fp8_outputs]
     out: Dict[Tuple[str, Tuple[str, ...]], None] = {}
     for mode in modes:
         source = ops.INTERNODE_SOURCES[mode]

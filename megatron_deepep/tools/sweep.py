@@ -226,7 +226,7 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
 
     from megatron_deepep.bench import run as bench
     from megatron_deepep.buffer import Buffer
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
     from megatron_deepep.transport import bandwidth_refusal
 
     own_group = not dist.is_initialized()
@@ -238,7 +238,7 @@ def measure_gpu(shape: Shape, tokens: int, topks: Sequence[int], sms_list: Seque
     props = torch.cuda.get_device_properties(0)
     kernels, experts, points, ran = {}, {}, [], set()
     xs = [torch.randn(tokens, shape.hidden, device="cuda").to(torch.bfloat16) for _ in range(3)]
-    fp8 = as_fp8_dispatch(fp8_format, "fp8")
+    fp8 = Fp8Dispatch.named(fp8_format, "fp8")
     for topk in topks:
         routing = [bench.make_routing(tokens, shape.experts, topk, 31 + i) for i in range(3)]
         for num_sms in sms_list:

@@ -258,7 +258,7 @@ def _fake_timer(fn, setup=None, iters=30, warmup=5):
 
 
 def _measure_worker(rank, world, folder, broken):
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
 
     _FakeSymmetricBuffer.folder = folder
     bench_peers.SymmetricBuffer = _FakeSymmetricBuffer
@@ -269,7 +269,7 @@ def _measure_worker(rank, world, folder, broken):
     inputs = [_inputs(seed, world, num_tokens, num_experts, num_topk, "random")
               for seed in (7, 8, 9)]
     idxs = [per_rank[rank] for per_rank in inputs]
-    spec = as_fp8_dispatch("blockwise", "fp8")
+    spec = Fp8Dispatch.named("blockwise", "fp8")
     entry = {"shape": [num_tokens, hidden, num_experts, num_topk], "ep": world, "variants": {
         "ours 24 SMs sync": {"dispatch_us": 50.0 + rank, "combine_us": 60.0},
         "ours 24 SMs fp8 blockwise_1x128 sync": {"dispatch_us": 30.0, "fp8": spec.fmt.name},

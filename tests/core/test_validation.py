@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_deepep import autograd
 from megatron_deepep.buffer import Buffer, get_buffer
 from megatron_deepep.fp8 import formats
-from megatron_deepep.fp8.dispatch import as_fp8_dispatch, names
+from megatron_deepep.fp8.dispatch import Fp8Dispatch, names
 from tests.helpers.distributed import run_distributed
 
 
@@ -202,7 +202,7 @@ def test_bad_get_buffer_arguments(buf):
     (lambda x: [x], {}, r"x must be a torch.Tensor \[N, H\] or, with fp8=.*got a list of 1 "
                         r"items \(Tensor\)"),
     (lambda x: [1, 2], {}, r"x must be a torch.Tensor .*got a list of 2 items \(int, int\)"),
-    (lambda x: (x, x, x), dict(fp8="blockwise"), r"must be a pair .*got a tuple of 3 items"),
+    (lambda x: (x, x, x), dict(fp8=Fp8Dispatch.named("blockwise")), r"must be a pair .*got a tuple of 3 items"),
     (lambda x: [x, x], {}, r"x is a pair of tensors, i.e. a pre-quantized \(x_fp8, x_scales\): "
                            r"pass fp8="),
     (lambda x: "rows", {}, r"x must be a torch.Tensor, got str"),
@@ -232,9 +232,6 @@ def test_a_list_is_called_a_pair_only_when_it_is_two_tensors(buf):
                             r"got str"),
     (dict(previous_event="e"), r"previous_event must be an EventHandle .*got str"),
     (dict(async_finish="yes"), r"async_finish must be True or False, got 'yes'"),
-    (dict(fp8=3), r"fp8 must be None, a name \('off', 'blockwise', 'mxfp8', 'auto', .*got int"),
-    (dict(fp8="e5m2"), r"fp8='e5m2': unknown FP8 format; use one of 'off', 'blockwise', "
-                       r"'mxfp8', 'auto'"),
 ])
 def test_bad_dispatch_options(buf, kwargs, match):
     x, i, w = _inputs()
@@ -305,34 +302,36 @@ def test_handles_of_a_grown_buffer_stay_valid(buf):
 
 
 # ----------------------------------------------------------------------------------------------
-# fp8=: the names of Megatron's --moe-mdeep-fp8-dispatch flag everywhere
+# Fp8Dispatch.named: the names of Megatron's --moe-mdeep-fp8-dispatch flag everywhere
 
 def test_fp8_takes_the_flag_names(buf):
     from megatron_deepep.megatron.options import FP8_DISPATCH_CHOICES
 
     assert set(FP8_DISPATCH_CHOICES) <= set(names())
-    assert as_fp8_dispatch("blockwise").fmt is formats.BLOCKWISE_1x128
-    assert as_fp8_dispatch("mxfp8").fmt is formats.MXFP8_1x32
-    assert as_fp8_dispatch("off") is None
+    assert Fp8Dispatch.named("blockwise").fmt is formats.BLOCKWISE_1x128
+    assert Fp8Dispatch.named("mxfp8").fmt is formats.MXFP8_1x32
+    assert Fp8Dispatch.named("off") is None
     x, i, w = _inputs(h=256)
     for alias, name in (("blockwise", "blockwise_1x128"), ("mxfp8", "mxfp8_1x32")):
-        got = buf.dispatch(x[:, :64].contiguous(), i, w, num_experts=4, fp8=alias,
-                           fp8_output="bf16")[0]
-        want = buf.dispatch(x[:, :64].contiguous(), i, w, num_experts=4, fp8=name,
-                            fp8_output="bf16")[0]
+        got = buf.dispatch(x[:, :64].contiguous(), i, w, num_experts=4,
+                           fp8=Fp8Dispatch.named(alias, "bf16"))[0]
+        want = buf.dispatch(x[:, :64].contiguous(), i, w, num_experts=4,
+                            fp8=Fp8Dispatch.named(name, "bf16"))[0]
         assert torch.equal(got, want)
         recv_x, _, _ = autograd.dispatch(buf, x[:, :64].contiguous(), i, w, num_experts=4,
-                                         fp8=alias, fp8_output="bf16")
+                                         fp8=Fp8Dispatch.named(alias, "bf16"))
         assert torch.equal(recv_x, want)
     plain = buf.dispatch(x[:, :64].contiguous(), i, w, num_experts=4)[0]
-    assert torch.equal(buf.dispatch(x[:, :64].contiguous(), i, w, num_experts=4, fp8="off")[0],
-                       plain)
+    assert torch.equal(buf.dispatch(x[:, :64].contiguous(), i, w, num_experts=4,
+                                    fp8=Fp8Dispatch.named("off"))[0], plain)
 
 
 def test_fp8_auto_without_a_te_recipe_is_bf16(buf):
     x, i, w = _inputs()
     plain = buf.dispatch(x, i, w, num_experts=4)[0]
-    assert torch.equal(buf.dispatch(x, i, w, num_experts=4, fp8="auto")[0], plain)
+    assert Fp8Dispatch.named("auto") is None
+    assert torch.equal(buf.dispatch(x, i, w, num_experts=4, fp8=Fp8Dispatch.named("auto"))[0],
+                       plain)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,8 +346,12 @@ def test_bad_autograd_arguments(buf):
         autograd.dispatch(buf, [x], i, w, num_experts=4)
     with pytest.raises(ValueError, match="x is a pair of tensors"):
         autograd.dispatch(buf, [x, x], i, w, num_experts=4)
-    with pytest.raises(ValueError, match="fp8='fp16': unknown FP8 format"):
+    with pytest.raises(TypeError, match=r"fp8 must be None or an Fp8Dispatch \(from a name: "
+                                        r"fp8=Fp8Dispatch.named\('fp16'\)\); got str"):
         autograd.dispatch(buf, x, i, w, num_experts=4, fp8="fp16")
+    with pytest.raises(ValueError, match="FP8 format 'fp16' is unknown; use one of 'off', "
+                                         "'blockwise', 'mxfp8', 'auto'"):
+        Fp8Dispatch.named("fp16")
     recv_x, _, handle = autograd.dispatch(buf, x, i, w, num_experts=4)
     with pytest.raises(ValueError, match="buffer must be a megatron_deepep.Buffer, got str"):
         autograd.combine("buffer", recv_x, handle)

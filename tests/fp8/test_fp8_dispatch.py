@@ -17,7 +17,7 @@ import torch
 from megatron_deepep.autograd import combine, dispatch, resolve_fp8_output
 from megatron_deepep.buffer import Buffer
 from megatron_deepep.fp8 import FORMATS, dequantize, quantize, te_bridge
-from megatron_deepep.fp8.dispatch import Fp8Dispatch, as_fp8_dispatch, pack_rows, unpack_rows
+from megatron_deepep.fp8.dispatch import Fp8Dispatch, pack_rows, unpack_rows
 from tests.helpers.cases import make_inputs
 from tests.helpers.distributed import run_distributed
 from tests.helpers.oracle import oracle_combine, oracle_dispatch
@@ -59,7 +59,7 @@ def _check_case(rank, world, seed, case, fmt_name):
     for x_in in (xs[rank], quantized[rank]):
         (got_fp8, got_scales), got_w, handle, _ = buf.dispatch(
             x_in, idxs[rank], ws[rank], num_experts=num_experts, expert_alignment=align,
-            fp8=fmt_name)
+            fp8=Fp8Dispatch.named(fmt_name))
         assert got_fp8.dtype == torch.float8_e4m3fn and got_scales.dtype == fmt.scale_dtype
         assert torch.equal(got_fp8.view(torch.uint8), want_data), (case, fmt_name)
         assert torch.equal(_bytes(got_scales).view(torch.uint8),
@@ -70,8 +70,8 @@ def _check_case(rank, world, seed, case, fmt_name):
         assert not got_fp8.view(torch.uint8)[pad].any() and not got_scales[pad].any()
 
         got_bf16, _, _, _ = buf.dispatch(x_in, idxs[rank], ws[rank], num_experts=num_experts,
-                                         expert_alignment=align, fp8=fmt_name,
-                                         fp8_output="bf16")
+                                         expert_alignment=align,
+                                         fp8=Fp8Dispatch(fmt, output="bf16"))
         assert got_bf16.dtype == torch.bfloat16
         assert torch.equal(got_bf16, exp_bf16[rank][0]), (case, fmt_name)
 
@@ -83,7 +83,7 @@ def _check_case(rank, world, seed, case, fmt_name):
         xs[rank] * 3, handle=handle, fp8=Fp8Dispatch(fmt, "fp8"))
     assert torch.equal(cached.view(torch.uint8), exp_again)
     assert cached_scales.shape == (handle.num_recv_rows, fmt.num_blocks(hidden))
-    cached_bf16, _, _, _ = buf.dispatch(again[rank], handle=handle, fp8=fmt, fp8_output="bf16")
+    cached_bf16, _, _, _ = buf.dispatch(again[rank], handle=handle, fp8=Fp8Dispatch(fmt, "bf16"))
     assert torch.equal(cached_bf16, dequantize(cached, cached_scales, fmt))
     ys = [e[0] for e in exp_bf16]
     out, _, _ = buf.combine(got_bf16, handle)
@@ -106,8 +106,8 @@ def _autograd_case(rank, world, seed, fmt_name):
         return (out.float() * g).sum(), recv_x
 
     grads = []
-    for x0, fp8 in ((x_deq, {}), (xs[rank], dict(fp8=fmt_name, fp8_output="bf16")),
-                    (xs[rank], dict(fp8=fmt_name))):  # "fp8" without TE falls back to bf16
+    for x0, fp8 in ((x_deq, {}), (xs[rank], dict(fp8=Fp8Dispatch(fmt, "bf16"))),
+                    (xs[rank], dict(fp8=Fp8Dispatch(fmt)))):  # "fp8" without TE: bf16
         x, w = x0.clone().requires_grad_(), ws[rank].clone().requires_grad_()
         value, recv_x = loss(x, w, **fp8)
         value.backward()
@@ -118,7 +118,7 @@ def _autograd_case(rank, world, seed, fmt_name):
             assert torch.equal(a, b)
     # A pre-quantized pair gets no gradient; the routing weights still do.
     w = ws[rank].clone().requires_grad_()
-    value, _ = loss(quantize(xs[rank], fmt), w, fp8=fmt_name, fp8_output="bf16")
+    value, _ = loss(quantize(xs[rank], fmt), w, fp8=Fp8Dispatch(fmt, "bf16"))
     value.backward()
     assert torch.equal(w.grad, grads[0][2])
 
@@ -134,7 +134,7 @@ def _worker(rank, world, seed):
         fmt = "blockwise_1x128" if rank == 0 else "mxfp8_1x32"
         with pytest.raises(ValueError, match="ranks disagree on fp8 wire format"):
             buf.dispatch(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 2).long(),
-                         torch.ones(4, 2), num_experts=2, fp8=fmt)
+                         torch.ones(4, 2), num_experts=2, fp8=Fp8Dispatch.named(fmt))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -160,27 +160,25 @@ def _routing(n=4):
 
 _Q = quantize(torch.randn(4, 64).to(torch.bfloat16), FORMATS["blockwise_1x128"])
 _M = quantize(torch.randn(4, 64).to(torch.bfloat16), FORMATS["mxfp8_1x32"])
+_BLOCKWISE = Fp8Dispatch(FORMATS["blockwise_1x128"])
+_MXFP8 = Fp8Dispatch(FORMATS["mxfp8_1x32"])
 
 
 @pytest.mark.parametrize("x, kwargs, match", [
-    (torch.zeros(4, 24, dtype=torch.bfloat16), dict(fp8="blockwise_1x128"),
+    (torch.zeros(4, 24, dtype=torch.bfloat16), dict(fp8=_BLOCKWISE),
      r"hidden % 16 == 0.*hidden=24"),
-    (torch.zeros(4, 512, dtype=torch.bfloat16), dict(fp8="mxfp8_1x32"),
+    (torch.zeros(4, 512, dtype=torch.bfloat16), dict(fp8=_MXFP8),
      "rows of 512 elements; the Buffer's rows hold 256 bf16 elements"),
-    (torch.zeros(4, 64), dict(fp8="blockwise_1x128"), "x must have dtype"),
-    ((_Q[0].view(torch.uint8), _Q[1]), dict(fp8="blockwise_1x128"), "x_fp8 must have dtype"),
-    ((_Q[0], _Q[1][:, :0]), dict(fp8="blockwise_1x128"), r"x_scales must have shape.*\[4, 1\]"),
-    ((_Q[0], _Q[1][:3]), dict(fp8="blockwise_1x128"), r"x_scales must have shape"),
-    ((_Q[0], _Q[1]), dict(fp8="mxfp8_1x32"), r"x_scales must have shape .*\[4, 2\]"),
-    ((_M[0], _M[1].float()), dict(fp8="mxfp8_1x32"), "x_scales must have dtype"),
-    ((_Q[0], _Q[1].to(torch.uint8)), dict(fp8="blockwise_1x128"), "x_scales must have dtype"),
-    ((_Q[0], _Q[1], _Q[1]), dict(fp8="blockwise_1x128"), "must be a pair"),
+    (torch.zeros(4, 64), dict(fp8=_BLOCKWISE), "x must have dtype"),
+    ((_Q[0].view(torch.uint8), _Q[1]), dict(fp8=_BLOCKWISE), "x_fp8 must have dtype"),
+    ((_Q[0], _Q[1][:, :0]), dict(fp8=_BLOCKWISE), r"x_scales must have shape.*\[4, 1\]"),
+    ((_Q[0], _Q[1][:3]), dict(fp8=_BLOCKWISE), r"x_scales must have shape"),
+    ((_Q[0], _Q[1]), dict(fp8=_MXFP8), r"x_scales must have shape .*\[4, 2\]"),
+    ((_M[0], _M[1].float()), dict(fp8=_MXFP8), "x_scales must have dtype"),
+    ((_Q[0], _Q[1].to(torch.uint8)), dict(fp8=_BLOCKWISE), "x_scales must have dtype"),
+    ((_Q[0], _Q[1], _Q[1]), dict(fp8=_BLOCKWISE), "must be a pair"),
     ((_Q[0], _Q[1]), {}, "pass fp8="),
-    (_Q[0], dict(fp8="blockwise_1x128"), "without its scales"),
-    (torch.zeros(4, 64, dtype=torch.bfloat16), dict(fp8="fp8_e5m2"), "unknown FP8 format"),
-    (torch.zeros(4, 64, dtype=torch.bfloat16), dict(fp8=7), "Fp8Format"),
-    (torch.zeros(4, 64, dtype=torch.bfloat16), dict(fp8="mxfp8_1x32", fp8_output="fp16"),
-     "fp8_output must be one of"),
+    (_Q[0], dict(fp8=_BLOCKWISE), "without its scales"),
 ])
 def test_bad_fp8_input(buf, x, kwargs, match):
     idx, w = _routing()
@@ -188,11 +186,43 @@ def test_bad_fp8_input(buf, x, kwargs, match):
         buf.dispatch(x, idx, w, num_experts=4, **kwargs)
 
 
+@pytest.mark.parametrize("fp8, match", [
+    ("blockwise_1x128", r"fp8 must be None or an Fp8Dispatch \(from a name: "
+                        r"fp8=Fp8Dispatch.named\('blockwise_1x128'\)\); got str"),
+    (FORMATS["mxfp8_1x32"], r"\(from a format: fp8=Fp8Dispatch\(fmt\)\); got Fp8Format"),
+    (7, r"fp8 must be None or an Fp8Dispatch; got int 7"),
+])
+def test_fp8_takes_one_type(buf, fp8, match):
+    """`fp8=` is None or an `Fp8Dispatch`; a name or a format is refused with the way to build
+    one, by `Buffer.dispatch`, `Buffer.cached_dispatch` and `autograd.dispatch` alike."""
+    idx, w = _routing()
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=match):
+        buf.dispatch(x, idx, w, num_experts=4, fp8=fp8)
+    with pytest.raises(TypeError, match=match):
+        dispatch(buf, x, idx, w, num_experts=4, fp8=fp8)
+    _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=4)
+    with pytest.raises(TypeError, match=match):
+        buf.cached_dispatch(x, handle, fp8=fp8)
+
+
+def test_fp8_dispatch_from_names():
+    assert Fp8Dispatch.named("blockwise") == Fp8Dispatch(FORMATS["blockwise_1x128"])
+    assert Fp8Dispatch.named("mxfp8", "bf16") == Fp8Dispatch(FORMATS["mxfp8_1x32"], "bf16")
+    assert Fp8Dispatch.named("off") is None
+    with pytest.raises(ValueError, match="FP8 format 'fp8_e5m2' is unknown; use one of 'off'"):
+        Fp8Dispatch.named("fp8_e5m2")
+    with pytest.raises(ValueError, match=r"fp8 output must be one of \('fp8', 'bf16'\)"):
+        Fp8Dispatch.named("mxfp8_1x32", "fp16")
+    with pytest.raises(ValueError, match="fp8 output must be one of"):
+        Fp8Dispatch(FORMATS["mxfp8_1x32"], "fp16")
+
+
 def test_bad_fp8_cached_input(buf):
     idx, w = _routing()
-    _, _, handle, _ = buf.dispatch(_Q, idx, w, num_experts=4, fp8="blockwise_1x128")
+    _, _, handle, _ = buf.dispatch(_Q, idx, w, num_experts=4, fp8=_BLOCKWISE)
     with pytest.raises(ValueError, match="cached dispatch: x has shape"):
-        buf.dispatch((_Q[0][:2], _Q[1][:2]), handle=handle, fp8="blockwise_1x128")
+        buf.dispatch((_Q[0][:2], _Q[1][:2]), handle=handle, fp8=_BLOCKWISE)
     with pytest.raises(ValueError, match="pass fp8="):
         buf.dispatch(_Q, handle=handle)
     with pytest.raises(ValueError, match="pass fp8="):
@@ -213,7 +243,7 @@ def test_pack_rows_round_trip():
 
 
 def test_fp8_output_falls_back_without_te():
-    spec = as_fp8_dispatch("blockwise_1x128")
+    spec = Fp8Dispatch.named("blockwise_1x128")
     assert spec.output == "fp8"
     assert resolve_fp8_output(None) == (None, False)
     bf16 = Fp8Dispatch(FORMATS["mxfp8_1x32"], "bf16")

@@ -116,12 +116,12 @@ def internode_link_expressions(ring: bool = False, net: bool = False) -> Tuple[s
     kernel families of ring staging (MDEEP_INTERNODE_STAGING=ring), `net`: of the network ring
     (MDEEP_INTERNODE_NET_RING_CHUNKS > 0), same coverage."""
     from megatron_deepep import ops
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
     dispatch, combine = ops.internode_families("net" if net else "ring" if ring else "full")
     expressions = set()
     for num_topk, index_type, fp8 in ((8, "long long", None),
-                                      (1, "int", as_fp8_dispatch("blockwise", "bf16")),
-                                      (4, "long long", as_fp8_dispatch("mxfp8", "fp8"))):
+                                      (1, "int", Fp8Dispatch.named("blockwise", "bf16")),
+                                      (4, "long long", Fp8Dispatch.named("mxfp8", "fp8"))):
         expressions.update(dispatch(num_topk, index_type, fp8))
     for row_dtype in ops.ROW_DTYPE_CODES.values():
         expressions.update(combine(8, row_dtype))

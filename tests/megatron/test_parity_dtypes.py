@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_deepep import ops
+from megatron_deepep.fp8 import Fp8Dispatch
 from megatron_deepep.buffer import Buffer
 from tests.helpers.cases import expert_scale, make_inputs
 from tests.helpers.distributed import run_distributed
@@ -132,7 +133,7 @@ def test_fp8_dispatch_refuses_non_bf16_rows_by_name(ref_buffer):
         with pytest.raises(ValueError, match=r"x must have dtype torch.bfloat16 for FP8 "
                                              r"dispatch .*got torch.float"):
             ref_buffer.dispatch(torch.zeros(4, 64, dtype=dtype), idx, w, num_experts=4,
-                                fp8="blockwise")
+                                fp8=Fp8Dispatch.named("blockwise"))
 
 
 def test_fp32_rows_count_twice_the_bytes(ref_buffer):

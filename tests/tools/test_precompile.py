@@ -75,7 +75,7 @@ def test_list_narrows_by_index_dtype_fp8_format_and_output(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--topk", "17"], "topk: 17 is out of range (1-16)"),
-    (["--topk", "8", "--fp8", "fp9"], "fp8='fp9': unknown FP8 format"),
+    (["--topk", "8", "--fp8", "fp9"], "FP8 format 'fp9' is unknown"),
 ])
 def test_bad_arguments_name_the_argument(argv, message, capsys):
     assert precompile.main(argv) == 2
@@ -130,7 +130,7 @@ def test_internode_modules_are_the_ones_the_transport_links(capsys, monkeypatch)
     (top-k, row dtype) for combine, with exactly the name expressions (in the order) the
     transport links them at run time, so the cache keys agree; with the staging on `auto` (the
     default) those of every staging it may pick."""
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
     argv = ("--topk", "2", "8", "--internode", "--fp8", "blockwise", "--fp8-output", "bf16",
             "--index-dtype", "int64", "--row-dtype", "bf16", "fp32")
     monkeypatch.delenv("MDEEP_INTERNODE_NET_RING_CHUNKS", raising=False)
@@ -150,7 +150,7 @@ def test_internode_modules_are_the_ones_the_transport_links(capsys, monkeypatch)
     for k in (2, 8):
         expected += [ops.internode_expressions(k, "long long", None),
                      ops.internode_expressions(k, "long long",
-                                               as_fp8_dispatch("blockwise", "bf16")),
+                                               Fp8Dispatch.named("blockwise", "bf16")),
                      ops.internode_combine_expressions(k, 0),
                      ops.internode_combine_expressions(k, 2)]
     assert sorted(modules) == sorted(expected)

@@ -160,8 +160,8 @@ def test_size_hint_follows_the_knobs(monkeypatch):
 
 @pytest.mark.parametrize("fp8", [None, "blockwise", "mxfp8"])
 def test_net_kernel_families(fp8):
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
-    spec = as_fp8_dispatch(fp8) if fp8 else None
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    spec = Fp8Dispatch.named(fp8) if fp8 else None
     family = ops.internode_net_expressions(4, "int", spec)
     combine = ops.internode_net_combine_expressions(4, 1)
     assert len(set(family)) == len(family) == 4 and len(set(combine)) == len(combine) == 4

@@ -211,8 +211,8 @@ def test_ring_node_plan_keeps_ring_base_when_it_grows():
 
 @pytest.mark.parametrize("fp8", [None, "blockwise", "mxfp8"])
 def test_ring_kernel_families(fp8):
-    from megatron_deepep.fp8.dispatch import as_fp8_dispatch
-    spec = as_fp8_dispatch(fp8) if fp8 else None
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    spec = Fp8Dispatch.named(fp8) if fp8 else None
     family = ops.internode_ring_expressions(4, "int", spec)
     combine = ops.internode_ring_combine_expressions(4, 1)
     assert len(set(family)) == len(family) == 7 and len(set(combine)) == len(combine) == 6

@@ -8,7 +8,7 @@ import torch
 
 from megatron_deepep import ops
 from megatron_deepep.arena import ArenaPlan
-from megatron_deepep.fp8.dispatch import as_fp8_dispatch
+from megatron_deepep.fp8.dispatch import Fp8Dispatch
 from megatron_deepep.transport.errors import PeerTimeoutError
 from megatron_deepep.transport.internode import InternodeTransport, node_plan
 from megatron_deepep.transport.internode_regions import InternodeRegions
@@ -70,7 +70,7 @@ def test_node_plan_fields():
                                                ("blockwise", None, "false"),
                                                ("mxfp8", None, "true")])
 def test_kernel_family_names_every_kernel_once(fp8, fmt, dequant):
-    spec = as_fp8_dispatch(fp8, "bf16" if dequant == "true" else "fp8")
+    spec = Fp8Dispatch.named(fp8, "bf16" if dequant == "true" else "fp8") if fp8 else None
     family = ops.internode_expressions(4, "long long", spec)
     combine = ops.internode_combine_expressions(4, 2)
     assert len(family) == len(set(family)) == 7 and len(set(combine)) == 8
@@ -83,7 +83,7 @@ def test_kernel_family_names_every_kernel_once(fp8, fmt, dequant):
 
 def test_wire_bytes_are_what_the_network_carries():
     assert ops.internode_wire(None, 7168)["wire_bytes"] == 2 * 7168
-    blockwise = as_fp8_dispatch("blockwise")
+    blockwise = Fp8Dispatch.named("blockwise")
     assert ops.internode_wire(blockwise, 7168)["wire_bytes"] == 7168 + 4 * 56
     assert InternodeRegions(16, 8, 64, 7168, 8).row_stride >= 7168 + 4 * 56
 
