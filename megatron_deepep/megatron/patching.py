@@ -16,8 +16,9 @@ What `install()` changes (megatron-core 0.16.x to 0.19.x):
   `set_layer_number` prepare the layer's copies (`replica_experts.prepare_layer`);
 * `DistributedDataParallel.__init__` refuses the distributed optimizer where copies cannot be
   served, and `finish_grad_sync` sums the copies' gradients after its own reduction;
-  `SequentialMLP.sharded_state_dict` saves experts in logical order under a map, and
-  `TEGroupedMLP` / `GroupedMLP` refuse to save under a map (`replica_experts`);
+  `SequentialMLP.sharded_state_dict` and `TEGroupedMLP.sharded_state_dict` save experts in
+  logical order under a map, and the legacy `GroupedMLP` refuses to save under a map
+  (`replica_experts`);
 * `should_free_input` (the A2A-overlap memory policy: `models/common/utils.py` on 0.17+,
   `models/gpt/fine_grained_callables.py` on 0.16) keeps the dispatched rows alive (the experts
   save them: our dispatch postprocess is an identity); where none is found,
@@ -25,7 +26,10 @@ What `install()` changes (megatron-core 0.16.x to 0.19.x):
 * `skip_routed_expert_padding` (where it exists): experts do not pad again when
   `moe_router_padding_for_quantization` is set (the kernel pads each expert's rows);
 * Megatron's step-end MoE report (`moe_utils.track_moe_metrics`,
-  `MoEMetricsTracker.report`) first flushes `megatron_deepep.megatron.metrics`.
+  `MoEMetricsTracker.report`) first flushes `megatron_deepep.megatron.metrics`;
+* `dist_checkpointing.save` then writes the expert plan of `--moe-mdeep-replan` into the
+  checkpoint's folder (`replan`), and the expert map in force at build time (`MoELayer`'s slot
+  count, the dispatcher's table) is the resumed checkpoint's plan where no explicit map is given.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import sys
 import typing
 from typing import Dict, List
 
-from megatron_deepep.megatron import metrics, replica_experts
+from megatron_deepep.megatron import metrics, replan, replica_experts
 from megatron_deepep.megatron.dispatcher import DeepEPTokenDispatcher
 from megatron_deepep.megatron.options import (
     DISPATCHER_TYPE,
@@ -218,12 +222,15 @@ def _slots_per_rank(config, args, kwargs) -> "int | None":
     no map, or a map without copies: Megatron's E / EP)."""
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    count = physical_slot_count(resolve_options(config).expert_map)
-    if count is None or count == config.num_moe_experts:
+    options = resolve_options(config)
+    if options.expert_map is None and options.replan is None:
         return None
     pg = kwargs.get("pg_collection", args[2] if len(args) > 2 else None)
     pg = pg if pg is not None else get_default_pg_collection()
     ep_size = pg.ep.size() if pg.ep is not None else 1
+    count = physical_slot_count(replan.expert_map_in_force(options, ep_size))
+    if count is None or count == config.num_moe_experts:
+        return None
     if count % ep_size:
         raise ValueError(f"--moe-mdeep-expert-map has {count} physical slots, not a multiple of "
                          f"--expert-model-parallel-size {ep_size}")
@@ -450,6 +457,27 @@ def _patch_metrics_report() -> None:
         patch(tracker_cls, "report", metrics.wrap_tracker_report(tracker_cls.report))
 
 
+def _patch_checkpoint_save() -> None:
+    """`dist_checkpointing.save` (Megatron's `save_checkpoint` calls it with the iteration
+    folder on 0.16 to 0.19) writes the replan plan there after the save call (`replan`)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    original = serialization.save
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        replan.write_plan_after_save(
+            str(checkpoint_dir),
+            physical_optimizer=replan.physical_order_optimizer(sharded_state_dict))
+        return result
+
+    setattr(save, _MARK, True)
+    rebind(original, save)
+
+
 def install() -> None:
     """Applies every patch listed in the module docstring (call once; `undo_all` reverts)."""
     _patch_config()
@@ -458,3 +486,4 @@ def install() -> None:
     _STATE["should_free_input"] = _patch_should_free_input()
     _patch_skip_padding()
     _patch_metrics_report()
+    _patch_checkpoint_save()
