@@ -311,8 +311,8 @@ def _patch_moe_layer() -> None:
 
 def _patch_expert_copies() -> None:
     """Copies of an expert train as one: DDP sums their gradients after its own reduction and
-    refuses what it cannot serve; `SequentialMLP` saves logical order; other experts under
-    copies refuse to save (`replica_experts`)."""
+    refuses what it cannot serve; `SequentialMLP` and `TEGroupedMLP` save logical order; the
+    legacy `GroupedMLP` under a map refuses to save (`replica_experts`)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.moe import experts
 
@@ -342,20 +342,28 @@ def _patch_expert_copies() -> None:
 
     setattr(sharded_state_dict, _MARK, True)
     patch(experts.SequentialMLP, "sharded_state_dict", sharded_state_dict)
-    for cls_name in ("TEGroupedMLP", "GroupedMLP"):
-        cls = getattr(experts, cls_name, None)
-        if cls is None:
-            continue
+    grouped_te = getattr(experts, "TEGroupedMLP", None)
+    if grouped_te is not None:
+        te_own = grouped_te.sharded_state_dict
 
-        def make(own):
-            @functools.wraps(own)
-            def refusing(self, *args, **kwargs):
-                replica_experts.refuse_checkpoint(self)
-                return own(self, *args, **kwargs)
-            setattr(refusing, _MARK, True)
-            return refusing
+        @functools.wraps(te_own)
+        def te_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            return replica_experts.logical_grouped_sharded_state_dict(
+                self, te_own, prefix, sharded_offsets, metadata)
 
-        patch(cls, "sharded_state_dict", make(cls.sharded_state_dict))
+        setattr(te_sharded_state_dict, _MARK, True)
+        patch(grouped_te, "sharded_state_dict", te_sharded_state_dict)
+    legacy = getattr(experts, "GroupedMLP", None)
+    if legacy is not None:
+        legacy_own = legacy.sharded_state_dict
+
+        @functools.wraps(legacy_own)
+        def refusing(self, *args, **kwargs):
+            replica_experts.refuse_checkpoint(self)
+            return legacy_own(self, *args, **kwargs)
+
+        setattr(refusing, _MARK, True)
+        patch(legacy, "sharded_state_dict", refusing)
 
 
 # Nodes of the A2A-overlap schedule whose inputs may be freed right after their forward.
