@@ -115,6 +115,10 @@ _TABLE = (
     Knob("EXPERT_MAP", "str", None, "unset", "a placement from `python -m "
          "megatron_deepep.tools.balance --json` (per layer, or one plan for every layer): the "
          "dispatcher routes logical experts to its physical slots", "dispatcher"),
+    Knob("REPLAN", "int", None, "unset", "re-plan the placement from the recorded loads at each "
+         "checkpoint save (a plan file in the iteration folder), with this many extra slots for "
+         "copies of hot experts (0: none; a multiple of EP); a resume takes the plan of its "
+         "checkpoint (an explicit `MDEEP_EXPERT_MAP` wins)", "dispatcher"),
     Knob("COMM_SHARE_WARN", "int", 20, "20", "warn once per layer and crossing when "
          "(dispatch + combine) time exceeds this percent of expert compute (metrics on; 0: "
          "off)", "dispatcher"),

@@ -36,7 +36,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_deepep.logs import log_once
-from megatron_deepep.megatron import expert_tp, metrics
+from megatron_deepep.megatron import expert_tp, metrics, replan
 from megatron_deepep.megatron.options import (
     check_config,
     fp8_format_for_option,
@@ -272,10 +272,14 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         return Fp8Dispatch(fmt, "fp8" if handoff else "bf16")
 
     def _physical_map(self):
-        """`(table, copies, num_physical)` of the `expert_map` option, or None (contiguous)."""
+        """`(table, copies, num_physical)` of the expert map in force (the `expert_map`
+        option, or the resumed checkpoint's plan under `replan`), or None (contiguous)."""
         if self._expert_map is None:
-            p2l = physical_to_logical_for_layer(self.options.expert_map, self.layer_number)
-            self._set_map(p2l, "--moe-mdeep-expert-map")
+            expert_map = replan.expert_map_in_force(self.options, self.ep_size)
+            p2l = physical_to_logical_for_layer(expert_map, self.layer_number)
+            source = "--moe-mdeep-expert-map" if self.options.expert_map is not None \
+                or expert_map is None else f"the plan of {replan.FLAG}"
+            self._set_map(p2l, source)
         return self._expert_map or None
 
     def _set_map(self, p2l: Optional[List[int]], source: str) -> None:
@@ -369,6 +373,10 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
             expert_alignment=self.expert_alignment, fp8=spec, num_max_recv_rows=bound)
         if spec is not None and spec.dequantize and recv_x.dtype != hidden_states.dtype:
             recv_x = recv_x.to(hidden_states.dtype)
+        if self.options.replan is not None:
+            from megatron_deepep.buffer import is_capturing
+            if not is_capturing():  # the loads the next checkpoint's plan is made from
+                replan.record(self, handle.num_recv_tokens_per_expert)
         if collector is not None:
             from megatron_deepep.fp8.dispatch import row_bytes
             self._metrics_pending = (timer.stop(), handle,

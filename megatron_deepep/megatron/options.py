@@ -76,6 +76,10 @@ class DeepEPOptions:
             contiguous placement.
         ranks_per_node: declares nodes of this many contiguous EP ranks (virtual nodes, for
             tests and containers that share a host name); None: the ranks' hosts.
+        replan: re-plan the placement at every checkpoint save and take the resumed
+            checkpoint's plan at the next start (`megatron.replan`), with this many extra
+            slots in total for copies of hot experts (0: none; a multiple of the EP size).
+            An explicit `expert_map` wins at resume. None: off.
     """
 
     transport: str = "auto"
@@ -87,10 +91,13 @@ class DeepEPOptions:
     rank_capacity_factor: Optional[float] = None
     expert_map: Optional[object] = None
     ranks_per_node: Optional[int] = None
+    replan: Optional[int] = None
 
     def __post_init__(self):
         check_transport_option(self.transport)
         check_fp8_dispatch_option(self.fp8_dispatch)
+        if self.replan is not None:
+            self.replan = check_replan_option(self.replan)
         if self.rank_capacity_factor is not None:
             self.rank_capacity_factor = check_rank_capacity_factor(self.rank_capacity_factor)
 
@@ -132,6 +139,21 @@ def rank_capacity_rows(factor: float, num_tokens: int, topk: int, num_local_expe
     """
     budget = math.ceil(factor * num_tokens * topk)
     return max(budget + num_local_experts * (alignment - 1), 1)
+
+
+REPLAN_FLAG = "--moe-mdeep-replan (moe_mdeep_replan / MDEEP_REPLAN)"
+
+
+def check_replan_option(value, ep_size: Optional[int] = None) -> int:
+    """Raises ValueError naming the flag unless `value` is an int >= 0 (a multiple of
+    `ep_size` when given); returns it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{REPLAN_FLAG} takes the extra slots for copies of hot experts, an "
+                         f"integer >= 0, got {value!r}")
+    if ep_size is not None and value % max(ep_size, 1):
+        raise ValueError(f"{REPLAN_FLAG} {value}: the extra slots must be a multiple of "
+                         f"--expert-model-parallel-size {ep_size} (equal slots per rank)")
+    return value
 
 
 def check_transport_option(value) -> str:
@@ -179,7 +201,7 @@ def fp8_format_for_option(value: str, recipe=None):
 _REGISTERED_OPTIONS: dict = {}
 
 _CHECKS = {"transport": check_transport_option, "fp8_dispatch": check_fp8_dispatch_option,
-           "rank_capacity_factor": check_rank_capacity_factor}
+           "rank_capacity_factor": check_rank_capacity_factor, "replan": check_replan_option}
 
 
 def set_default_options(**kwargs) -> None:
@@ -250,6 +272,7 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
         fp8_dispatch = getattr(config, CONFIG_PREFIX + "fp8_dispatch", None)
     if transport is not None:
         check_transport_option(transport)
+    _check_placement(config, options, ep_size)
     _check_graph_scope(config, validated_as)
     _check_sync_free(config, options)
     etp = expert_tp_size if expert_tp_size is not None \
@@ -263,6 +286,33 @@ def check_config(config, options: Optional[DeepEPOptions] = None, *,
             raise ValueError(
                 f"--moe-mdeep-fp8-dispatch {fp8_dispatch} needs --hidden-size % 16 == 0 "
                 f"(hidden_size % 16 == 0: e4m3 rows are 16-byte multiples), got {hidden}")
+
+
+#: Megatron's fields (newer versions) that keep all local experts' weights or biases of a
+#: TEGroupedMLP in one TE GroupedTensor parameter.
+SINGLE_GROUPED_FIELDS = ("moe_single_grouped_weight", "moe_single_grouped_bias")
+
+
+def _check_placement(config, options: Optional[DeepEPOptions], ep_size: Optional[int]) -> None:
+    """An expert map or the replan option: experts whose checkpoint can be put in logical
+    order, and copies that divide over the EP ranks."""
+    if options is None:
+        expert_map = getattr(config, CONFIG_PREFIX + "expert_map", None)
+        replan = getattr(config, CONFIG_PREFIX + "replan", None)
+    else:
+        expert_map, replan = options.expert_map, options.replan
+    if replan is not None:
+        check_replan_option(replan, ep_size)
+    if expert_map is None and replan is None:
+        return
+    single = [f for f in SINGLE_GROUPED_FIELDS if getattr(config, f, False)]
+    if single and getattr(config, "moe_grouped_gemm", False):
+        flag = "--moe-mdeep-expert-map" if expert_map is not None else REPLAN_FLAG
+        raise ValueError(
+            f"{flag} with --{single[0].replace('_', '-')}: TEGroupedMLP then keeps all local "
+            f"experts in one GroupedTensor parameter, so neither the copies' gradient sum nor "
+            f"a checkpoint in logical expert order can reach one expert's rows. Drop "
+            f"--{single[0].replace('_', '-')} (one weight<i> per expert) or the placement")
 
 
 #: Megatron's per-layer CUDA-graph regions that touch the MoE layer (0.16 `CudaGraphScope`,

@@ -16,8 +16,9 @@ What `install()` changes (megatron-core 0.16.x to 0.19.x):
   `set_layer_number` prepare the layer's copies (`replica_experts.prepare_layer`);
 * `DistributedDataParallel.__init__` refuses the distributed optimizer where copies cannot be
   served, and `finish_grad_sync` sums the copies' gradients after its own reduction;
-  `SequentialMLP.sharded_state_dict` saves experts in logical order under a map, and
-  `TEGroupedMLP` / `GroupedMLP` refuse to save under a map (`replica_experts`);
+  `SequentialMLP.sharded_state_dict` and `TEGroupedMLP.sharded_state_dict` save experts in
+  logical order under a map, and the legacy `GroupedMLP` refuses to save under a map
+  (`replica_experts`);
 * `should_free_input` (the A2A-overlap memory policy: `models/common/utils.py` on 0.17+,
   `models/gpt/fine_grained_callables.py` on 0.16) keeps the dispatched rows alive (the experts
   save them: our dispatch postprocess is an identity); where none is found,
@@ -25,7 +26,10 @@ What `install()` changes (megatron-core 0.16.x to 0.19.x):
 * `skip_routed_expert_padding` (where it exists): experts do not pad again when
   `moe_router_padding_for_quantization` is set (the kernel pads each expert's rows);
 * Megatron's step-end MoE report (`moe_utils.track_moe_metrics`,
-  `MoEMetricsTracker.report`) first flushes `megatron_deepep.megatron.metrics`.
+  `MoEMetricsTracker.report`) first flushes `megatron_deepep.megatron.metrics`;
+* `dist_checkpointing.save` then writes the expert plan of `--moe-mdeep-replan` into the
+  checkpoint's folder (`replan`), and the expert map in force at build time (`MoELayer`'s slot
+  count, the dispatcher's table) is the resumed checkpoint's plan where no explicit map is given.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import sys
 import typing
 from typing import Dict, List
 
-from megatron_deepep.megatron import metrics, replica_experts
+from megatron_deepep.megatron import metrics, replan, replica_experts
 from megatron_deepep.megatron.dispatcher import DeepEPTokenDispatcher
 from megatron_deepep.megatron.options import (
     DISPATCHER_TYPE,
@@ -218,12 +222,15 @@ def _slots_per_rank(config, args, kwargs) -> "int | None":
     no map, or a map without copies: Megatron's E / EP)."""
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    count = physical_slot_count(resolve_options(config).expert_map)
-    if count is None or count == config.num_moe_experts:
+    options = resolve_options(config)
+    if options.expert_map is None and options.replan is None:
         return None
     pg = kwargs.get("pg_collection", args[2] if len(args) > 2 else None)
     pg = pg if pg is not None else get_default_pg_collection()
     ep_size = pg.ep.size() if pg.ep is not None else 1
+    count = physical_slot_count(replan.expert_map_in_force(options, ep_size))
+    if count is None or count == config.num_moe_experts:
+        return None
     if count % ep_size:
         raise ValueError(f"--moe-mdeep-expert-map has {count} physical slots, not a multiple of "
                          f"--expert-model-parallel-size {ep_size}")
@@ -304,8 +311,8 @@ def _patch_moe_layer() -> None:
 
 def _patch_expert_copies() -> None:
     """Copies of an expert train as one: DDP sums their gradients after its own reduction and
-    refuses what it cannot serve; `SequentialMLP` saves logical order; other experts under
-    copies refuse to save (`replica_experts`)."""
+    refuses what it cannot serve; `SequentialMLP` and `TEGroupedMLP` save logical order; the
+    legacy `GroupedMLP` under a map refuses to save (`replica_experts`)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.moe import experts
 
@@ -335,20 +342,28 @@ def _patch_expert_copies() -> None:
 
     setattr(sharded_state_dict, _MARK, True)
     patch(experts.SequentialMLP, "sharded_state_dict", sharded_state_dict)
-    for cls_name in ("TEGroupedMLP", "GroupedMLP"):
-        cls = getattr(experts, cls_name, None)
-        if cls is None:
-            continue
+    grouped_te = getattr(experts, "TEGroupedMLP", None)
+    if grouped_te is not None:
+        te_own = grouped_te.sharded_state_dict
 
-        def make(own):
-            @functools.wraps(own)
-            def refusing(self, *args, **kwargs):
-                replica_experts.refuse_checkpoint(self)
-                return own(self, *args, **kwargs)
-            setattr(refusing, _MARK, True)
-            return refusing
+        @functools.wraps(te_own)
+        def te_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            return replica_experts.logical_grouped_sharded_state_dict(
+                self, te_own, prefix, sharded_offsets, metadata)
 
-        patch(cls, "sharded_state_dict", make(cls.sharded_state_dict))
+        setattr(te_sharded_state_dict, _MARK, True)
+        patch(grouped_te, "sharded_state_dict", te_sharded_state_dict)
+    legacy = getattr(experts, "GroupedMLP", None)
+    if legacy is not None:
+        legacy_own = legacy.sharded_state_dict
+
+        @functools.wraps(legacy_own)
+        def refusing(self, *args, **kwargs):
+            replica_experts.refuse_checkpoint(self)
+            return legacy_own(self, *args, **kwargs)
+
+        setattr(refusing, _MARK, True)
+        patch(legacy, "sharded_state_dict", refusing)
 
 
 # Nodes of the A2A-overlap schedule whose inputs may be freed right after their forward.
@@ -450,6 +465,27 @@ def _patch_metrics_report() -> None:
         patch(tracker_cls, "report", metrics.wrap_tracker_report(tracker_cls.report))
 
 
+def _patch_checkpoint_save() -> None:
+    """`dist_checkpointing.save` (Megatron's `save_checkpoint` calls it with the iteration
+    folder on 0.16 to 0.19) writes the replan plan there after the save call (`replan`)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    original = serialization.save
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        replan.write_plan_after_save(
+            str(checkpoint_dir),
+            physical_optimizer=replan.physical_order_optimizer(sharded_state_dict))
+        return result
+
+    setattr(save, _MARK, True)
+    rebind(original, save)
+
+
 def install() -> None:
     """Applies every patch listed in the module docstring (call once; `undo_all` reverts)."""
     _patch_config()
@@ -458,3 +494,4 @@ def install() -> None:
     _STATE["should_free_input"] = _patch_should_free_input()
     _patch_skip_padding()
     _patch_metrics_report()
+    _patch_checkpoint_save()

@@ -37,7 +37,7 @@ def register_deepep_dispatcher(**options) -> None:
     Args:
         **options: defaults for `DeepEPOptions` (`transport`, `num_sms`,
             `num_max_tokens_per_rank`, `metrics`, `metrics_dir`, `fp8_dispatch`,
-            `rank_capacity_factor`); config fields
+            `rank_capacity_factor`, `expert_map`, `replan`); config fields
             `moe_mdeep_<name>` (patched Megatron) override them, and they override `MDEEP_<NAME>`
             environment variables.
     """
@@ -88,6 +88,10 @@ ARGUMENTS = [
         type=str, default=None,
         help="expert placement JSON from python -m megatron_deepep.tools.balance --json (expert "
              "weights permuted to match)")),
+    ("--moe-mdeep-replan", dict(
+        type=int, default=None, metavar="EXTRA_SLOTS",
+        help="re-plan the expert placement at each checkpoint save and take it at resume, with "
+             "this many extra slots for copies of hot experts (0: none; a multiple of EP)")),
 ]
 
 

@@ -16,12 +16,14 @@ with S local experts and calls `prepare_layer` once it is built; from then on:
   model is wrapped (`check_optimizer`): each rank keeps only a shard of a copy's reduced
   gradient, and the copies on different EP ranks are sharded at different offsets, so no one
   rank holds what the sum needs;
-* under any map other than the contiguous one (copies or not), `SequentialMLP` checkpoints
-  are written in logical order (`logical_sharded_state_dict`): the first copy of expert e is
-  saved as global expert e of E, the other copies as replicas of it (not written, loaded from
-  it), so a run with a map and a run without load each other's checkpoints, and a resume under
-  a new map (a re-placement) needs no conversion. Other expert modules under a map refuse to
-  save (their checkpoint would put experts in physical order).
+* under any map other than the contiguous one (copies or not), `SequentialMLP` and
+  `TEGroupedMLP` checkpoints are written in logical order (`logical_sharded_state_dict`,
+  `logical_grouped_sharded_state_dict`): the first copy of expert e is saved as global expert e
+  of E, the other copies as replicas of it (not written, loaded from it), so a run with a map
+  and a run without load each other's checkpoints, and a resume under a new map (a
+  re-placement, `replan`) needs no conversion. The legacy `GroupedMLP` (one weight for all
+  local experts) under a map refuses to save, and TEGroupedMLP with one GroupedTensor for all
+  experts (`--moe-single-grouped-weight`) is refused at configuration (`options`).
 
 Imports megatron-core only inside functions (this module is imported by `patching`).
 """
@@ -29,6 +31,7 @@ Imports megatron-core only inside functions (this module is imported by `patchin
 from __future__ import annotations
 
 import logging
+import re
 from typing import List, Optional
 
 import torch
@@ -160,7 +163,7 @@ def sum_module_grads(module) -> None:
 
 
 def refuse_checkpoint(experts) -> None:
-    """Raises for an experts module other than SequentialMLP saving under a map.
+    """Raises for an experts module without per-expert parameters saving under a map.
 
     Raises:
         ValueError: its checkpoint would hold the physical slots, naming the module.
@@ -170,8 +173,91 @@ def refuse_checkpoint(experts) -> None:
             f"{type(experts).__name__} under an expert map (--moe-mdeep-expert-map): its "
             f"checkpoint would hold physical slots (experts out of logical order, copies "
             f"twice), which a run under another map or none would load into the wrong "
-            f"experts. Logical checkpoints are built for SequentialMLP experts (no "
-            f"--moe-grouped-gemm)")
+            f"experts. Logical checkpoints are built for SequentialMLP and TEGroupedMLP experts "
+            f"(--moe-grouped-gemm with Transformer Engine), not the legacy GroupedMLP")
+
+
+#: A TEGroupedMLP state-dict entry of one local expert: `...weight<i>`, `...bias<i>`,
+#: `..._extra_state<i>` (expert 0's extra state has no index).
+_GROUPED_ENTRY = re.compile(r"\.(weight|bias|_extra_state)(\d*)$")
+
+
+def _relabel(sh, ep_axis: int, physical: int, logical: int, num_experts: int, singleton: bool,
+             prefix: str) -> None:
+    """Moves one sharded entry (ShardedTensor, ShardedObject or the SwiGLU
+    ShardedTensorFactory) from global physical expert `physical` to logical expert `logical`."""
+    if singleton:  # the expert index is in the key: `<prefix>experts.<p>.linear_fc1.weight`
+        old, new = f"{prefix}experts.{physical}.", f"{prefix}experts.{logical}."
+        if not sh.key.startswith(old):
+            raise ValueError(f"TEGroupedMLP under an expert map: checkpoint key {sh.key} does not "
+                             f"start with {old}; this megatron-core's layout is not served")
+        sh.key = new + sh.key[len(old):]
+        return
+    build = getattr(sh, "build_fn", None)
+    if build is not None:  # a factory: relabel what it builds
+        def build_fn(key, data, replica_id, flattened_range):
+            built = build(key, data, replica_id, flattened_range)
+            parts = built.values() if isinstance(built, dict) else \
+                built if isinstance(built, (list, tuple)) else [built]
+            for part in parts:
+                _relabel(part, ep_axis, physical, logical, num_experts, False, prefix)
+            return built
+        sh.build_fn = build_fn
+        return
+    if len(sh.global_offset) <= ep_axis or sh.global_offset[ep_axis] != physical:
+        raise ValueError(f"TEGroupedMLP under an expert map: checkpoint entry {sh.key} does not "
+                         f"hold expert {physical} on axis {ep_axis} ({sh.global_offset}); this "
+                         f"megatron-core's layout is not served")
+    sh.global_offset = (*sh.global_offset[:ep_axis], logical, *sh.global_offset[ep_axis + 1:])
+    sh.global_shape = (*sh.global_shape[:ep_axis], num_experts, *sh.global_shape[ep_axis + 1:])
+    if hasattr(sh, "axis_fragmentations"):
+        frags = sh.axis_fragmentations
+        sh.axis_fragmentations = (*frags[:ep_axis], num_experts, *frags[ep_axis + 1:])
+
+
+def logical_grouped_sharded_state_dict(experts, original, prefix: str = "", sharded_offsets=(),
+                                       metadata=None):
+    """A `TEGroupedMLP`'s sharded state dict in logical expert order (see the module
+    docstring): its own `sharded_state_dict` (physical: local gemm i is global expert
+    `rank * S + i` of `R * S`), with every per-expert entry (`weight<i>`, `bias<i>`,
+    `_extra_state<i>` of linear_fc1 / linear_fc2, the SwiGLU factory of a gated fc1 included)
+    moved to logical expert `physical_to_logical[rank * S + i]` of E, and every copy but the
+    first made a replica that is not written (loaded from the first copy's data).
+
+    Args:
+        experts: the TEGroupedMLP.
+        original: its class's own `sharded_state_dict`.
+        prefix, sharded_offsets, metadata: as Megatron passes them.
+
+    Raises:
+        ValueError: an entry that is not one expert's (or not where the layout puts it),
+            naming it.
+    """
+    state = original(experts, prefix, sharded_offsets, metadata)
+    layout = getattr(experts, LAYOUT_ATTR, None)
+    if layout is None:
+        return state
+    import torch.distributed as dist
+
+    singleton = (metadata or {}).get("singleton_local_shards", False)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    base = layout.rank * layout.slots_per_rank
+    for key, sh in state.items():
+        match = _GROUPED_ENTRY.search(key)
+        local = int(match.group(2) or 0) if match else -1
+        if not 0 <= local < layout.slots_per_rank:
+            raise ValueError(f"TEGroupedMLP under an expert map: its checkpoint entry {key} is "
+                             f"not one of its {layout.slots_per_rank} local experts' "
+                             f"weight<i> / bias<i> / _extra_state<i>")
+        physical = base + local
+        logical = layout.physical_to_logical[physical]
+        copy_index = layout.physical_to_logical[:physical].count(logical)
+        _relabel(sh, len(sharded_offsets), physical, logical, layout.num_experts, singleton,
+                 prefix)
+        rid = sh.replica_id
+        # The first copy keeps its replica id; the others are replicas that never write.
+        sh.replica_id = (*rid[:2], rid[2] + copy_index * world)
+    return state
 
 
 def logical_sharded_state_dict(experts, original, prefix: str = "", sharded_offsets=(),

@@ -21,6 +21,7 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch
 
+from megatron_deepep.placement import predicted_idle_share  # noqa: F401 (re-exported)
 from megatron_deepep.tools import balance
 from megatron_deepep.replicas import ReplicaLayout, move_slots
 
@@ -100,19 +101,6 @@ class Rebalancer:
         logger.info("rebalance: new placement, predicted idle share %.4f -> %.4f", now,
                     plan.idle_share)
         return plan
-
-
-def predicted_idle_share(loads: torch.Tensor, physical_to_logical: Sequence[int],
-                         num_ranks: int) -> float:
-    """`1 - mean / max` of the rank loads a placement gives `loads [E]` (copies split evenly)."""
-    copies = [0] * loads.numel()
-    for e in physical_to_logical:
-        copies[e] += 1
-    slots = len(physical_to_logical) // num_ranks
-    rank_load = [sum(loads[e].item() / copies[e] for e in physical_to_logical[r * slots:
-                                                                             (r + 1) * slots])
-                 for r in range(num_ranks)]
-    return balance.idle_share(rank_load)
 
 
 def apply_placement(current: ReplicaLayout, physical_to_logical: Sequence[int],

@@ -50,6 +50,7 @@ LAYERS: Dict[str, int] = {
     "megatron_deepep.fp8": 2,
     "megatron_deepep.fp8.*": 2,  # formats, dispatch, te_bridge, columnwise
     "megatron_deepep.replicas": 2,  # expert copies as one expert: grad sums, moves, logical order
+    "megatron_deepep.placement": 2,  # the expert-placement planner (tools.balance, megatron.replan)
     "megatron_deepep.ops": 3,
     "megatron_deepep.ops.*": 3,  # one module per cuda_src/ file; ops.bench: benchmark kernels
     "megatron_deepep.transport": 4,
