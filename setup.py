@@ -32,8 +32,9 @@ setup(
         # internode kernels.
         "jit": JIT_PACKAGES,
         "gpu": JIT_PACKAGES,
-        # pyyaml: megatron.training (in the megatron-core wheels from 0.17) imports it.
-        "megatron": ["megatron-core>=0.16", "pyyaml"],
+        # pyyaml: megatron.training (in the megatron-core wheels from 0.17) imports it;
+        # psutil: dist_checkpointing's file writer (checkpoints with a placement plan).
+        "megatron": ["megatron-core>=0.16", "pyyaml", "psutil"],
         "test": ["pytest", "matplotlib", "hypothesis"],
     },
 )

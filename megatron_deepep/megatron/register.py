@@ -105,8 +105,40 @@ def add_arguments(parser):
     return parser
 
 
+def check_replan_arguments(args) -> None:
+    """Refuses `--moe-mdeep-replan` where a resume could not move the optimizer state.
+
+    Megatron's distributed optimizer saves its state in the data-parallel layout
+    ("dp_reshardable") unless `--dist-ckpt-optim-fully-reshardable` is given; that layout keeps
+    expert moments in physical slot order, so a new placement would give experts another
+    expert's moments.
+
+    Raises:
+        ValueError: naming the flags and the way out.
+    """
+    if getattr(args, CONFIG_PREFIX + "replan", None) is None:
+        return
+    if not getattr(args, "use_distributed_optimizer", False):
+        return
+    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        raise ValueError(f"--moe-mdeep-replan with --use-distributed-optimizer needs "
+                         f"--ckpt-format torch_dist (its expert plan rides on distributed "
+                         f"checkpoints), got --ckpt-format {args.ckpt_format}")
+    if not getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+        has_flag = hasattr(args, "dist_ckpt_optim_fully_reshardable")
+        raise ValueError(
+            "--moe-mdeep-replan with --use-distributed-optimizer: the optimizer state is saved in "
+            "the data-parallel layout ('dp_reshardable'), which keeps expert moments in physical "
+            "slot order, so the next resume could not move them with their experts. "
+            + ("Add --dist-ckpt-optim-fully-reshardable" if has_flag else
+               "This Megatron has no --dist-ckpt-optim-fully-reshardable (megatron-core 0.17+)")
+            + ", drop --use-distributed-optimizer, or drop --moe-mdeep-replan")
+
+
 def apply_arguments(args) -> None:
-    """Makes parsed `--moe-mdeep-*` values the option defaults (`register_deepep_dispatcher`)."""
+    """Makes parsed `--moe-mdeep-*` values the option defaults (`register_deepep_dispatcher`),
+    after `check_replan_arguments`."""
+    check_replan_arguments(args)
     options = {}
     for flag, _ in ARGUMENTS:
         name = flag[len("--moe-mdeep-"):].replace("-", "_")

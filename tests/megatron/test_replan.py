@@ -289,3 +289,31 @@ def test_plan_keeps_the_placement_when_it_gains_little_or_the_optimizer_is_physi
         {"optimizer": {"param_state_sharding_type": "dp_reshardable"}}) == "dp_reshardable"
     assert replan.physical_order_optimizer(
         {"optimizer": {"param_state_sharding_type": "fully_sharded_model_space"}}) is None
+
+
+def test_distributed_optimizer_needs_the_fully_reshardable_format():
+    """Refused when Megatron's arguments are applied: the default 'dp_reshardable' optimizer
+    checkpoint keeps expert moments in physical order, so a resume could not move them."""
+    import argparse
+
+    from megatron_deepep.megatron.register import check_replan_arguments
+
+    def args(**kw):
+        base = dict(moe_mdeep_replan=0, use_distributed_optimizer=True, ckpt_format="torch_dist",
+                    dist_ckpt_optim_fully_reshardable=False)
+        base.update(kw)
+        return argparse.Namespace(**base)
+
+    with pytest.raises(ValueError, match=r"'dp_reshardable'.*Add "
+                                         r"--dist-ckpt-optim-fully-reshardable"):
+        check_replan_arguments(args())
+    older = args()
+    del older.dist_ckpt_optim_fully_reshardable
+    with pytest.raises(ValueError, match=r"has no --dist-ckpt-optim-fully-reshardable"):
+        check_replan_arguments(older)
+    with pytest.raises(ValueError, match=r"needs --ckpt-format torch_dist.*got --ckpt-format "
+                                         r"torch"):
+        check_replan_arguments(args(ckpt_format="torch"))
+    check_replan_arguments(args(dist_ckpt_optim_fully_reshardable=True))
+    check_replan_arguments(args(use_distributed_optimizer=False))
+    check_replan_arguments(args(moe_mdeep_replan=None))
