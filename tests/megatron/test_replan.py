@@ -28,14 +28,7 @@ HOT = torch.tensor([4.0, 2.0, 0.0, 0.0])  # router bias: experts 0 and 1 are hot
 
 def _skewed(layer):
     """Routing that prefers experts 0 and 1 (the same math on every rank and placement)."""
-    def router(hidden, padding_mask=None):
-        logits = hidden.reshape(-1, H) @ layer.router.weight.t() + HOT
-        scores = torch.softmax(logits.float(), dim=-1)
-        _, idx = torch.topk(scores, K, dim=-1)
-        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
-        return scores * routing_map, routing_map
-
-    layer.router.forward = router
+    layer.router.forward = rx.cpu_router(layer, HOT)
     return layer
 
 

@@ -42,15 +42,23 @@ def _layer(expert_map, seed):
     layer = MoELayer(config, submodules, layer_number=1)
     torch.distributed.broadcast(layer.router.weight.data, 0)  # data parallel: one router
 
-    def router(hidden, padding_mask=None):  # Megatron's router moves to CUDA; same math
+    layer.router.forward = cpu_router(layer)
+    return layer
+
+
+def cpu_router(layer, bias=None):
+    """Megatron's router math on the CPU (its module moves to CUDA), plus an optional `[E]`
+    logit bias."""
+    def router(hidden, padding_mask=None):
         logits = hidden.reshape(-1, H) @ layer.router.weight.t()
+        if bias is not None:
+            logits = logits + bias
         scores = torch.softmax(logits.float(), dim=-1)
         _, idx = torch.topk(scores, K, dim=-1)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
         return scores * routing_map, routing_map
 
-    layer.router.forward = router
-    return layer
+    return router
 
 
 def _physical(layer):
