@@ -79,6 +79,28 @@ def layer_layout(layer) -> Optional[ReplicaLayout]:
     return getattr(getattr(layer, "experts", None), LAYOUT_ATTR, None)
 
 
+def check_one_copy_per_rank(layout: ReplicaLayout, layer_number=None) -> None:
+    """Refuses a map that puts two copies of one expert on one EP rank.
+
+    Such copies add no balance (the rank's load is the same), and a logical checkpoint could
+    not be loaded into them: dist_checkpointing refuses two shards of one tensor at one offset
+    on one rank. `tools.balance` never plans them.
+
+    Raises:
+        ValueError: naming the option, the layer, the rank and the expert.
+    """
+    s = layout.slots_per_rank
+    for rank in range(layout.num_ranks):
+        held = layout.physical_to_logical[rank * s:(rank + 1) * s]
+        twice = sorted({e for e in held if held.count(e) > 1})
+        if twice:
+            raise ValueError(
+                f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP), layer "
+                f"{layer_number}: EP rank {rank} holds expert {twice[0]} more than once (slots "
+                f"{list(held)}); copies of an expert go on different ranks (a second copy on "
+                f"one rank adds no balance, and a checkpoint cannot be loaded into it)")
+
+
 def prepare_layer(layer) -> Optional[ReplicaLayout]:
     """Sets up a built deepep MoE layer for its expert map (see the module docstring).
 
@@ -91,6 +113,7 @@ def prepare_layer(layer) -> Optional[ReplicaLayout]:
     if p2l is None or list(p2l) == list(range(dispatcher.num_experts)):
         return None
     layout = ReplicaLayout(tuple(p2l), max(dispatcher.ep_size, 1), dispatcher.ep_rank)
+    check_one_copy_per_rank(layout, dispatcher.layer_number)
     setattr(layer.experts, LAYOUT_ATTR, layout)
     layer.experts._mdeep_ep_group = dispatcher.ep_group
     if not layout.replicated:

@@ -1,8 +1,9 @@
 """Logical checkpoints of a real `TEGroupedMLP` (Transformer Engine's grouped linears) on one GPU.
 
-EP = 1 with the map `[0, 0, 1, 2, 3]` (expert 0 twice): a layer with the map saves through
-dist_checkpointing and a layer without loads expert for expert; the reverse gives both copies
-expert 0. Plain and gated (SwiGLU factory) fc1. The CPU tier runs the same path on stand-ins
+EP = 1 with the map `[2, 0, 3, 1]` (one rank holds no two copies of an expert, so EP = 1 maps
+are permutations): a layer with the map saves through dist_checkpointing and a layer without
+loads expert for expert; the reverse puts every expert back in its slot. Plain and gated
+(SwiGLU factory) fc1. The CPU tier runs the same path with copies over two ranks on stand-ins
 (`tests/megatron/test_grouped_checkpoint.py`).
 """
 
@@ -16,7 +17,7 @@ from tests.gpu.marks import TE_GPU
 pytestmark = TE_GPU
 
 H, E, K = 64, 4, 2
-MAP = [0, 0, 1, 2, 3]
+MAP = [2, 0, 3, 1]
 
 
 def _layer(expert_map, glu, seed):

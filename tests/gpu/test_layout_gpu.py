@@ -165,8 +165,11 @@ def test_layout_writes_the_ep1_receive_layout(errors, num_tokens, topk, num_expe
                 exp_lay.num_tokens_per_rank.tolist()
             assert torch.equal(lay.pos_in_expert.cpu(), exp_lay.pos_in_expert)
             num_rows = int(exp.expert_row_start[-1])
+            # 64-bit words (value << 32) | epoch, little endian: epoch first, then the value.
             assert host.words[0] == epoch and host.words[1] == num_rows
-            assert host.words[4:4 + num_experts].tolist() == exp.tokens_per_expert.tolist()
+            per_expert = host.words[2:2 + 2 * num_experts]
+            assert per_expert[0::2].tolist() == [epoch] * num_experts
+            assert per_expert[1::2].tolist() == exp.tokens_per_expert.tolist()
     finally:
         host.destroy()
 

@@ -212,3 +212,17 @@ def test_slot_parameters_refuses_one_tensor_experts():
 
     with pytest.raises(ValueError, match="OneTensor keeps all local experts in one tensor"):
         slot_parameters(OneTensor(), 3)
+
+
+def test_two_copies_of_one_expert_on_one_rank_are_refused():
+    """They add no balance, and dist_checkpointing cannot load two shards of one tensor at one
+    offset on one rank (seen on the GPU with TEGroupedMLP), so the map is refused when the
+    layer is built."""
+    from megatron_deepep.megatron.replica_experts import check_one_copy_per_rank
+    from megatron_deepep.replicas import ReplicaLayout
+
+    check_one_copy_per_rank(ReplicaLayout((0, 1, 2, 0, 3, 1), 2, 0))  # copies on two ranks
+    with pytest.raises(ValueError, match=r"layer 3: EP rank 0 holds expert 0 more than once "
+                                         r"\(slots \[0, 0, 1\]\); copies of an expert go on "
+                                         r"different ranks"):
+        check_one_copy_per_rank(ReplicaLayout((0, 0, 1, 2, 3, 1), 2, 1), 3)
