@@ -20,7 +20,8 @@ class GroupedLinear(torch.nn.Module):
     tp_axis_map = {"weight": 0, "bias": 0}
 
     def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
-                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
+                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None,
+                 name=None):  # name: megatron-core 0.19 passes the module path
         super().__init__()
         assert is_expert
         self.num_gemms, self.use_bias, self.skip_bias_add = num_gemms, bias, skip_bias_add
