@@ -202,7 +202,8 @@ def test_bad_get_buffer_arguments(buf):
     (lambda x: [x], {}, r"x must be a torch.Tensor \[N, H\] or, with fp8=.*got a list of 1 "
                         r"items \(Tensor\)"),
     (lambda x: [1, 2], {}, r"x must be a torch.Tensor .*got a list of 2 items \(int, int\)"),
-    (lambda x: (x, x, x), dict(fp8=Fp8Dispatch.named("blockwise")), r"must be a pair .*got a tuple of 3 items"),
+    (lambda x: (x, x, x), dict(fp8=Fp8Dispatch.named("blockwise")),
+     r"must be a pair .*got a tuple of 3 items"),
     (lambda x: [x, x], {}, r"x is a pair of tensors, i.e. a pre-quantized \(x_fp8, x_scales\): "
                            r"pass fp8="),
     (lambda x: "rows", {}, r"x must be a torch.Tensor, got str"),
