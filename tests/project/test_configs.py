@@ -26,7 +26,7 @@ import pytest
 
 from megatron_deepep.tools import sweep
 from megatron_deepep.megatron.options import DeepEPOptions, check_config
-from tests.project.test_pretrain_example import _CHILD, launcher_flags, needs_training
+from tests.project.test_pretrain_example import build_in_child, launcher_flags, needs_training
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -216,18 +216,7 @@ def test_proxy_parses_and_builds_with_megatron_training(name, tmp_path):
 
     if not torch.cuda.is_available():  # Megatron allocates the expert bias on the GPU
         flags = [f for f in flags if f != "--moe-router-enable-expert-bias"]
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29627", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH",
-                                                                                  ""))
-    import json
-
-    done = subprocess.run([sys.executable, "-c", _CHILD,
-                           os.path.join(ROOT, "examples", "pretrain_gpt_moe.py"),
-                           json.dumps(flags)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(lines[-1][len("REPORT "):])
+    report = build_in_child(flags, 29627)
     assert report["dispatchers"] == ["DeepEPTokenDispatcher"] * 4
 
 

@@ -108,22 +108,28 @@ print("REPORT " + json.dumps(report))
 """
 
 
-@needs_training
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_example_parses_binds_and_builds_the_model(launcher, tmp_path):
-    flags = launcher_flags(launcher, out=str(tmp_path))
-    flags += ["--moe-mdeep-num-sms", "16", "--use-cpu-initialization"]
-    flags.remove("--bf16")  # the CPU build; the flag itself is checked by the parse above
+def build_in_child(flags: list, port: int) -> dict:
+    """Parses `flags` with the example's arguments and builds its model in a fresh one-rank
+    interpreter (`_CHILD`); returns the child's report."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29617", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH",
-                                                                                  ""))
+               MASTER_PORT=str(port),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, "-c", _CHILD,
                            os.path.join(ROOT, "examples", "pretrain_gpt_moe.py"),
                            json.dumps(flags)], env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(lines[-1][len("REPORT "):])
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+@needs_training
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_example_parses_binds_and_builds_the_model(launcher, tmp_path):
+    flags = launcher_flags(launcher, out=str(tmp_path))
+    flags += ["--moe-mdeep-num-sms", "16", "--use-cpu-initialization"]
+    flags.remove("--bf16")  # the CPU build; the flag itself is checked by the parse above
+    report = build_in_child(flags, 29617)
     assert report["dispatcher_type"] == "deepep"
     assert report["moe_mdeep_num_sms"] == 16
     assert report["dispatchers"] == ["DeepEPTokenDispatcher"] * 4  # one per MoE layer
