@@ -19,7 +19,7 @@
 #             processes take turns on the GPU (no MPS: dev/gpu/mps.sh runs them at once)
 #             (SIDE_TIMEOUT, 420, each EP size at most SIZE_TIMEOUT, 130; SIDE_ARGS passed
 #             on); our kernels are precompiled into the cache first
-# Writes benchmarks/h200_<date>_deepep.md and .log (command, versions, build time, the exact
+# Writes benchmarks/<card>_<date>_deepep.md and .log (command, versions, build time, the exact
 # errors, the table). NVLink multicast stays off (exported here).
 set -u
 
@@ -146,7 +146,7 @@ for piece in $PIECES; do
 done
 ev_is_dry || cat "$EV_LOGS"/build.log "$EV_LOGS"/own_test.log "$EV_LOGS"/side.log \
   > "$EV_LOGS/all.txt" 2>/dev/null
-ev_record deepep "DeepEP V1 intranode beside ours on one H200" \
+ev_record deepep "DeepEP V1 intranode beside ours on one GPU" \
   "PIECES='$PIECES' RANKS=$RANKS bash dev/gpu/deepep.sh $(basename "$SRC")" \
   "$EV_LOGS/all.txt" "$TABLE"
 ev_finish

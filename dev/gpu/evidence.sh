@@ -11,7 +11,7 @@
 #   baselines   EP=1 bench at DeepSeek-V3's shape (4096 tokens, hidden 7168, 256 experts, top-8;
 #               24 and 132 SMs; bf16 and blockwise FP8) beside Megatron's alltoall with TE's
 #               fused permute and without; bench.layer's table A rows (alltoall fused, unfused,
-#               deepep sync and sync-free)                        -> h200_<date>_baselines.md
+#               deepep sync and sync-free)                        -> <card>_<date>_baselines.md
 #   main        examples/compare_dispatchers.py, MAIN_STEPS (40) steps of deepep, alltoall-fused
 #               and alltoall from one seed: losses and median step times -> _main_job.md
 #   deepep      dev/gpu/deepep.sh: build (timed), DeepEP's own intranode test (its exact error
@@ -26,7 +26,7 @@
 #               proxy-sweep)                                      -> _proxy.md, proxy_model.json
 #   model       megatron_deepep.tools.internode_model on DeepSeek-V3's shape at 2x8 and 8x8 with the
 #               measured inputs found (mps_model.json, proxy_model.json) -> _model.md
-# Records go to benchmarks/h200_<date>_<topic>.md with the raw log beside (.log); with the
+# Records go to benchmarks/<card>_<date>_<topic>.md with the raw log beside (.log); with the
 # device tool's $OUT, they are packed into $OUT/evidence_records.tar.gz and the summary table
 # (printed last) into $OUT/evidence_summary.md. Build and kernel caches: .bench_out/evidence/
 # (kept between calls while the machine stays warm). NVLink multicast stays off.
@@ -118,7 +118,7 @@ baselines() {
     grep -E "megatron alltoall|^\| A \| alltoall" "$table" | cut -c1-200
   fi
   ev_record baselines \
-    "Baselines on one H200: Megatron's alltoall with and without TE's fused permute" \
+    "Baselines on one GPU: Megatron's alltoall with and without TE's fused permute" \
     "python -m megatron_deepep.bench ${bench_args[*]}; python -m megatron_deepep.bench.layer \
 ${layer_args[*]}" "$EV_LOGS/baselines.txt" "$table"
 }
@@ -142,7 +142,7 @@ main_job() {
     } > "$table"
   fi
   ev_record main_job \
-    "Main-job comparison on one H200: deepep, alltoall (fused permute), alltoall (unfused)" \
+    "Main-job comparison on one GPU: deepep, alltoall (fused permute), alltoall (unfused)" \
     "python3 examples/compare_dispatchers.py --steps $steps" "$EV_LOGS/main.log" "$table"
 }
 
@@ -203,8 +203,8 @@ for step in "${plan[@]}"; do
   esac
 done
 if ! ev_is_dry && [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
-  ls benchmarks/h200_"${EV_DATE}"_* >/dev/null 2>&1 && \
-    tar czf "$OUT/evidence_records.tar.gz" benchmarks/h200_"${EV_DATE}"_* 2>/dev/null
+  ls benchmarks/"$(ev_card)_${EV_DATE}"_* >/dev/null 2>&1 && \
+    tar czf "$OUT/evidence_records.tar.gz" benchmarks/"$(ev_card)_${EV_DATE}"_* 2>/dev/null
   for f in mps_model.json proxy_model.json; do
     [ -s "$EV_OUT/$f" ] && cp "$EV_OUT/$f" "$OUT/$f"
   done

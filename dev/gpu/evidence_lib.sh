@@ -10,7 +10,7 @@
 #                         one line each, also kept in $EV_LOGS/versions for the records
 # ev_piece NAME LIMIT LOG command...   one named piece under its limit (a dry run prints it);
 #                         sets PIECE_RC and PIECE_S and adds a row to the summary
-# ev_record TOPIC TITLE COMMAND LOG TABLE   benchmarks/h200_<date>_<topic>.md (command,
+# ev_record TOPIC TITLE COMMAND LOG TABLE   benchmarks/<card>_<date>_<topic>.md (command,
 #                         versions, device, the table, the raw log's name) and the raw log
 #                         beside it (.log); with the device tool's $OUT set, copies go there
 #                         at ev_finish
@@ -50,6 +50,17 @@ ev_init() {
 }
 
 ev_is_dry() { [ "$DRY_RUN" = 1 ]; }
+
+# ev_card: the records' prefix, named after the card that ran them (h100, h200, ...; "gpu" when
+# nvidia-smi names none of them, "dry" in a dry run).
+ev_card() {
+  local name
+  ev_is_dry && { echo dry; return; }
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  case $name in
+    *H200*) echo h200 ;; *H100*) echo h100 ;; *B200*) echo b200 ;; *) echo gpu ;;
+  esac
+}
 
 ev_say() { echo "$EV_NAME: [$SECONDS s] $*"; }
 
@@ -136,7 +147,7 @@ ev_row() {  # ev_row NAME RC SECONDS RESULT
 
 ev_record() {
   local topic=$1 title=$2 command=$3 log=$4 table=$5
-  local stem="benchmarks/h200_${EV_DATE}_${topic}"
+  local stem="benchmarks/$(ev_card)_${EV_DATE}_${topic}"
   if ev_is_dry; then
     echo "dry run: record $stem.md (+ $stem.log)"
     return 0

@@ -18,7 +18,7 @@
 #           DeepSeek-V3's shape (4096 tokens, hidden 7168, top-8): µs and GB/s per rank of the
 #           network leg
 #           (NVSHMEM's P2P path here) and the NVLink leg (SWEEP_TIMEOUT, 120 each)
-# Writes benchmarks/h200_<date>_mps.md and .log, and .bench_out/evidence/mps_model.json
+# Writes benchmarks/<card>_<date>_mps.md and .log, and .bench_out/evidence/mps_model.json
 # (internode_model --measured-json input).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_lib.sh"
@@ -130,6 +130,6 @@ for piece in $PIECES; do
   esac
 done
 ev_is_dry || cat "$EV_LOGS"/*.log > "$EV_LOGS/all.txt" 2>/dev/null
-ev_record mps "EP > 1 on one H200 with the ranks at once (CUDA MPS)" \
+ev_record mps "EP > 1 on one GPU with the ranks at once (CUDA MPS)" \
   "PIECES='$PIECES' bash dev/gpu/mps.sh ${DEEPEP_BUILD:+DEEPEP_BUILD}" "$EV_LOGS/all.txt" "$TABLE"
 ev_finish

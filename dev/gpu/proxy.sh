@@ -23,7 +23,7 @@
 # WITH_MPS=1 runs them under CUDA MPS (dev/gpu/mps.sh's daemon, 100/R % each: NVSHMEM's full
 # several-PEs-per-GPU mode instead of the limited one). When a run fails, the record keeps
 # NVSHMEM's first error lines: the exact blocker.
-# Writes benchmarks/h200_<date>_proxy.md and .log.
+# Writes benchmarks/<card>_<date>_proxy.md and .log.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_lib.sh"
 ev_init proxy
@@ -161,7 +161,7 @@ PY
   esac
 done
 ev_is_dry || cat "$EV_LOGS"/*.log > "$EV_LOGS/all.txt" 2>/dev/null
-ev_record proxy "The network leg through NVSHMEM's proxy ($TRANSPORT over loopback), one H200" \
+ev_record proxy "The network leg through NVSHMEM's proxy ($TRANSPORT over loopback), one GPU" \
   "PIECES='$PIECES' TRANSPORT=$TRANSPORT bash dev/gpu/proxy.sh WHEELS_DIR" "$EV_LOGS/all.txt" \
   "$TABLE"
 ev_finish
