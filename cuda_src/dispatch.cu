@@ -306,6 +306,24 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     const RowBytes<kFmt, kDequant> sizes(hidden, x_scales != nullptr);
     const i64 row_bytes = sizes.out_row, in_row_bytes = sizes.in_row;
     const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
+    extern __shared__ int4 dispatch_stage[];
+
+    // FP8 rows quantized here (bf16 input, FP8 output): each warp quantizes a token row into
+    // its shared-memory stage once, then writes the stage to the token's rows with 16-byte
+    // stores. A fresh dispatch quantizes each warp's first token before the wait for the layout
+    // kernel: the read of x and the arithmetic overlap the layout, as bf16's preload does.
+    u8* quant_stage = nullptr;
+    int staged_token = -1;
+    if (kFp8Out && x_scales == nullptr) {
+        const int stride = fp8::stage_stride<kFmt>(hidden);
+        if (dynamic_smem_bytes() >= (u32)stride * (blockDim.x / 32))
+            quant_stage = reinterpret_cast<u8*>(dispatch_stage) + (threadIdx.x >> 5) * stride;
+    }
+    if (!kCached && quant_stage != nullptr && warp < num_tokens) {
+        fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + warp * in_row_bytes),
+                                       hidden, quant_stage, amax_epsilon, lane);
+        staged_token = warp;
+    }
 
     // bf16: a token's first chunk is in flight while its ids and rows are loaded; the first
     // token's even before the wait for the layout kernel (launched programmatically after it,
@@ -315,7 +333,6 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     constexpr bool kPreloadBeforeWait = kPreload && !kCached;
     // The rest of that row, as far as the dynamic shared memory holds it, is copied into the
     // warp's stage meanwhile, so that less of the expand's reads meet its writes at HBM.
-    extern __shared__ int4 dispatch_stage[];
     int4 first[kCopyUnroll];
     int4* stage = nullptr;
     int stage_end = 0;  // the row's words below it come from `first` and `stage`
@@ -365,6 +382,17 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             warp_copy_row_to_lane_rows<kTopk>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
                                               first, recv_x, row_bytes, row_lane, hidden / 8,
                                               lane, stage, staged ? stage_end : 0);
+            continue;
+        }
+        if (quant_stage != nullptr) {
+            if (n != staged_token) {
+                __syncwarp();  // every lane has read the previous row from the stage
+                fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
+                                               hidden, quant_stage, amax_epsilon, lane);
+            }
+            __syncwarp();  // the stage is complete before any lane reads another lane's part
+            fp8::write_staged_row<kFmt, kTopk>(quant_stage, hidden, recv_x, recv_scales,
+                                               row_lane, lane);
             continue;
         }
         u8* dst[kTopk];

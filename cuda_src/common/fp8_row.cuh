@@ -112,6 +112,73 @@ __device__ __forceinline__ void quantize_row(const int4* x, int hidden, u8* cons
     }
 }
 
+// Bytes of one warp's quantize stage (stage_quantized_row): the e4m3 data, then the scales
+// from the next 16-byte boundary. megatron_deepep/ops/dispatch.py computes the same.
+template <int kFmt>
+__device__ __forceinline__ int stage_stride(int hidden) {
+    return hidden + (scale_row_bytes<kFmt>(hidden) + 15) / 16 * 16;
+}
+
+// Quantizes the bf16 row `x` into the warp's shared-memory `stage` (e4m3 data, then scales at
+// stage + hidden): the same values quantize_row writes, so the rows stay bit-exact.
+template <int kFmt>
+__device__ __forceinline__ void stage_quantized_row(const int4* x, int hidden, u8* stage,
+                                                    float amax_epsilon, int lane) {
+    u8* const data[1] = {stage};
+    u8* const scales[1] = {stage + hidden};
+    quantize_row<kFmt, 1, false>(x, hidden, data, scales, 1, amax_epsilon, lane);
+}
+
+// Writes a staged quantized row (stage_quantized_row) to the rows of `recv_x` and
+// `recv_scales` that lanes 0..kTopk-1 name in `row_lane` (-1: none): 16-byte words for the
+// data, 4-byte words (or bytes) for the scales. Row addresses come by shuffle, so no pointer
+// array lives in local memory. The caller __syncwarp()s between staging and this call.
+template <int kFmt, int kTopk>
+__device__ __forceinline__ void write_staged_row(const u8* stage, int hidden, u8* recv_x,
+                                                 u8* recv_scales, int row_lane, int lane) {
+    const int scale_bytes = scale_row_bytes<kFmt>(hidden);
+    int rows[kTopk];
+#pragma unroll
+    for (int k = 0; k < kTopk; ++k) rows[k] = __shfl_sync(0xffffffffu, row_lane, k);
+    const int4* words = reinterpret_cast<const int4*>(stage);
+    const int num_int4 = hidden / 16;
+    for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < num_int4) v[u] = words[i];
+        }
+#pragma unroll
+        for (int k = 0; k < kTopk; ++k) {
+            if (rows[k] < 0) continue;
+            int4* dst = reinterpret_cast<int4*>(recv_x + (i64)rows[k] * hidden);
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < num_int4) st_v4(dst + i, v[u]);
+            }
+        }
+    }
+    const u8* src_scales = stage + hidden;
+    if (scale_bytes % 4 == 0) {  // every row's scales start 4-byte aligned
+        for (int i = lane; i < scale_bytes / 4; i += 32) {
+            const u32 w = reinterpret_cast<const u32*>(src_scales)[i];
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k)
+                if (rows[k] >= 0)
+                    reinterpret_cast<u32*>(recv_scales + (i64)rows[k] * scale_bytes)[i] = w;
+        }
+    } else {
+        for (int i = lane; i < scale_bytes; i += 32) {
+            const u8 b = src_scales[i];
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k)
+                if (rows[k] >= 0) recv_scales[(i64)rows[k] * scale_bytes + i] = b;
+        }
+    }
+}
+
 // Copies a row's scales (`hidden` columns' worth) to each destination.
 template <int kFmt, int kMaxDst, bool kStagedSrc>
 __device__ __forceinline__ void copy_scales(const u8* src, int hidden, u8* const* dst,

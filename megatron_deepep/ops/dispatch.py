@@ -125,7 +125,10 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
     kernel = jit.get_kernel("dispatch.cu", "dispatch_local",
                             [topk_idx.shape[1], cached, index_type_name(topk_idx), fmt, dequant])
     threads = 1024 if fmt == 0 else COMM_THREADS  # DispatchLocalThreads in dispatch.cu
-    stage_bytes = _dispatch_stage_bytes(x.shape[1], threads) if fmt == 0 and not cached else 0
+    if fmt == 0:
+        stage_bytes = 0 if cached else _dispatch_stage_bytes(x.shape[1], threads)
+    else:
+        stage_bytes = _quantize_stage_bytes(x.shape[1], threads, fp8, x_scales)
     a = recv.address
     args = DispatchLocalArgs.fill(
         recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
@@ -154,3 +157,15 @@ def _dispatch_stage_bytes(hidden: int, threads: int) -> int:
     words = max(hidden // 8 - first_chunk_words, 0)
     words_per_lane = min(-(-words // 32), DISPATCH_STAGE_MAX_BYTES // (warps * 32 * 16))
     return warps * words_per_lane * 32 * 16
+
+
+def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales) -> int:
+    """Bytes an FP8 dispatch_local stages per block when it quantizes (bf16 `x`, FP8 rows out):
+    each warp's row of `hidden` e4m3 bytes, then its scales from the next 16-byte boundary
+    (fp8_row.cuh's stage_stride). 0 (the unstaged path) when the rows come pre-quantized or
+    bf16, or when the stages exceed DISPATCH_STAGE_MAX_BYTES."""
+    if x_scales is not None or fp8.dequantize:
+        return 0
+    stride = hidden + -(-fp8.fmt.scale_bytes_per_token(hidden) // 16) * 16
+    total = threads // 32 * stride
+    return total if total <= DISPATCH_STAGE_MAX_BYTES else 0

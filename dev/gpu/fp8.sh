@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# FP8 dispatch on one GPU, before and after a kernel change, in one call:
+#   bash dev/gpu/fp8.sh WHEELS_DIR BEFORE_DIR
+#   DRY_RUN=1 bash dev/gpu/fp8.sh WHEELS_DIR BEFORE_DIR   # the plan; runs nothing
+# WHEELS_DIR: the TE 2.20.2 set and megatron-core 0.19.2 (the alltoall rows and the TE layer).
+# BEFORE_DIR: the package to compare with, as `git archive REV megatron_deepep cuda_src | tar x
+# -C BEFORE_DIR` leaves it (its own kernels: the JIT finds BEFORE_DIR/cuda_src).
+# Pieces (PIECES, default all, in this order; each under its limit, never past BUDGET, 570 s):
+#   tests   the FP8 GPU tests at 1 process (EP = 1's kernels): bit-exact against the reference
+#           quantizer, fresh and cached, every format (TEST_TIMEOUT, 150)
+#   after   python -m megatron_deepep.bench at DeepSeek-V3's shape, 24 and 132 SMs, bf16 and
+#           the three FP8 formats, with Megatron's alltoall rows (AFTER_TIMEOUT, 170)
+#   before  the same bench with BEFORE_DIR's package, no Megatron rows (BEFORE_TIMEOUT, 120)
+#   ncu     Nsight Compute on dev/gpu/fp8_profile.py, after then before: per kernel duration,
+#           DRAM throughput, occupancy, registers, warp stalls (NCU_TIMEOUT, 90 each)
+#   layer   python -m megatron_deepep.bench.layer --te: table B's TE blockwise-FP8 layer rows,
+#           alltoall with TE's fused permute beside ours with FP8 dispatch and FP8 experts
+#           (LAYER_TIMEOUT, 150)
+#   tests2  the FP8 GPU tests at 2 processes (the NVLink kernels) (TEST_TIMEOUT, 150)
+# Logs land in $OUT (the device tool's folder) or .bench_out/fp8.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
+if [ $# -ne 2 ] || [ ! -d "$1" ] || [ ! -d "$2/megatron_deepep" ]; then
+  echo "usage: bash dev/gpu/fp8.sh WHEELS_DIR BEFORE_DIR (BEFORE_DIR/megatron_deepep must exist)"
+  exit 2
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+WHEELS_DIR=$(cd "$1" && pwd)
+BEFORE=$(cd "$2" && pwd)
+LOGS=${OUT:-.bench_out/fp8}
+mkdir -p "$LOGS"
+BUDGET_S=${BUDGET:-570}
+PIECES=${PIECES:-tests after before ncu layer tests2}
+export MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-$PWD/.bench_out/fp8_kernel_cache}
+SHAPE=4096,7168,256,8
+FORMATS=blockwise_1x128,mxfp8_1x32,blockwise_1x128_fp32_scales
+dry() { [ "${DRY_RUN:-0}" = 1 ]; }
+
+# piece NAME LIMIT LOG command...: runs it unless the budget is spent; one summary line.
+SUMMARY=()
+piece() {
+  local name=$1 limit=$2 log=$3 t0=$SECONDS rc
+  shift 3
+  if dry; then echo "dry run: $name (limit $limit s, $log): $*"; return 0; fi
+  if (( BUDGET_S - SECONDS < limit / 2 )); then
+    SUMMARY+=("$name: skipped (budget)"); return 99
+  fi
+  (( limit > BUDGET_S - SECONDS )) && limit=$(( BUDGET_S - SECONDS ))
+  echo "fp8.sh: [$SECONDS s] $name: start (limit $limit s)"
+  timeout -k 5 "$limit" "$@" > "$LOGS/$log" 2>&1
+  rc=$?
+  SUMMARY+=("$name: rc $rc in $((SECONDS - t0)) s ($log)")
+  echo "fp8.sh: [$SECONDS s] $name: rc $rc"
+  return $rc
+}
+
+if ! dry; then
+  source dev/gpu/wheels.sh
+  WHEELS_DIR=$WHEELS_DIR install_wheels fp8 || exit 2
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+    | tee "$LOGS/fp8_versions.txt"
+  python3 -c "import torch, megatron.core as m, transformer_engine as te; \
+print('torch', torch.__version__, '| megatron-core', m.__version__, '| TE', te.__version__)" \
+    2>&1 | tail -n 1 | tee -a "$LOGS/fp8_versions.txt"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo 'no .git here')" \
+    >> "$LOGS/fp8_versions.txt"
+fi
+HERE_PATH=$PWD:${PYTHONPATH:-}
+BEFORE_PATH=$BEFORE:${PYTHONPATH:-}
+NCU_KERNELS="regex:dispatch_local|layout_kernel"
+NCU_ARGS=(--clock-control none --kernel-name "$NCU_KERNELS" --section SpeedOfLight
+  --section Occupancy --section LaunchStats --section WarpStateStats
+  --section MemoryWorkloadAnalysis)
+for name in $PIECES; do
+  case $name in
+    tests)
+      piece tests "${TEST_TIMEOUT:-150}" fp8_tests.log env MDEEP_TEST_PROCS=1 \
+        PYTHONPATH="$HERE_PATH" python3 -m pytest -m gpu -q -rs \
+        tests/gpu/test_fp8_dispatch_gpu.py tests/gpu/test_fp8_gpu.py ;;
+    tests2)
+      piece tests2 "${TEST_TIMEOUT:-150}" fp8_tests2.log env MDEEP_TEST_PROCS=2 \
+        PYTHONPATH="$HERE_PATH" python3 -m pytest -m gpu -q -rs \
+        tests/gpu/test_fp8_dispatch_gpu.py ;;
+    after)
+      piece after "${AFTER_TIMEOUT:-170}" fp8_bench_after.log env PYTHONPATH="$HERE_PATH" \
+        python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms 24,132 --fp8 "$FORMATS" \
+        --out "$LOGS/after" ;;
+    before)
+      piece before "${BEFORE_TIMEOUT:-120}" fp8_bench_before.log env PYTHONPATH="$BEFORE_PATH" \
+        python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms 24,132 --fp8 "$FORMATS" \
+        --no-megatron --out "$LOGS/before" ;;
+    ncu)
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
+        2>/dev/null | head -n 1)
+      if [ -z "$NCU" ]; then SUMMARY+=("ncu: not found on PATH or in /usr/local/cuda/bin"); continue; fi
+      piece "ncu after" "${NCU_TIMEOUT:-90}" fp8_ncu_after.log env PYTHONPATH="$HERE_PATH" \
+        "$NCU" "${NCU_ARGS[@]}" python3 dev/gpu/fp8_profile.py --fp8 blockwise_1x128
+      piece "ncu before" "${NCU_TIMEOUT:-90}" fp8_ncu_before.log env PYTHONPATH="$BEFORE_PATH" \
+        "$NCU" "${NCU_ARGS[@]}" python3 dev/gpu/fp8_profile.py --fp8 blockwise_1x128 ;;
+    layer)
+      piece layer "${LAYER_TIMEOUT:-150}" fp8_layer.log env PYTHONPATH="$HERE_PATH" \
+        python3 -m megatron_deepep.bench.layer --te --variants \
+        te-alltoall-fused,te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,te-deepep-fp8-experts \
+        --iters 20 --out "$LOGS/fp8_layer.json" ;;
+    *) echo "fp8.sh: unknown piece '$name' (tests after before ncu layer tests2)"; exit 2 ;;
+  esac
+done
+printf '%s\n' "fp8.sh: summary ($SECONDS s)" "${SUMMARY[@]}" | tee "$LOGS/fp8_summary.txt"
