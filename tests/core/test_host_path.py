@@ -227,6 +227,34 @@ def test_dispatch_stage_bytes(hidden, words_per_lane):
     assert ops.dispatch._dispatch_stage_bytes(hidden, 1024) <= ops.DISPATCH_STAGE_MAX_BYTES
 
 
+@pytest.mark.parametrize("fmt, hidden, stride", [
+    ("blockwise_1x128", 7168, 7168 + 224), ("mxfp8_1x32", 7168, 7168 + 224),
+    ("blockwise_1x128", 2880, 2880 + 96), ("mxfp8_1x32", 2880, 2880 + 96),
+    ("blockwise_1x128_fp32_scales", 4096, 4096 + 128)])
+def test_fp8_quantize_stage_bytes(fmt, hidden, stride):
+    """One stage per warp: the e4m3 row, then its scales from the next 16-byte boundary."""
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    keep, deq = Fp8Dispatch.named(fmt, "fp8"), Fp8Dispatch.named(fmt, "bf16")
+    stage = ops.dispatch._quantize_stage_bytes
+    assert stage(hidden, 512, keep, None) == 16 * stride
+    assert stage(hidden, 512, keep, torch.empty(1)) == 0  # pre-quantized rows: nothing staged
+    assert stage(hidden, 512, deq, None) == 0  # the dequantizing expand stages nothing
+    assert stage(16384, 512, keep, None) == 0  # 16 x 16.9 KB exceeds the 224 KB cap
+
+
+def test_ep1_fp8_expand_stages_quantized_rows(recorder):
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    t = _transport(recorder, 1, 64, 7168, 8, lambda: 0)
+    x, idx, w = _inputs(64, 7168, 32, 8)
+    fp8 = Fp8Dispatch.named("blockwise", "fp8")
+    _, _, handle = t.dispatch(x, idx, w, 32, num_max_recv_rows=512, fp8=fp8)
+    t.cached_dispatch(x, handle, fp8=fp8)
+    expand, cached = recorder.events[1][1], recorder.events[2][1]
+    # Fresh and cached alike: 16 warps, each a 7168-byte e4m3 row and 56 fp32 scales.
+    assert expand["shared_mem"] == cached["shared_mem"] == 16 * (7168 + 224)
+    assert expand["programmatic"]
+
+
 def test_ep2_runs_the_protocol_kernels(recorder):
     t = _transport(recorder, 2, 64, 256, 4, lambda: 200)
     x, idx, w = _inputs(64, 256, 16, 4)
