@@ -35,6 +35,7 @@ from megatron_deepep.placement import (  # noqa: F401
     Loads,
     Plan,
     average_loads,
+    check_request,
     default_rank_load,
     idle_share,
     permute_expert_weights,
@@ -128,7 +129,7 @@ def format_plan(name: str, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_deepep.tools.balance",
                                 description="Plan an expert placement over EP ranks from "
                                             "recorded per-expert loads (no GPU).")
@@ -145,18 +146,24 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="ranks per node, to balance node loads too")
     p.add_argument("--layer", default=None, help="plan only this layer of a .jsonl file")
     p.add_argument("--json", metavar="OUT", default=None, help="write the plans here as JSON")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Plan]:
-    """The command line; returns the plans by layer."""
-    args = _parse(argv)
+    """The command line; returns the plans by layer. An impossible request (`--redundant`
+    not a multiple of `--ranks` or more than E x (R - 1), E not a multiple of R) exits with
+    status 2 and a message naming the numbers."""
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.synthetic:
         histories = {"0": synthetic_loads(args.synthetic).unsqueeze(0)}
     else:
         histories = read_loads(args.loads, args.layer)
-    plans = {name: plan_placement(h, args.ranks, args.redundant, args.ranks_per_node)
-             for name, h in sorted(histories.items(), key=lambda kv: (len(kv[0]), kv[0]))}
+    try:
+        plans = {name: plan_placement(h, args.ranks, args.redundant, args.ranks_per_node)
+                 for name, h in sorted(histories.items(), key=lambda kv: (len(kv[0]), kv[0]))}
+    except ValueError as exc:
+        parser.error(f"--ranks {args.ranks} --redundant {args.redundant}: {exc}")
     for name, plan in plans.items():
         sys.stdout.write(format_plan(name, plan) + "\n")
     if args.json:

@@ -46,11 +46,7 @@ class Rebalancer:
                  min_gain: float = 0.01, ranks_per_node: Optional[int] = None):
         if interval < 1:
             raise ValueError(f"rebalance interval must be >= 1 step, got {interval}")
-        if num_redundant < 0 or num_redundant % num_ranks:
-            raise ValueError(f"num_redundant={num_redundant} must be a non-negative multiple of "
-                             f"the {num_ranks} EP ranks")
-        if num_experts % num_ranks:
-            raise ValueError(f"{num_experts} experts do not split over {num_ranks} EP ranks")
+        balance.check_request(num_experts, num_ranks, num_redundant, ranks_per_node)
         self.num_experts, self.num_ranks = num_experts, num_ranks
         self.interval, self.num_redundant = interval, num_redundant
         self.min_gain, self.ranks_per_node = min_gain, ranks_per_node
