@@ -38,7 +38,9 @@ step-boundary re-placement (`tools.rebalance`) and the re-plan at checkpoint sav
 
 from __future__ import annotations
 
+import heapq
 import logging
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -156,13 +158,20 @@ def replica_counts(loads: torch.Tensor, num_redundant: int, max_copies: int,
                          f"can have at {max_copies} copies each")
     counts, values = [1] * num_experts, loads.tolist()
     hottest = num_redundant if hottest is None else hottest
-    for i in range(num_redundant):
-        open_ = [e for e in range(num_experts) if counts[e] < max_copies]
-        if i < hottest:
-            best = max(open_, key=lambda e: (values[e] / counts[e], -e))
-        else:
-            best = min(open_, key=lambda e: (values[e] / counts[e], counts[e], e))
-        counts[best] += 1
+    hot = [(-v, e) for e, v in enumerate(values) if max_copies > 1]  # by load per copy
+    heapq.heapify(hot)
+    for _ in range(hottest):
+        _, e = heapq.heappop(hot)
+        counts[e] += 1
+        if counts[e] < max_copies:
+            heapq.heappush(hot, (-values[e] / counts[e], e))
+    cold = [(v / counts[e], counts[e], e) for e, v in enumerate(values) if counts[e] < max_copies]
+    heapq.heapify(cold)
+    for _ in range(num_redundant - hottest):
+        _, _, e = heapq.heappop(cold)
+        counts[e] += 1
+        if counts[e] < max_copies:
+            heapq.heappush(cold, (values[e] / counts[e], counts[e], e))
     return counts
 
 
@@ -243,10 +252,7 @@ def _swap_off_worst(bins: List[List[Item]], sums: List[float], max_same: int) ->
     """Swaps one copy of the worst bin with one of another bin while that lowers the pair's
     maximum (each swap lowers it: terminates); never more than `max_same` of one expert in a
     bin."""
-
-    def room(b: int, expert: int) -> bool:
-        return sum(e == expert for _, e in bins[b]) < max_same
-
+    held = [Counter(e for _, e in b) for b in bins]
     while True:
         worst = max(range(len(bins)), key=lambda i: sums[i])
         best = None
@@ -254,8 +260,10 @@ def _swap_off_worst(bins: List[List[Item]], sums: List[float], max_same: int) ->
             if other == worst:
                 continue
             for i, (a, ea) in enumerate(bins[worst]):
+                if held[other][ea] >= max_same:
+                    continue
                 for j, (c, ec) in enumerate(bins[other]):
-                    if a <= c or ea == ec or not room(other, ea) or not room(worst, ec):
+                    if a <= c or ea == ec or held[worst][ec] >= max_same:
                         continue
                     pair_max = max(sums[worst] - a + c, sums[other] - c + a)
                     if pair_max < sums[worst] - 1e-12 and (best is None or pair_max < best[0]):
@@ -263,10 +271,14 @@ def _swap_off_worst(bins: List[List[Item]], sums: List[float], max_same: int) ->
         if best is None:
             return
         _, other, i, j = best
-        a, c = bins[worst][i], bins[other][j]
-        bins[worst][i], bins[other][j] = c, a
-        sums[worst] += c[0] - a[0]
-        sums[other] += a[0] - c[0]
+        (a, ea), (c, ec) = bins[worst][i], bins[other][j]
+        bins[worst][i], bins[other][j] = (c, ec), (a, ea)
+        sums[worst] += c - a
+        sums[other] += a - c
+        held[worst][ea] -= 1
+        held[worst][ec] += 1
+        held[other][ec] -= 1
+        held[other][ea] += 1
 
 
 def _sums(bins: List[List[Item]]) -> List[float]:
@@ -301,26 +313,31 @@ def _pad(bins: List[List[Item]], loads: torch.Tensor, extra_per_rank: int) -> Li
     for r, experts in enumerate(held):
         for e in experts:
             holders[e].append(r)
+    holding = [set(h) for h in holders]
     values = loads.tolist()
     sums = [sum(values[e] / len(holders[e]) for e in experts) for experts in held]
 
-    def worst_after(r: int, e: int) -> Tuple[float, float, int]:
+    def worst_after(r: int, e: int, by_load: List[int]) -> Tuple[float, float, int]:
         c = len(holders[e])
         added, dropped = values[e] / (c + 1), values[e] / c - values[e] / (c + 1)
-        others = max((sums[x] - (dropped if x in holders[e] else 0.0)
-                      for x in range(len(held)) if x != r), default=0.0)
+        others = max((sums[x] - dropped for x in holders[e]), default=0.0)
+        top = next((x for x in by_load if x != r and x not in holding[e]), None)
+        if top is not None:
+            others = max(others, sums[top])
         return max(others, sums[r] + added), added, e
 
     for _ in range(extra_per_rank):
         for r in sorted(range(len(held)), key=lambda r: (sums[r], r)):
-            e = min((e for e in range(len(values)) if r not in holders[e]),
-                    key=lambda e: worst_after(r, e))
+            by_load = sorted(range(len(held)), key=lambda x: -sums[x])
+            e = min((e for e in range(len(values)) if r not in holding[e]),
+                    key=lambda e: worst_after(r, e, by_load))
             c = len(holders[e])
             for x in holders[e]:
                 sums[x] -= values[e] / c - values[e] / (c + 1)
             sums[r] += values[e] / (c + 1)
             held[r].append(e)
             holders[e].append(r)
+            holding[e].add(r)
     padded = [[(values[e] / len(holders[e]), e) for e in experts] for experts in held]
     _swap_off_worst(padded, _sums(padded), 1)
     return padded
@@ -358,8 +375,12 @@ def plan_placement(loads: Loads, num_ranks: int, num_redundant: int = 0,
     if not ranks_per_node or ranks_per_node >= num_ranks:
         ranks_per_node = None
     best: Optional[List[List[Item]]] = None
+    tried = set()
     for hot in _hot_copy_splits(num_redundant):
         counts = replica_counts(t, num_redundant, num_ranks, hottest=hot)
+        if tuple(counts) in tried:
+            continue
+        tried.add(tuple(counts))
         bins = _place(t, counts, num_ranks, ranks_per_node)
         if best is None or max(_sums(bins)) < max(_sums(best)) * (1 - 1e-12):
             best = bins

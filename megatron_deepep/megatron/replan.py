@@ -239,7 +239,7 @@ def plan_layer(loads: List[float], current: List[int], num_ranks: int,
     before = placement.predicted_idle_share(t, current, num_ranks) if t.sum() > 0 else 0.0
     plan = placement.plan_placement(t, num_ranks, num_redundant).to_dict()
     planned = plan["idle_share"]
-    keep = keep or t.sum() <= 0 or before - planned < min_gain
+    keep = keep or before - planned < min_gain  # all-zero loads: 0 - 0
     if keep:
         plan["physical_to_logical"] = list(current)
         plan["idle_share"] = before
