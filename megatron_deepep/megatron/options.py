@@ -243,6 +243,20 @@ def resolve_options(config) -> DeepEPOptions:
     return DeepEPOptions(**values)
 
 
+def option_origin(config, name: str) -> str:
+    """Where the resolved option `name` came from, as errors name it (the precedence of
+    `resolve_options`): the TransformerConfig field, `register_deepep_dispatcher` (which
+    Megatron's parsed `--moe-mdeep-*` arguments call), or the environment variable."""
+    flag = "--moe-mdeep-" + name.replace("_", "-")
+    if getattr(config, CONFIG_PREFIX + name, None) not in (None, False):
+        return f"{flag} (TransformerConfig field {CONFIG_PREFIX + name})"
+    if _REGISTERED_OPTIONS.get(name) is not None:
+        return f"{flag} (register_deepep_dispatcher({name}=...))"
+    if knobs.get(name.upper()) is not None:
+        return f"the environment variable MDEEP_{name.upper()}"
+    return flag
+
+
 def check_config(config, options: Optional[DeepEPOptions] = None, *,
                  expert_tp_size: Optional[int] = None, ep_size: Optional[int] = None,
                  validated_as: Optional[str] = None) -> None:

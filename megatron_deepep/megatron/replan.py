@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepep import placement
-from megatron_deepep.megatron.options import DeepEPOptions, resolve_options
+from megatron_deepep.megatron.options import DeepEPOptions, option_origin, resolve_options
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,33 @@ def read_plan(path: str) -> dict:
                              f"must hold every expert 0 .. {max(p2l)} and split over its "
                              f"{plan['num_ranks']} EP ranks")
     return data
+
+
+def map_origin(options: DeepEPOptions, config=None) -> str:
+    """Where the expert map in force comes from, as errors name it: the option (its flag,
+    config field or environment variable, and its file), or the re-plan file with its path."""
+    if options.expert_map is not None:
+        where = option_origin(config, "expert_map")
+        if isinstance(options.expert_map, str):
+            where += f" = {options.expert_map}"
+        return where
+    if options.replan is not None and _STATE["plan_path"]:
+        return f"the re-plan file {_STATE['plan_path']} (written at checkpoint save by {FLAG})"
+    return "the contiguous placement"
+
+
+def map_fix(options: DeepEPOptions, num_ranks: int, num_slots: int, num_experts: int) -> str:
+    """What to do about an expert map that cannot be loaded, for the map's origin."""
+    extra = num_slots - num_experts
+    if options.expert_map is None and options.replan is not None and _STATE["plan_path"]:
+        path = _STATE["plan_path"]
+        return (f"Re-plan that file with this version's planner, which puts copies on "
+                f"different ranks: python -m megatron_deepep.tools.balance --loads {path} "
+                f"--ranks {num_ranks} --redundant {extra} --json {path}; or give this resume "
+                f"--moe-mdeep-expert-map (an explicit map wins)")
+    return (f"Plan the map with python -m megatron_deepep.tools.balance --ranks {num_ranks} "
+            f"--redundant {extra} (it puts copies on different ranks), or move the copy to a "
+            f"rank that does not hold the expert")
 
 
 def expert_map_in_force(options: DeepEPOptions, ep_size: Optional[int] = None):

@@ -11,7 +11,7 @@ Command line (no GPU)::
     --redundant 8
     python -m megatron_deepep.tools.balance --synthetic zipf:64:1.2 --ranks 8 --json plan.json
 
-`--loads` reads a JSON file (a list `[E]` or `[steps, E]`, or an object with a
+`--loads` reads a JSON file (a list `[E]` or `[steps, E]`, a re-plan file, or an object with a
 `tokens_per_expert` list) or the dispatcher's metrics JSON lines
 (`{"step": s, "layers": {"<layer>": {"tokens_per_expert": [...]}}}` per line; the field is
 `tokens_per_expert`, all E experts in the order of the placement the run used; a run under an
@@ -90,12 +90,13 @@ def read_loads(path: str, layer: Optional[str] = None) -> Dict[str, torch.Tensor
     """Per-layer load histories `[steps, E]` from a JSON file or metrics JSON lines.
 
     Args:
-        path: `.json` (a list `[E]` / `[steps, E]`, or an object with `tokens_per_expert`) or
+        path: `.json` (a list `[E]` / `[steps, E]`, an object with `tokens_per_expert`, or a
+            re-plan file `mdeep_expert_plan.json`: `layers.<layer>.loads`) or
             `.jsonl` (the dispatcher's metrics lines, field `layers.<layer>.tokens_per_expert`).
         layer: keep only this layer (a key of `layers`); all layers when None.
 
     Returns:
-        Layer name -> `[steps, E]` float64 (a `.json` file gives layer "0").
+        Layer name -> `[steps, E]` float64 (a `.json` list gives layer "0").
     """
     with open(path, encoding="utf-8") as f:
         text = f.read()
@@ -111,6 +112,9 @@ def read_loads(path: str, layer: Optional[str] = None) -> Dict[str, torch.Tensor
         assert rows, f"{path}: no tokens_per_expert" + (f" for layer {layer}" if layer else "")
         return {k: torch.tensor(v, dtype=torch.float64) for k, v in rows.items()}
     data = json.loads(text)
+    if isinstance(data, dict) and isinstance(data.get("layers"), dict):  # a re-plan file
+        return {str(k): torch.tensor([v["loads"]], dtype=torch.float64)
+                for k, v in data["layers"].items()}
     if isinstance(data, dict):
         data = data["tokens_per_expert"]
     t = torch.tensor(data, dtype=torch.float64)
