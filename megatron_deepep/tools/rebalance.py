@@ -58,12 +58,15 @@ class Rebalancer:
 
     def initial_map(self) -> List[int]:
         """The placement before any plan: contiguous, each rank's extra slots holding copies
-        of its own experts (rank loads as the contiguous placement's)."""
-        e_local, extra = self.num_experts // self.num_ranks, self.num_redundant // self.num_ranks
+        of the experts that follow its own (the next ranks', wrapping around): one copy of an
+        expert per rank, as every placement needs for a checkpoint to load into it."""
+        num_experts, num_ranks = self.num_experts, self.num_ranks
+        e_local, extra = num_experts // num_ranks, self.num_redundant // num_ranks
         out: List[int] = []
-        for r in range(self.num_ranks):
+        for r in range(num_ranks):
             own = list(range(r * e_local, (r + 1) * e_local))
-            out += sorted(own + [own[i % e_local] for i in range(extra)])
+            following = [(own[-1] + 1 + i) % num_experts for i in range(extra)]
+            out += sorted(own + following)
         return out
 
     def record(self, tokens_per_logical_expert: Sequence[float]) -> None:
