@@ -159,9 +159,6 @@ class Buffer:
                 f"hidden={current.hidden}, num_topk={current.num_topk}, "
                 f"num_bytes={current.num_bytes})")
 
-    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
-        return self._current()._comm_stream
-
     def _current(self) -> "Buffer":
         """This Buffer, or the larger one `get_buffer` replaced it with (whose transport takes
         this one's handles: its limits are at least as large, and it is the same kind)."""

@@ -117,8 +117,8 @@ _TABLE = (
          "dispatcher routes logical experts to its physical slots", "dispatcher"),
     Knob("REPLAN", "int", None, "unset", "re-plan the placement from the recorded loads at each "
          "checkpoint save (a plan file in the iteration folder), with this many extra slots for "
-         "copies of hot experts (0: none; a multiple of EP); a resume takes the plan of its "
-         "checkpoint (an explicit `MDEEP_EXPERT_MAP` wins)", "dispatcher"),
+         "copies of hot experts (0: none; a multiple of EP, at most E x (EP - 1)); a resume takes "
+         "the plan of its checkpoint (an explicit `MDEEP_EXPERT_MAP` wins)", "dispatcher"),
     Knob("COMM_SHARE_WARN", "int", 20, "20", "warn once per layer and crossing when "
          "(dispatch + combine) time exceeds this percent of expert compute (metrics on; 0: "
          "off)", "dispatcher"),

@@ -3,21 +3,28 @@
 Input: the tokens each logical expert received, `[E]`, or a history `[steps, E]` (averaged over
 steps). Output: a `Plan` that puts `slots_per_rank` physical experts on each of R ranks, so that
 the most loaded rank's load is small. With `num_redundant` extra slots (in total, a multiple of
-R), the hottest experts get copies, as DeepSeek's EPLB does; a replicated expert's load is
-assumed to split evenly over its copies.
+R), experts get copies, as DeepSeek's EPLB does; a replicated expert's load is assumed to split
+evenly over its copies.
 
-Greedy, in three steps:
-1. Replicas: each extra slot goes to the expert with the highest load per copy (at most R copies
-   of one expert, one per rank).
-2. Packing: longest-processing-time (LPT) with equal slot counts per rank: copies in decreasing
-   load, each to the least loaded rank that has a free slot (and does not already hold a copy
-   of that expert, where one can), then pairwise swaps between the worst rank and the others
-   while a swap lowers the pair's maximum. With `ranks_per_node`, copies are first packed over
-   nodes (slots_per_rank x ranks_per_node slots each), then over the ranks of each node, so
-   node loads are balanced too.
-3. Copies never raise the worst load: where the plan with copies loses to the plan without
-   (the packing is a heuristic), the latter is kept, its extra slots holding copies of each
-   rank's own experts (so that rank's load is unchanged).
+Every plan is loadable: each rank holds `(E + num_redundant) / R` slots, every logical expert
+at least one of them, and no rank two copies of one expert (such a copy adds no balance, and
+a checkpoint cannot be loaded into it). So an expert has at most R copies, and at most
+`E * (R - 1)` extra slots can be filled; more is a `ValueError`.
+
+Greedy, in three steps, tried for a few splits of the extra slots (the best plan is kept):
+1. Copies: k extra slots go one by one to the expert with the highest load per copy (at most
+   R copies); the other `num_redundant - k` go to the coldest experts (lowest load per copy),
+   where a copy changes the rank loads least. k = `num_redundant` is DeepSeek's rule; smaller
+   k serve loads where hot copies cannot be packed well on distinct ranks.
+2. Packing: longest-processing-time (LPT) with equal slot counts per rank: experts in
+   decreasing load per copy, each copy to the least loaded rank with a free slot that does not
+   hold the expert yet, unless that would leave the remaining copies no way to fill the free
+   slots on distinct ranks (checked exactly, Gale-Ryser): then to the ranks with the most free
+   slots. Then pairwise swaps between the worst rank and the others while a swap lowers the
+   pair's maximum. With `ranks_per_node`, copies are first packed over nodes, at most
+   `ranks_per_node` copies of an expert per node, then over the ranks of each node.
+3. Without copies, the contiguous placement is a candidate too, so a plan never predicts a
+   worse rank than it.
 
 Predicted idle share: with `rank_load[r]` the tokens rank r's experts receive,
 `idle_share = 1 - mean(rank_load) / max(rank_load)`: the share of the expert phase (whose length
@@ -31,15 +38,19 @@ step-boundary re-placement (`tools.rebalance`) and the re-plan at checkpoint sav
 
 from __future__ import annotations
 
+import heapq
 import logging
+from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 Loads = Union[torch.Tensor, Sequence[float], Sequence[Sequence[float]]]
+#: One packed copy: `(load per copy, logical expert)`.
+Item = Tuple[float, int]
 
 
 @dataclass
@@ -84,118 +95,260 @@ def idle_share(rank_load: Sequence[float]) -> float:
 
 
 def average_loads(loads: Loads) -> torch.Tensor:
-    """Per-expert loads `[E]` (float64) from `[E]` or a history `[steps, E]` (mean over steps)."""
+    """Per-expert loads `[E]` (float64) from `[E]` or a history `[steps, E]` (mean over steps).
+
+    Raises:
+        ValueError: another shape, no experts, or a negative or non-finite load.
+    """
     t = torch.as_tensor(loads, dtype=torch.float64)
     if t.dim() == 2:
         t = t.mean(dim=0)
-    assert t.dim() == 1 and t.numel() > 0, f"loads must be [E] or [steps, E], got {tuple(t.shape)}"
-    assert bool((t >= 0).all()), "loads must be non-negative"
+    if t.dim() != 1 or t.numel() == 0:
+        raise ValueError(f"loads must be [E] or [steps, E] with E >= 1, got "
+                         f"{tuple(torch.as_tensor(loads).shape)}")
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        raise ValueError("loads must be finite and non-negative")
     return t
+
+
+def check_request(num_experts: int, num_ranks: int, num_redundant: int = 0,
+                  ranks_per_node: Optional[int] = None) -> None:
+    """Refuses a placement no plan can give.
+
+    Raises:
+        ValueError: E not a multiple of R, extra slots not a non-negative multiple of R, more
+            extra slots than `E * (R - 1)` (one copy of an expert per rank), or R not a multiple
+            of `ranks_per_node`; naming the numbers.
+    """
+    if num_ranks < 1 or num_experts % num_ranks:
+        raise ValueError(f"{num_experts} experts do not split over {num_ranks} EP ranks "
+                         f"(the experts must be a multiple of the ranks)")
+    if num_redundant < 0 or num_redundant % num_ranks:
+        raise ValueError(f"{num_redundant} extra slots: must be a non-negative multiple of the "
+                         f"{num_ranks} EP ranks (every rank holds the same slot count)")
+    most = num_experts * (num_ranks - 1)
+    if num_redundant > most:
+        raise ValueError(f"{num_redundant} extra slots exceed the {most} copies that "
+                         f"{num_experts} experts can have over {num_ranks} EP ranks (one copy "
+                         f"of an expert per rank: at most E x (R - 1) = {most} extra slots)")
+    if ranks_per_node and ranks_per_node < num_ranks and num_ranks % ranks_per_node:
+        raise ValueError(f"{num_ranks} EP ranks do not split into nodes of {ranks_per_node}")
 
 
 def default_rank_load(loads: Loads, num_ranks: int) -> List[float]:
     """Tokens per rank of the contiguous placement (rank r owns experts [r E/R, (r+1) E/R))."""
     t = average_loads(loads)
-    assert t.numel() % num_ranks == 0, f"{t.numel()} experts do not split over {num_ranks} ranks"
+    check_request(t.numel(), num_ranks)
     return t.reshape(num_ranks, -1).sum(dim=1).tolist()
 
 
-def replica_counts(loads: torch.Tensor, num_redundant: int, max_copies: int) -> List[int]:
-    """Copies per expert: each extra slot goes to the highest load per copy (ties: lowest id)."""
-    counts = [1] * loads.numel()
-    values = loads.tolist()
-    for _ in range(num_redundant):
-        best, best_value = -1, -1.0
-        for e, v in enumerate(values):
-            if counts[e] < max_copies and v / counts[e] > best_value:
-                best, best_value = e, v / counts[e]
-        assert best >= 0, f"{num_redundant} redundant slots exceed {max_copies} copies per expert"
-        counts[best] += 1
+def replica_counts(loads: torch.Tensor, num_redundant: int, max_copies: int,
+                   hottest: Optional[int] = None) -> List[int]:
+    """Copies per expert: `hottest` extra slots (default: all) go one by one to the highest
+    load per copy (ties: lowest id), the rest to the lowest load per copy (ties: fewest copies,
+    lowest id); no expert gets more than `max_copies`.
+
+    Raises:
+        ValueError: more extra slots than `E * (max_copies - 1)`, naming the numbers.
+    """
+    num_experts = loads.numel()
+    if num_redundant > num_experts * (max_copies - 1):
+        raise ValueError(f"{num_redundant} extra slots exceed the "
+                         f"{num_experts * (max_copies - 1)} copies that {num_experts} experts "
+                         f"can have at {max_copies} copies each")
+    counts, values = [1] * num_experts, loads.tolist()
+    hottest = num_redundant if hottest is None else hottest
+    hot = [(-v, e) for e, v in enumerate(values) if max_copies > 1]  # by load per copy
+    heapq.heapify(hot)
+    for _ in range(hottest):
+        _, e = heapq.heappop(hot)
+        counts[e] += 1
+        if counts[e] < max_copies:
+            heapq.heappush(hot, (-values[e] / counts[e], e))
+    cold = [(v / counts[e], counts[e], e) for e, v in enumerate(values) if counts[e] < max_copies]
+    heapq.heapify(cold)
+    for _ in range(num_redundant - hottest):
+        _, _, e = heapq.heappop(cold)
+        counts[e] += 1
+        if counts[e] < max_copies:
+            heapq.heappush(cold, (values[e] / counts[e], counts[e], e))
     return counts
 
 
-def _pack(items: List[tuple], num_bins: int, capacity: int,
-          max_same: int = 1) -> List[List[tuple]]:
-    """LPT with `capacity` items per bin, then pairwise swaps off the worst bin.
+def _fits(free: List[int], copies_left: List[int], max_same: int) -> bool:
+    """Whether experts with `copies_left` copies can fill bins with `free` slots, at most
+    `max_same` copies of one expert per bin (Gale-Ryser: the k fullest bins never need more
+    than the experts can give them, `sum min(copies, max_same * k)`)."""
+    if sum(free) != sum(copies_left):
+        return False
+    most = max(copies_left, default=0)
+    at_least = [0] * (most + 2)  # at_least[j]: experts with >= j copies left
+    for c in copies_left:
+        at_least[c] += 1
+    for j in range(most - 1, 0, -1):
+        at_least[j] += at_least[j + 1]
+    prefix = [0]  # prefix[j] = sum over experts of min(copies, j)
+    for j in range(1, most + 1):
+        prefix.append(prefix[-1] + at_least[j])
+    room = 0
+    for k, f in enumerate(sorted(free, reverse=True), start=1):
+        room += f
+        if room > prefix[min(max_same * k, most)]:
+            return False
+    return True
+
+
+def _pack(groups: List[Tuple[float, int, int]], num_bins: int, capacity: int,
+          max_same: int = 1) -> List[List[Item]]:
+    """LPT with `capacity` copies per bin and at most `max_same` copies of one expert per bin,
+    then pairwise swaps off the worst bin.
 
     Args:
-        items: `(load, expert)` tuples, `len(items) == num_bins * capacity`.
+        groups: `(load per copy, expert, copies)`, `capacity * num_bins` copies in all.
         num_bins: bins to fill.
-        capacity: items per bin.
-        max_same: copies of one expert a bin should hold at most (kept where LPT can; swaps
-            never break it).
+        capacity: copies per bin.
+        max_same: copies of one expert a bin may hold (1: ranks; ranks per node: nodes).
 
     Returns:
-        The items of each bin.
+        The `(load, expert)` items of each bin.
     """
-    assert len(items) == num_bins * capacity
-    bins: List[List[tuple]] = [[] for _ in range(num_bins)]
+    assert sum(c for _, _, c in groups) == num_bins * capacity
+    bins: List[List[Item]] = [[] for _ in range(num_bins)]
     sums = [0.0] * num_bins
+    order = sorted(groups, key=lambda g: (-g[0], g[1]))
+    copies_left = [c for _, _, c in order]
+    for i, (load, expert, count) in enumerate(order):
+        copies_left[i] = 0
+        free = [capacity - len(b) for b in bins]
+        chosen = _choose(free, sums, count, max_same)
+        after = list(free)
+        for b in chosen:
+            after[b] -= 1
+        if not _fits(after, copies_left, max_same):  # keep the rest placeable
+            chosen = _choose(free, sums, count, max_same, fullest_first=True)
+        for b in chosen:
+            bins[b].append((load, expert))
+            sums[b] += load
+    _swap_off_worst(bins, sums, max_same)
+    return bins
 
-    def room(b: int, expert: int) -> bool:
-        return sum(e == expert for _, e in bins[b]) < max_same
 
-    for item in sorted(items, key=lambda x: (-x[0], x[1])):
-        free = [b for b in range(num_bins) if len(bins[b]) < capacity]
-        fresh = [b for b in free if room(b, item[1])]
-        b = min(fresh or free, key=lambda i: (sums[i], i))
-        bins[b].append(item)
-        sums[b] += item[0]
-    improved = True
-    while improved:  # each swap lowers the worst pair's maximum: terminates
-        improved = False
-        worst = max(range(num_bins), key=lambda i: sums[i])
+def _choose(free: List[int], sums: List[float], count: int, max_same: int,
+            fullest_first: bool = False) -> List[int]:
+    """`count` bins for the copies of one expert, one at a time (at most `max_same` in one
+    bin): the least loaded bin with a free slot, or with `fullest_first` the bin with the most
+    free slots left (ties: least loaded), which keeps any placeable rest placeable."""
+    free, taken, chosen = list(free), [0] * len(free), []
+    for _ in range(count):
+        open_ = [b for b in range(len(free)) if free[b] > 0 and taken[b] < max_same]
+        b = min(open_, key=lambda b: (-free[b] if fullest_first else 0, sums[b], b))
+        free[b] -= 1
+        taken[b] += 1
+        chosen.append(b)
+    return chosen
+
+
+def _swap_off_worst(bins: List[List[Item]], sums: List[float], max_same: int) -> None:
+    """Swaps one copy of the worst bin with one of another bin while that lowers the pair's
+    maximum (each swap lowers it: terminates); never more than `max_same` of one expert in a
+    bin."""
+    held = [Counter(e for _, e in b) for b in bins]
+    while True:
+        worst = max(range(len(bins)), key=lambda i: sums[i])
         best = None
-        for other in range(num_bins):
+        for other in range(len(bins)):
             if other == worst:
                 continue
             for i, (a, ea) in enumerate(bins[worst]):
+                if held[other][ea] >= max_same:
+                    continue
                 for j, (c, ec) in enumerate(bins[other]):
-                    if a <= c or ea == ec or not room(other, ea) or not room(worst, ec):
+                    if a <= c or ea == ec or held[worst][ec] >= max_same:
                         continue
                     pair_max = max(sums[worst] - a + c, sums[other] - c + a)
                     if pair_max < sums[worst] - 1e-12 and (best is None or pair_max < best[0]):
                         best = (pair_max, other, i, j)
-        if best is not None:
-            _, other, i, j = best
-            a, c = bins[worst][i], bins[other][j]
-            bins[worst][i], bins[other][j] = c, a
-            sums[worst] += c[0] - a[0]
-            sums[other] += a[0] - c[0]
-            improved = True
-    return bins
+        if best is None:
+            return
+        _, other, i, j = best
+        (a, ea), (c, ec) = bins[worst][i], bins[other][j]
+        bins[worst][i], bins[other][j] = (c, ec), (a, ea)
+        sums[worst] += c - a
+        sums[other] += a - c
+        held[worst][ea] -= 1
+        held[worst][ec] += 1
+        held[other][ec] -= 1
+        held[other][ea] += 1
 
 
-def _sums(bins: List[List[tuple]]) -> List[float]:
+def _sums(bins: List[List[Item]]) -> List[float]:
     return [sum(load for load, _ in b) for b in bins]
 
 
-def _place(loads: torch.Tensor, num_ranks: int, num_redundant: int,
-           ranks_per_node: Optional[int]) -> List[List[tuple]]:
-    """The greedy placement: `(load, expert)` items per rank."""
-    slots = (loads.numel() + num_redundant) // num_ranks
-    counts = replica_counts(loads, num_redundant, num_ranks)
-    items = [(loads[e].item() / c, e) for e, c in enumerate(counts) for _ in range(c)]
+def _place(loads: torch.Tensor, counts: List[int], num_ranks: int,
+           ranks_per_node: Optional[int]) -> List[List[Item]]:
+    """The greedy packing of `counts` copies per expert: `(load, expert)` items per rank."""
+    slots = sum(counts) // num_ranks
+    groups = [(loads[e].item() / c, e, c) for e, c in enumerate(counts)]
     if ranks_per_node is None:
-        return _pack(items, num_ranks, slots)
-    nodes = _pack(items, num_ranks // ranks_per_node, slots * ranks_per_node,
+        return _pack(groups, num_ranks, slots)
+    nodes = _pack(groups, num_ranks // ranks_per_node, slots * ranks_per_node,
                   max_same=ranks_per_node)
-    return [b for node in nodes for b in _pack(node, ranks_per_node, slots)]
+    out = []
+    for node in nodes:
+        copies = {}
+        for load, e in node:
+            copies[e] = (load, copies.get(e, (load, 0))[1] + 1)
+        out += _pack([(load, e, c) for e, (load, c) in copies.items()], ranks_per_node, slots)
+    return out
 
 
-def _pad(bins: List[List[tuple]], loads: torch.Tensor, extra: int) -> List[List[tuple]]:
-    """A placement without copies plus `extra` copies per rank of that rank's hottest experts.
-
-    All copies of an expert sit on one rank, so each rank's load stays the same.
+def _pad(bins: List[List[Item]], loads: torch.Tensor, extra_per_rank: int) -> List[List[Item]]:
+    """A placement without copies plus `extra_per_rank` copies on every rank: round by round,
+    the least loaded rank first, each takes a copy of an expert it does not hold, the one that
+    leaves the lowest worst rank (ties: the least added load); then swaps off the worst rank.
     """
-    padded = []
-    for b in bins:
-        experts = sorted((e for _, e in b), key=lambda e: (-loads[e].item(), e))
-        copies = {e: 1 for e in experts}
-        for i in range(extra):
-            copies[experts[i % len(experts)]] += 1
-        padded.append([(loads[e].item() / c, e) for e, c in copies.items() for _ in range(c)])
+    held = [sorted(e for _, e in b) for b in bins]
+    holders: List[List[int]] = [[] for _ in range(loads.numel())]
+    for r, experts in enumerate(held):
+        for e in experts:
+            holders[e].append(r)
+    holding = [set(h) for h in holders]
+    values = loads.tolist()
+    sums = [sum(values[e] / len(holders[e]) for e in experts) for experts in held]
+
+    def worst_after(r: int, e: int, by_load: List[int]) -> Tuple[float, float, int]:
+        c = len(holders[e])
+        added, dropped = values[e] / (c + 1), values[e] / c - values[e] / (c + 1)
+        others = max((sums[x] - dropped for x in holders[e]), default=0.0)
+        top = next((x for x in by_load if x != r and x not in holding[e]), None)
+        if top is not None:
+            others = max(others, sums[top])
+        return max(others, sums[r] + added), added, e
+
+    for _ in range(extra_per_rank):
+        for r in sorted(range(len(held)), key=lambda r: (sums[r], r)):
+            by_load = sorted(range(len(held)), key=lambda x: -sums[x])
+            e = min((e for e in range(len(values)) if r not in holding[e]),
+                    key=lambda e: worst_after(r, e, by_load))
+            c = len(holders[e])
+            for x in holders[e]:
+                sums[x] -= values[e] / c - values[e] / (c + 1)
+            sums[r] += values[e] / (c + 1)
+            held[r].append(e)
+            holders[e].append(r)
+            holding[e].add(r)
+    padded = [[(values[e] / len(holders[e]), e) for e in experts] for experts in held]
+    _swap_off_worst(padded, _sums(padded), 1)
     return padded
+
+
+def _hot_copy_splits(num_redundant: int) -> List[int]:
+    """The numbers of extra slots given to hot experts that the planner tries (all of them
+    first; at most 11 splits, so large plans stay fast)."""
+    picks = {num_redundant, 0, 1, num_redundant - 1}
+    picks.update(num_redundant * i // 8 for i in range(1, 8))
+    return sorted((k for k in picks if 0 <= k <= num_redundant), reverse=True)
 
 
 def plan_placement(loads: Loads, num_ranks: int, num_redundant: int = 0,
@@ -205,43 +358,51 @@ def plan_placement(loads: Loads, num_ranks: int, num_redundant: int = 0,
     Args:
         loads: tokens per logical expert, `[E]`, or a history `[steps, E]` (averaged).
         num_ranks: R, the EP ranks; E must be a multiple of R.
-        num_redundant: extra physical slots in total for copies of the hottest experts; a
-            multiple of R (equal slot counts per rank). Never raises the worst load above
-            the plan without copies: where the greedy plan with copies would, that plan is
-            kept and the extra slots hold copies of each rank's own experts.
+        num_redundant: extra physical slots in total for copies; a multiple of R (equal slot
+            counts per rank) and at most `E * (R - 1)` (one copy of an expert per rank).
         ranks_per_node: ranks per node, to balance node loads too (R a multiple of it).
 
     Returns:
-        The `Plan`.
+        The `Plan`: `(E + num_redundant) / R` slots per rank, every expert held, no expert
+        twice on a rank.
+
+    Raises:
+        ValueError: an impossible request (`check_request`) or bad loads, naming the numbers.
     """
     t = average_loads(loads)
     num_experts = t.numel()
-    assert num_experts % num_ranks == 0, \
-        f"{num_experts} experts do not split over {num_ranks} ranks"
-    assert num_redundant >= 0 and num_redundant % num_ranks == 0, \
-        f"num_redundant={num_redundant} must be a non-negative multiple of {num_ranks} ranks"
-    if ranks_per_node and ranks_per_node < num_ranks:
-        assert num_ranks % ranks_per_node == 0, \
-            f"{num_ranks} ranks do not split into nodes of {ranks_per_node}"
-    else:
+    check_request(num_experts, num_ranks, num_redundant, ranks_per_node)
+    if not ranks_per_node or ranks_per_node >= num_ranks:
         ranks_per_node = None
-    bins = _place(t, num_ranks, num_redundant, ranks_per_node)
-    if num_redundant:
-        # Greedy packing with copies can lose to the plan without copies; then keep that plan
-        # and fill each rank's extra slots with copies of its own experts (loads unchanged).
-        base = _place(t, num_ranks, 0, ranks_per_node)
-        if max(_sums(base)) < max(_sums(bins)):
-            logger.info("copies do not lower the worst load here: plan without copies kept")
-            bins = _pad(base, t, num_redundant // num_ranks)
+    best: Optional[List[List[Item]]] = None
+    tried = set()
+    for hot in _hot_copy_splits(num_redundant):
+        counts = replica_counts(t, num_redundant, num_ranks, hottest=hot)
+        if tuple(counts) in tried:
+            continue
+        tried.add(tuple(counts))
+        bins = _place(t, counts, num_ranks, ranks_per_node)
+        if best is None or max(_sums(bins)) < max(_sums(best)) * (1 - 1e-12):
+            best = bins
+    # Candidates that start from no copies: the contiguous placement (where greedy packing
+    # loses to it) and the plan without copies, each with its extra slots padded.
+    base = _place(t, [1] * num_experts, num_ranks, ranks_per_node)
+    contiguous = [[(t[e].item(), e) for e in range(r * num_experts // num_ranks,
+                                                   (r + 1) * num_experts // num_ranks)]
+                  for r in range(num_ranks)]
+    for start in (base, contiguous):
+        bins = _pad(start, t, num_redundant // num_ranks) if num_redundant else start
+        if max(_sums(bins)) < max(_sums(best)) * (1 - 1e-12):
+            best = bins
     physical_to_logical: List[int] = []
     logical_to_physical: List[List[int]] = [[] for _ in range(num_experts)]
-    for rank_items in bins:
+    for rank_items in best:
         for _, e in sorted(rank_items, key=lambda x: x[1]):
             logical_to_physical[e].append(len(physical_to_logical))
             physical_to_logical.append(e)
-    rank_load = _sums(bins)
+    rank_load = _sums(best)
     default = default_rank_load(t, num_ranks)
-    plan = Plan(num_ranks=num_ranks, slots_per_rank=len(bins[0]),
+    plan = Plan(num_ranks=num_ranks, slots_per_rank=len(best[0]),
                 physical_to_logical=physical_to_logical,
                 logical_to_physical=logical_to_physical, rank_load=rank_load,
                 idle_share=idle_share(rank_load), default_rank_load=default,

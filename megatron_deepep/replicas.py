@@ -10,8 +10,8 @@ expert:
   all-reduce over the EP group of only the replicated experts' rows, in fp32) and the same sum
   is written back into every copy. An all-reduce gives every rank the same bits, so copies that
   start equal and apply the same elementwise optimizer update stay bit-identical.
-* `logical_rows` / `rows_for_slots`: a per-slot tensor in logical order (each expert once, from
-  its first copy) and back, so a run with a map and a run without read each other's checkpoints.
+* `rows_for_slots`: a rank's slots from a tensor in logical order (each copy gets its expert's
+  row), as a checkpoint in logical order loads under a map.
 * `move_slots`: a new placement applied at a step boundary: every new slot receives the rows of
   its logical expert (weights, optimizer state) from that expert's first copy under the old map,
   in one all-to-all per dtype.
@@ -249,26 +249,6 @@ def rows_for_slots(layout: ReplicaLayout, logical: torch.Tensor) -> torch.Tensor
                          f"{layout.num_experts}")
     index = torch.tensor(layout.local_logical, dtype=torch.long, device=logical.device)
     return logical.index_select(0, index)
-
-
-def logical_rows(layout: ReplicaLayout, slots: torch.Tensor, group=None) -> torch.Tensor:
-    """A per-slot tensor `[S, ...]` of every rank gathered into logical order `[E, ...]`.
-
-    Each expert's row comes from its first copy (copies are identical when their gradients are
-    summed). Collective over the EP group (one all-gather); every rank gets the result.
-    """
-    if slots.shape[0] != layout.slots_per_rank:
-        raise ValueError(f"slots tensor has {slots.shape[0]} rows for "
-                         f"{layout.slots_per_rank} local slots")
-    if layout.num_ranks > 1:
-        parts = [torch.empty_like(slots) for _ in range(layout.num_ranks)]
-        dist.all_gather(parts, slots.contiguous(), group=group)
-        physical = torch.cat(parts)
-    else:
-        physical = slots
-    first = [layout.first_slot(e) for e in range(layout.num_experts)]
-    return physical.index_select(0, torch.tensor(first, dtype=torch.long,
-                                                 device=physical.device))
 
 
 def move_slots(old: ReplicaLayout, new: ReplicaLayout,

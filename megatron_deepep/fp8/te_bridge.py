@@ -536,22 +536,6 @@ def columnwise_tensors(data: torch.Tensor, scale_inv: torch.Tensor, splits: Sequ
         for r0, r1, b0, b1 in zip(rows[:-1], rows[1:], blocks[:-1], blocks[1:])]
 
 
-def maybe_to_te_tensor(x_fp8: torch.Tensor, scales: torch.Tensor, fmt: Fp8Format,
-                       **kwargs) -> Tuple[Optional[Any], str]:
-    """`to_te_tensor` when TE is present and its active recipe matches `fmt`.
-
-    Returns:
-        (tensor, "") or (None, the reason it was not wrapped).
-    """
-    ok, reason = recipe_matches(fmt)
-    if not ok:
-        return None, reason
-    try:
-        return to_te_tensor(x_fp8, scales, fmt, **kwargs), ""
-    except TEUnavailableError as exc:
-        return None, str(exc)
-
-
 def handoff_reason(fmt: Fp8Format, training: bool, recipe: Any = None, *,
                    experts_make_columnwise: bool = False, num_rows: Optional[int] = None,
                    hidden: Optional[int] = None) -> Tuple[bool, str]:

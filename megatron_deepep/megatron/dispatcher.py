@@ -277,9 +277,8 @@ class DeepEPTokenDispatcher(MoETokenDispatcher):
         if self._expert_map is None:
             expert_map = replan.expert_map_in_force(self.options, self.ep_size)
             p2l = physical_to_logical_for_layer(expert_map, self.layer_number)
-            source = "--moe-mdeep-expert-map" if self.options.expert_map is not None \
-                or expert_map is None else f"the plan of {replan.FLAG}"
-            self._set_map(p2l, source)
+            self._set_map(p2l, "the expert map from " + replan.map_origin(
+                self.options, getattr(self, "config", None)))
         return self._expert_map or None
 
     def _set_map(self, p2l: Optional[List[int]], source: str) -> None:

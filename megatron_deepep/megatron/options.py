@@ -144,15 +144,23 @@ def rank_capacity_rows(factor: float, num_tokens: int, topk: int, num_local_expe
 REPLAN_FLAG = "--moe-mdeep-replan (moe_mdeep_replan / MDEEP_REPLAN)"
 
 
-def check_replan_option(value, ep_size: Optional[int] = None) -> int:
+def check_replan_option(value, ep_size: Optional[int] = None,
+                        num_experts: Optional[int] = None) -> int:
     """Raises ValueError naming the flag unless `value` is an int >= 0 (a multiple of
-    `ep_size` when given); returns it."""
+    `ep_size` when given, and at most `num_experts * (ep_size - 1)`, one copy of an expert
+    per rank, when both are given); returns it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{REPLAN_FLAG} takes the extra slots for copies of hot experts, an "
                          f"integer >= 0, got {value!r}")
     if ep_size is not None and value % max(ep_size, 1):
         raise ValueError(f"{REPLAN_FLAG} {value}: the extra slots must be a multiple of "
                          f"--expert-model-parallel-size {ep_size} (equal slots per rank)")
+    if ep_size is not None and num_experts is not None \
+            and value > num_experts * (max(ep_size, 1) - 1):
+        raise ValueError(f"{REPLAN_FLAG} {value}: more extra slots than the "
+                         f"{num_experts * (max(ep_size, 1) - 1)} copies {num_experts} experts "
+                         f"can have over --expert-model-parallel-size {ep_size} (one copy of an "
+                         f"expert per rank: at most E x (EP - 1))")
     return value
 
 
@@ -235,6 +243,20 @@ def resolve_options(config) -> DeepEPOptions:
     return DeepEPOptions(**values)
 
 
+def option_origin(config, name: str) -> str:
+    """Where the resolved option `name` came from, as errors name it (the precedence of
+    `resolve_options`): the TransformerConfig field, `register_deepep_dispatcher` (which
+    Megatron's parsed `--moe-mdeep-*` arguments call), or the environment variable."""
+    flag = "--moe-mdeep-" + name.replace("_", "-")
+    if getattr(config, CONFIG_PREFIX + name, None) not in (None, False):
+        return f"{flag} (TransformerConfig field {CONFIG_PREFIX + name})"
+    if _REGISTERED_OPTIONS.get(name) is not None:
+        return f"{flag} (register_deepep_dispatcher({name}=...))"
+    if knobs.get(name.upper()) is not None:
+        return f"the environment variable MDEEP_{name.upper()}"
+    return flag
+
+
 def check_config(config, options: Optional[DeepEPOptions] = None, *,
                  expert_tp_size: Optional[int] = None, ep_size: Optional[int] = None,
                  validated_as: Optional[str] = None) -> None:
@@ -302,7 +324,7 @@ def _check_placement(config, options: Optional[DeepEPOptions], ep_size: Optional
     else:
         expert_map, replan = options.expert_map, options.replan
     if replan is not None:
-        check_replan_option(replan, ep_size)
+        check_replan_option(replan, ep_size, getattr(config, "num_moe_experts", None))
     if expert_map is None and replan is None:
         return
     single = [f for f in SINGLE_GROUPED_FIELDS if getattr(config, f, False)]

@@ -12,7 +12,8 @@ Under `--moe-mdeep-replan N` (`MDEEP_REPLAN`, N extra slots in total for copies 
   and rank 0 writes `PLAN_FILE` into the iteration folder: per layer the
   `placement.plan_placement` plan for the current EP size with N extra slots, the loads it was
   made from, and the idle share it predicts for the placement in force and for itself (a plan
-  that gains less than `MIN_GAIN` keeps the placement in force). The counters then restart;
+  that gains less than `MIN_GAIN` keeps the placement in force; every layer has one slot
+  count, `plan_layers`). The counters then restart;
 * at the next start the dispatcher takes the plan of the checkpoint it resumes from as its
   expert map (`expert_map_in_force`: `--load`'s `latest_checkpointed_iteration.txt`, or the
   folder `set_resume_dir` names), logs once what it took, and the logical checkpoint
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepep import placement
-from megatron_deepep.megatron.options import DeepEPOptions, resolve_options
+from megatron_deepep.megatron.options import DeepEPOptions, option_origin, resolve_options
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,33 @@ def read_plan(path: str) -> dict:
     return data
 
 
+def map_origin(options: DeepEPOptions, config=None) -> str:
+    """Where the expert map in force comes from, as errors name it: the option (its flag,
+    config field or environment variable, and its file), or the re-plan file with its path."""
+    if options.expert_map is not None:
+        where = option_origin(config, "expert_map")
+        if isinstance(options.expert_map, str):
+            where += f" = {options.expert_map}"
+        return where
+    if options.replan is not None and _STATE["plan_path"]:
+        return f"the re-plan file {_STATE['plan_path']} (written at checkpoint save by {FLAG})"
+    return "the contiguous placement"
+
+
+def map_fix(options: DeepEPOptions, num_ranks: int, num_slots: int, num_experts: int) -> str:
+    """What to do about an expert map that cannot be loaded, for the map's origin."""
+    extra = num_slots - num_experts
+    if options.expert_map is None and options.replan is not None and _STATE["plan_path"]:
+        path = _STATE["plan_path"]
+        return (f"Re-plan that file with this version's planner, which puts copies on "
+                f"different ranks: python -m megatron_deepep.tools.balance --loads {path} "
+                f"--ranks {num_ranks} --redundant {extra} --json {path}; or give this resume "
+                f"--moe-mdeep-expert-map (an explicit map wins)")
+    return (f"Plan the map with python -m megatron_deepep.tools.balance --ranks {num_ranks} "
+            f"--redundant {extra} (it puts copies on different ranks), or move the copy to a "
+            f"rank that does not hold the expert")
+
+
 def expert_map_in_force(options: DeepEPOptions, ep_size: Optional[int] = None):
     """The expert map a layer takes: the explicit `expert_map` option when given, else under
     the replan option the plan of the resumed checkpoint (None: the contiguous placement).
@@ -220,31 +248,83 @@ def _local_loads() -> Dict[str, dict]:
 
 
 def plan_layer(loads: List[float], current: List[int], num_ranks: int,
-               num_redundant: int, keep: bool = False) -> dict:
+               num_redundant: int, keep: bool = False, min_gain: float = MIN_GAIN) -> dict:
     """One layer's entry of the plan file: the planner's plan for `loads [E]`, or the
-    placement in force when the plan gains less than `MIN_GAIN` (same slot count only) or
-    `keep` is set.
+    placement in force (`current`) when the plan lowers its predicted idle share by less than
+    `min_gain` or `keep` is set. `planned_idle_share` records the plan's prediction either way.
 
     Raises:
-        ValueError: `num_redundant` is not a non-negative multiple of `num_ranks`.
+        ValueError: an impossible request (`placement.check_request`: extra slots not a
+            non-negative multiple of the ranks, or more than `E * (R - 1)`), naming the option
+            and the numbers.
     """
-    if num_redundant < 0 or num_redundant % num_ranks:
-        raise ValueError(f"{FLAG} {num_redundant}: the extra slots must be a non-negative "
-                         f"multiple of the {num_ranks} EP ranks")
+    try:
+        placement.check_request(len(loads), num_ranks, num_redundant)
+    except ValueError as exc:
+        raise ValueError(f"{FLAG} {num_redundant}: {exc}") from None
     t = torch.tensor(loads, dtype=torch.float64)
     before = placement.predicted_idle_share(t, current, num_ranks) if t.sum() > 0 else 0.0
     plan = placement.plan_placement(t, num_ranks, num_redundant).to_dict()
-    keep = keep or (len(current) == len(plan["physical_to_logical"]) and (
-        t.sum() <= 0 or before - plan["idle_share"] < MIN_GAIN))
+    planned = plan["idle_share"]
+    keep = keep or before - planned < min_gain  # all-zero loads: 0 - 0
     if keep:
         plan["physical_to_logical"] = list(current)
         plan["idle_share"] = before
         plan["slots_per_rank"] = len(current) // num_ranks
         plan["logical_to_physical"] = [[p for p, x in enumerate(current) if x == e]
                                        for e in range(len(loads))]
+        plan["rank_load"] = _rank_loads(t, current, num_ranks)
     plan.update(loads=list(loads), idle_share_before=before, kept=keep,
-                previous_physical_to_logical=list(current), num_redundant=num_redundant)
+                planned_idle_share=planned, previous_physical_to_logical=list(current),
+                num_redundant=num_redundant)
     return plan
+
+
+def _rank_loads(loads: torch.Tensor, physical_to_logical: List[int],
+                num_ranks: int) -> List[float]:
+    copies = [physical_to_logical.count(e) for e in range(loads.numel())]
+    s = len(physical_to_logical) // num_ranks
+    return [sum(loads[e].item() / copies[e] for e in physical_to_logical[r * s:(r + 1) * s])
+            for r in range(num_ranks)]
+
+
+def plan_layers(merged: Dict[str, dict], num_redundant: int, keep: bool = False) -> dict:
+    """Every layer's entry (`plan_layer`), with one slot count for all layers.
+
+    Megatron builds a layer's experts before it knows the layer's number, so every layer of a
+    plan file must have the same slot count. When the slot count in force differs from
+    `E + num_redundant` (the first plan after a fresh start, or a new N) and some layers keep
+    their placement while others take a plan, the count changes only where no layer loses by
+    it: then the kept layers take their plans too (each predicts no worse than the placement
+    in force); otherwise the layers that took a plan re-plan within the slot count in force.
+
+    Args:
+        merged: per layer `{loads [E], num_ranks, physical_to_logical}` (the placement in force).
+        num_redundant: the extra slots asked for.
+        keep: every layer keeps its placement.
+    """
+    layers = {k: plan_layer(v["loads"], v["physical_to_logical"], v["num_ranks"],
+                            num_redundant, keep=keep)
+              for k, v in sorted(merged.items(), key=lambda kv: int(kv[0]))}
+    if len({len(v["physical_to_logical"]) for v in layers.values()}) == 1:
+        return layers
+    if all(v["planned_idle_share"] <= v["idle_share_before"] for v in layers.values()):
+        logger.info("megatron_deepep: %s: the slot count changes, so layers %s take their plans "
+                    "although they gain less than %s", FLAG,
+                    [k for k, v in layers.items() if v["kept"]], MIN_GAIN)
+        return {k: plan_layer(merged[k]["loads"], merged[k]["physical_to_logical"],
+                              merged[k]["num_ranks"], num_redundant, min_gain=0.0)
+                if v["kept"] else v for k, v in layers.items()}
+    for k, v in layers.items():
+        if not v["kept"]:
+            m = merged[k]
+            in_force = len(m["physical_to_logical"]) - len(m["loads"])
+            layers[k] = plan_layer(m["loads"], m["physical_to_logical"], m["num_ranks"],
+                                   in_force)
+    logger.info("megatron_deepep: %s: a layer's plan with %d extra slots predicts worse than its "
+                "placement in force, so every layer keeps the slot count in force", FLAG,
+                num_redundant)
+    return layers
 
 
 #: Megatron's distributed-optimizer checkpoint formats that save state per parameter in model
@@ -319,9 +399,7 @@ def write_plan_after_save(checkpoint_dir: str, options: Optional[DeepEPOptions] 
             "(distrib_optim_sharding_type %s), so the plan keeps the placement in force; save "
             "it in model space (--dist-ckpt-optim-fully-reshardable) for re-placement",
             FLAG, physical_optimizer)
-    layers = {k: plan_layer(v["loads"], v["physical_to_logical"], v["num_ranks"],
-                            num_redundant, keep=bool(physical_optimizer))
-              for k, v in sorted(merged.items(), key=lambda kv: int(kv[0]))}
+    layers = plan_layers(merged, num_redundant, keep=bool(physical_optimizer))
     path = os.path.join(checkpoint_dir, PLAN_FILE)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump({"format": 1, "num_redundant": num_redundant, "layers": layers}, f)

@@ -36,6 +36,7 @@ from typing import List, Optional
 
 import torch
 
+from megatron_deepep.megatron import replan
 from megatron_deepep.replicas import ReplicaLayout, copy_first_into_copies, sum_replica_grads
 
 logger = logging.getLogger(__name__)
@@ -79,15 +80,23 @@ def layer_layout(layer) -> Optional[ReplicaLayout]:
     return getattr(getattr(layer, "experts", None), LAYOUT_ATTR, None)
 
 
-def check_one_copy_per_rank(layout: ReplicaLayout, layer_number=None) -> None:
+def check_one_copy_per_rank(layout: ReplicaLayout, layer_number=None,
+                            origin: str = "--moe-mdeep-expert-map", fix: str = "") -> None:
     """Refuses a map that puts two copies of one expert on one EP rank.
 
     Such copies add no balance (the rank's load is the same), and a logical checkpoint could
     not be loaded into them: dist_checkpointing refuses two shards of one tensor at one offset
-    on one rank. `tools.balance` never plans them.
+    on one rank. The planners (`placement`, `replan`) never make them; a hand-written map or a
+    plan file from an older version can hold them.
+
+    Args:
+        layout: the map as this rank sees it.
+        layer_number: the layer, for the message.
+        origin: where the map came from (`replan.map_origin`).
+        fix: what to do (`replan.map_fix`).
 
     Raises:
-        ValueError: naming the option, the layer, the rank and the expert.
+        ValueError: naming the map's origin, the layer, the rank, the expert and the fix.
     """
     s = layout.slots_per_rank
     for rank in range(layout.num_ranks):
@@ -95,10 +104,10 @@ def check_one_copy_per_rank(layout: ReplicaLayout, layer_number=None) -> None:
         twice = sorted({e for e in held if held.count(e) > 1})
         if twice:
             raise ValueError(
-                f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP), layer "
-                f"{layer_number}: EP rank {rank} holds expert {twice[0]} more than once (slots "
-                f"{list(held)}); copies of an expert go on different ranks (a second copy on "
-                f"one rank adds no balance, and a checkpoint cannot be loaded into it)")
+                f"expert map from {origin}, layer {layer_number}: EP rank {rank} holds expert "
+                f"{twice[0]} more than once (slots {list(held)}); copies of an expert go on "
+                f"different ranks (a second copy on one rank adds no balance, and a checkpoint "
+                f"cannot be loaded into it). {fix}".rstrip())
 
 
 def prepare_layer(layer) -> Optional[ReplicaLayout]:
@@ -113,7 +122,11 @@ def prepare_layer(layer) -> Optional[ReplicaLayout]:
     if p2l is None or list(p2l) == list(range(dispatcher.num_experts)):
         return None
     layout = ReplicaLayout(tuple(p2l), max(dispatcher.ep_size, 1), dispatcher.ep_rank)
-    check_one_copy_per_rank(layout, dispatcher.layer_number)
+    options = dispatcher.options
+    check_one_copy_per_rank(
+        layout, dispatcher.layer_number,
+        origin=replan.map_origin(options, getattr(dispatcher, "config", None)),
+        fix=replan.map_fix(options, layout.num_ranks, len(p2l), dispatcher.num_experts))
     setattr(layer.experts, LAYOUT_ATTR, layout)
     layer.experts._mdeep_ep_group = dispatcher.ep_group
     if not layout.replicated:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_deepep.kernels import jit
 from megatron_deepep.kernels.jit import NvrtcUnavailable  # noqa: F401 (callers above ops catch it)
 from megatron_deepep.ops.bench.ceiling import (  # noqa: F401
     FanInArgs, FanOutArgs, FillArgs, PeerCopyArgs)
@@ -109,14 +108,3 @@ def kernel_names(num_topk: int, fp8: bool = False,
                 names["combine.cu"] += [f"{kind}<{num_topk}, {weighted}, {with_weights}, {code}>"
                                         for code in codes]
     return names
-
-
-def warm_up(num_topks, row_dtypes: Sequence[str] = ("bf16",)) -> None:
-    """Compiles (or loads from the disk cache) every kernel the given top-k values and row
-    dtypes (`ROW_DTYPE_NAMES` keys) need."""
-    for num_topk in num_topks:
-        for source, exprs in kernel_names(num_topk, row_dtypes=row_dtypes).items():
-            for expr in exprs:
-                name, _, args = expr.partition("<")
-                jit.get_kernel(source, name, [a.strip() for a in args.rstrip(">").split(",")]
-                               if args else [])

@@ -11,7 +11,7 @@ Command line (no GPU)::
     --redundant 8
     python -m megatron_deepep.tools.balance --synthetic zipf:64:1.2 --ranks 8 --json plan.json
 
-`--loads` reads a JSON file (a list `[E]` or `[steps, E]`, or an object with a
+`--loads` reads a JSON file (a list `[E]` or `[steps, E]`, a re-plan file, or an object with a
 `tokens_per_expert` list) or the dispatcher's metrics JSON lines
 (`{"step": s, "layers": {"<layer>": {"tokens_per_expert": [...]}}}` per line; the field is
 `tokens_per_expert`, all E experts in the order of the placement the run used; a run under an
@@ -35,6 +35,7 @@ from megatron_deepep.placement import (  # noqa: F401
     Loads,
     Plan,
     average_loads,
+    check_request,
     default_rank_load,
     idle_share,
     permute_expert_weights,
@@ -89,12 +90,13 @@ def read_loads(path: str, layer: Optional[str] = None) -> Dict[str, torch.Tensor
     """Per-layer load histories `[steps, E]` from a JSON file or metrics JSON lines.
 
     Args:
-        path: `.json` (a list `[E]` / `[steps, E]`, or an object with `tokens_per_expert`) or
+        path: `.json` (a list `[E]` / `[steps, E]`, an object with `tokens_per_expert`, or a
+            re-plan file `mdeep_expert_plan.json`: `layers.<layer>.loads`) or
             `.jsonl` (the dispatcher's metrics lines, field `layers.<layer>.tokens_per_expert`).
         layer: keep only this layer (a key of `layers`); all layers when None.
 
     Returns:
-        Layer name -> `[steps, E]` float64 (a `.json` file gives layer "0").
+        Layer name -> `[steps, E]` float64 (a `.json` list gives layer "0").
     """
     with open(path, encoding="utf-8") as f:
         text = f.read()
@@ -110,6 +112,9 @@ def read_loads(path: str, layer: Optional[str] = None) -> Dict[str, torch.Tensor
         assert rows, f"{path}: no tokens_per_expert" + (f" for layer {layer}" if layer else "")
         return {k: torch.tensor(v, dtype=torch.float64) for k, v in rows.items()}
     data = json.loads(text)
+    if isinstance(data, dict) and isinstance(data.get("layers"), dict):  # a re-plan file
+        return {str(k): torch.tensor([v["loads"]], dtype=torch.float64)
+                for k, v in data["layers"].items()}
     if isinstance(data, dict):
         data = data["tokens_per_expert"]
     t = torch.tensor(data, dtype=torch.float64)
@@ -128,7 +133,7 @@ def format_plan(name: str, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_deepep.tools.balance",
                                 description="Plan an expert placement over EP ranks from "
                                             "recorded per-expert loads (no GPU).")
@@ -145,18 +150,24 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="ranks per node, to balance node loads too")
     p.add_argument("--layer", default=None, help="plan only this layer of a .jsonl file")
     p.add_argument("--json", metavar="OUT", default=None, help="write the plans here as JSON")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Plan]:
-    """The command line; returns the plans by layer."""
-    args = _parse(argv)
+    """The command line; returns the plans by layer. An impossible request (`--redundant`
+    not a multiple of `--ranks` or more than E x (R - 1), E not a multiple of R) exits with
+    status 2 and a message naming the numbers."""
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.synthetic:
         histories = {"0": synthetic_loads(args.synthetic).unsqueeze(0)}
     else:
         histories = read_loads(args.loads, args.layer)
-    plans = {name: plan_placement(h, args.ranks, args.redundant, args.ranks_per_node)
-             for name, h in sorted(histories.items(), key=lambda kv: (len(kv[0]), kv[0]))}
+    try:
+        plans = {name: plan_placement(h, args.ranks, args.redundant, args.ranks_per_node)
+                 for name, h in sorted(histories.items(), key=lambda kv: (len(kv[0]), kv[0]))}
+    except ValueError as exc:
+        parser.error(f"--ranks {args.ranks} --redundant {args.redundant}: {exc}")
     for name, plan in plans.items():
         sys.stdout.write(format_plan(name, plan) + "\n")
     if args.json:

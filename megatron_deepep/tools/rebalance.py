@@ -46,11 +46,7 @@ class Rebalancer:
                  min_gain: float = 0.01, ranks_per_node: Optional[int] = None):
         if interval < 1:
             raise ValueError(f"rebalance interval must be >= 1 step, got {interval}")
-        if num_redundant < 0 or num_redundant % num_ranks:
-            raise ValueError(f"num_redundant={num_redundant} must be a non-negative multiple of "
-                             f"the {num_ranks} EP ranks")
-        if num_experts % num_ranks:
-            raise ValueError(f"{num_experts} experts do not split over {num_ranks} EP ranks")
+        balance.check_request(num_experts, num_ranks, num_redundant, ranks_per_node)
         self.num_experts, self.num_ranks = num_experts, num_ranks
         self.interval, self.num_redundant = interval, num_redundant
         self.min_gain, self.ranks_per_node = min_gain, ranks_per_node
@@ -62,12 +58,15 @@ class Rebalancer:
 
     def initial_map(self) -> List[int]:
         """The placement before any plan: contiguous, each rank's extra slots holding copies
-        of its own experts (rank loads as the contiguous placement's)."""
-        e_local, extra = self.num_experts // self.num_ranks, self.num_redundant // self.num_ranks
+        of the experts that follow its own (the next ranks', wrapping around): one copy of an
+        expert per rank, as every placement needs for a checkpoint to load into it."""
+        num_experts, num_ranks = self.num_experts, self.num_ranks
+        e_local, extra = num_experts // num_ranks, self.num_redundant // num_ranks
         out: List[int] = []
-        for r in range(self.num_ranks):
+        for r in range(num_ranks):
             own = list(range(r * e_local, (r + 1) * e_local))
-            out += sorted(own + [own[i % e_local] for i in range(extra)])
+            following = [(own[-1] + 1 + i) % num_experts for i in range(extra)]
+            out += sorted(own + following)
         return out
 
     def record(self, tokens_per_logical_expert: Sequence[float]) -> None:

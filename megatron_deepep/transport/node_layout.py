@@ -101,31 +101,6 @@ class NodeLayout:
         return remote.sum(dim=1, dtype=torch.int32)
 
 
-@dataclasses.dataclass(frozen=True)
-class LinkBytes:
-    """Bytes one source rank's tokens put on each link in one dispatch and its combine.
-
-    Every field is `[num_nodes]`, int64, indexed by the destination node b.
-
-    Attributes:
-        dispatch_network: this rank -> its rail peer on node b (0 for its own node).
-        dispatch_nvlink: the forwarder on node b -> the other ranks of node b.
-        combine_nvlink: the expert ranks of node b -> the forwarder on node b (one partial row
-            per (token, expert rank other than the forwarder)).
-        combine_network: the forwarder on node b -> this rank (one row per token in node b;
-            0 for its own node).
-    """
-
-    dispatch_network: torch.Tensor
-    dispatch_nvlink: torch.Tensor
-    combine_nvlink: torch.Tensor
-    combine_network: torch.Tensor
-
-    def totals(self) -> dict:
-        """The four fields summed over nodes, as Python ints (one host synchronization)."""
-        return {f.name: int(getattr(self, f.name).sum()) for f in dataclasses.fields(self)}
-
-
 def _check_topk_idx(topk_idx: torch.Tensor) -> None:
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx must be [num_tokens, num_topk], got shape "
@@ -186,29 +161,6 @@ def compute_node_layout(topk_idx: torch.Tensor, num_experts: int, topology: Node
         num_network_rows_per_node=num_network_rows_per_node,
         num_nvlink_rows_per_node=num_nvlink_rows_per_node,
     )
-
-
-def link_bytes(layout: NodeLayout, dispatch_row_bytes: int,
-               combine_row_bytes: int = None) -> LinkBytes:
-    """Bytes per link for one dispatch and its combine (see the module docstring).
-
-    Args:
-        layout: the source rank's `NodeLayout`.
-        dispatch_row_bytes: bytes of one dispatched row: 2 H for bf16, H + 4 ceil(H / 128) for
-            FP8 e4m3 with 1x128 fp32 scales (`Fp8Format.bytes_per_token`).
-        combine_row_bytes: bytes of one combined row (bf16: 2 H); default `dispatch_row_bytes`.
-    """
-    if combine_row_bytes is None:
-        combine_row_bytes = dispatch_row_bytes
-    if dispatch_row_bytes < 0 or combine_row_bytes < 0:
-        raise ValueError(f"row bytes must be >= 0, got dispatch_row_bytes={dispatch_row_bytes}, "
-                         f"combine_row_bytes={combine_row_bytes}")
-    network = layout.num_network_rows_per_node.long()
-    nvlink = layout.num_nvlink_rows_per_node.long()
-    return LinkBytes(dispatch_network=network * dispatch_row_bytes,
-                     dispatch_nvlink=nvlink * dispatch_row_bytes,
-                     combine_nvlink=nvlink * combine_row_bytes,
-                     combine_network=network * combine_row_bytes)
 
 
 def node_limited_topk(scores: torch.Tensor, *, num_groups: int, group_topk: int,

@@ -400,8 +400,6 @@ def test_te_bridge_without_te():
     q, s = F.quantize(make_input("random", 2, 256), F.BLOCKWISE_1x128)
     with pytest.raises(te_bridge.TEUnavailableError, match="transformer_engine"):
         te_bridge.to_te_tensor(q, s, F.BLOCKWISE_1x128)
-    tensor, why = te_bridge.maybe_to_te_tensor(q, s, F.BLOCKWISE_1x128)
-    assert tensor is None and "transformer_engine" in why
     assert te_bridge.active_recipe() is None
     assert te_bridge.recipe_matches(F.MXFP8_1x32, MXFP8BlockScaling())[0] is False
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import ops
 from megatron_deepep.ops.bench import ceiling as ceiling_ops
 from megatron_deepep.bench import peers as bench_peers
 from megatron_deepep.bench import run as bench
+from tests.helpers.compile_jobs import warm_up
 from tests.helpers.distributed import free_port, run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +64,7 @@ SHAPE = (256, 1024, 8, 4)  # tokens per rank, hidden, experts, top-k
 def _bench_worker(rank, world, out_dir):
     _init_device()
     if rank == 0:  # one compile per kernel, not one per process
-        ops.warm_up({SHAPE[3]})
+        warm_up({SHAPE[3]})
     dist.barrier()
     rows = bench.run([SHAPE], [4, 24], out_dir, with_megatron=False, fp8_names="blockwise")
     peers = rows[0]["peers"]

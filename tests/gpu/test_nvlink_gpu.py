@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import knobs, ops
+from megatron_deepep import knobs
 from tests.helpers import knobs as test_knobs
 from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
@@ -24,6 +24,7 @@ from megatron_deepep import buffer as buffer_module
 from megatron_deepep.buffer import Buffer, get_buffer
 from megatron_deepep.transport.errors import PeerTimeoutError
 from tests.helpers.cases import expert_scale, make_inputs
+from tests.helpers.compile_jobs import warm_up
 from tests.helpers.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +51,7 @@ def _init_device():
 
 def _warm(rank):
     if rank == 0:
-        ops.warm_up({c[4] for c in CASES} | {2, 8})
+        warm_up({c[4] for c in CASES} | {2, 8})
     dist.barrier()
 
 

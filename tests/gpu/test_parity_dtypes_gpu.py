@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import knobs, ops
+from megatron_deepep import knobs
 from tests.helpers import knobs as test_knobs
 from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
 from megatron_deepep.buffer import Buffer
 from tests.helpers.cases import expert_scale, make_inputs
+from tests.helpers.compile_jobs import warm_up
 from tests.helpers.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
@@ -99,7 +100,7 @@ def _autograd(rank, world, kern, ref, kern_dev, seed, dtype):
 def _worker(rank, world):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     if rank == 0:  # (dev/gpu/gpu_parity.sh precompiles them in parallel first)
-        ops.warm_up(TOPKS, row_dtypes=("bf16", "fp16", "fp32"))
+        warm_up(TOPKS, row_dtypes=("bf16", "fp16", "fp32"))
     dist.barrier()
     group = dist.group.WORLD
     # hidden counts 2-byte elements: fp32 rows of 2880 need 5760.

@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import knobs, ops
+from megatron_deepep import knobs
 from tests.helpers import knobs as test_knobs
 from megatron_deepep.autograd import combine as ag_combine
 from megatron_deepep.autograd import dispatch as ag_dispatch
 from megatron_deepep.buffer import Buffer
 from tests.helpers.cases import make_inputs
+from tests.helpers.compile_jobs import warm_up
 from tests.helpers.distributed import cpu_group, run_distributed, tier_backend
 
 pytestmark = pytest.mark.gpu
@@ -89,7 +90,7 @@ def _overflow(rank, world):
 def _worker(rank, world):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     if rank == 0:
-        ops.warm_up([2], row_dtypes=("bf16", "fp32"))
+        warm_up([2], row_dtypes=("bf16", "fp32"))
     dist.barrier()
     group = dist.group.WORLD
     kern = Buffer(group, 64, 2 * 1024, 2, num_sms=8, timeout_s=30)

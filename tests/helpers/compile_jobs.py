@@ -216,3 +216,18 @@ def stop() -> None:
         _pool.shutdown(wait=False, cancel_futures=True)
         _pool = None
         _futures.clear()
+
+
+def warm_up(num_topks, row_dtypes: Sequence[str] = ("bf16",)) -> None:
+    """Compiles (or loads from the disk cache) every kernel `ops.kernel_names` lists for the
+    given top-k values and row dtypes, so a GPU test's spawned ranks do not compile on their
+    first dispatch."""
+    from megatron_deepep import ops
+    from megatron_deepep.kernels import jit
+
+    for num_topk in num_topks:
+        for source, exprs in ops.kernel_names(num_topk, row_dtypes=row_dtypes).items():
+            for expr in exprs:
+                name, _, args = expr.partition("<")
+                jit.get_kernel(source, name, [a.strip() for a in args.rstrip(">").split(",")]
+                               if args else [])

@@ -13,6 +13,7 @@ malformed plan is refused naming the option.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 
@@ -171,6 +172,24 @@ def _worker(rank, world, tmp):
         assert m_new["tokens_per_logical_expert"] == m_old["tokens_per_logical_expert"]
         assert m_new["physical_to_logical"] == p2l and len(m_new["tokens_per_expert"]) == len(p2l)
         assert m_new["idle_share"] < m_old["idle_share"]
+
+        # A plan file with two copies of one expert on one rank (an older planner wrote such
+        # files): the resume names the file and how to re-plan it.
+        bad = os.path.join(tmp, "bad", "iter_0000001")
+        if rank == 0:
+            _plan_file(bad, {"1": {"physical_to_logical": [1, 1, 3, 0, 2, 2], "num_ranks": 2}})
+        torch.distributed.barrier()
+        replan.reset()
+        replan.set_resume_dir(bad)
+        with pytest.raises(ValueError) as info:
+            rx._layer(None, seed=3)
+        text = str(info.value)
+        path = os.path.join(bad, replan.PLAN_FILE)
+        assert f"expert map from the re-plan file {path}" in text
+        assert "EP rank 0 holds expert 1 more than once" in text
+        assert f"tools.balance --loads {path} --ranks 2 --redundant 2 --json {path}" in text
+        if rank == 0:
+            logging.getLogger(__name__).info("resume error: %s", text)
     finally:
         replan.reset()
         ps.destroy_model_parallel()
@@ -310,3 +329,37 @@ def test_distributed_optimizer_needs_the_fully_reshardable_format():
     check_replan_arguments(args(dist_ckpt_optim_fully_reshardable=True))
     check_replan_arguments(args(use_distributed_optimizer=False))
     check_replan_arguments(args(moe_mdeep_replan=None))
+
+
+def test_map_origin_names_the_option_or_the_plan_file(tmp_path, replan_state, monkeypatch):
+    from megatron_deepep.megatron.options import DeepEPOptions
+
+    monkeypatch.delenv("MDEEP_EXPERT_MAP", raising=False)
+    explicit = DeepEPOptions(expert_map=str(tmp_path / "map.json"))
+    assert replan_state.map_origin(explicit) == f"--moe-mdeep-expert-map = {tmp_path}/map.json"
+    monkeypatch.setenv("MDEEP_EXPERT_MAP", str(tmp_path / "map.json"))
+    assert replan_state.map_origin(explicit).startswith("the environment variable "
+                                                        "MDEEP_EXPERT_MAP = ")
+    monkeypatch.delenv("MDEEP_EXPERT_MAP")
+    path = _plan_file(tmp_path / "iter_0000002", {"1": {"physical_to_logical": [1, 1, 0, 2],
+                                                        "num_ranks": 2}})
+    replan_state.set_resume_dir(str(tmp_path / "iter_0000002"))
+    options = DeepEPOptions(replan=2)
+    replan_state.expert_map_in_force(options, 2)
+    assert replan_state.map_origin(options) == (
+        f"the re-plan file {path} (written at checkpoint save by {replan_state.FLAG})")
+    assert f"--loads {path} --ranks 2 --redundant 0 --json {path}" in \
+        replan_state.map_fix(options, 2, 4, 4)
+
+
+def test_a_plan_file_re_planned_by_the_command_line_is_loadable(tmp_path, replan_state):
+    """The fix the resume error gives: `balance --loads <plan file> ... --json <plan file>`."""
+    from megatron_deepep.tools import balance
+
+    path = _plan_file(tmp_path, {"1": {"physical_to_logical": [1, 1, 3, 0, 2, 2],
+                                       "num_ranks": 2, "loads": [66, 83, 82, 44]}})
+    balance.main(["--loads", path, "--ranks", "2", "--redundant", "2", "--json", path])
+    plan = replan_state.read_plan(path)["layers"]["1"]
+    p2l = plan["physical_to_logical"]
+    assert len(p2l) == 6 and set(p2l) == {0, 1, 2, 3}
+    assert len(set(p2l[:3])) == 3 and len(set(p2l[3:])) == 3

