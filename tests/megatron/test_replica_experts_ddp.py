@@ -35,20 +35,26 @@ def _layer(device):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tests.helpers.distributed import cpu_group
+
     config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=128,
                                num_attention_heads=4, num_moe_experts=E, moe_router_topk=K,
                                expert_model_parallel_size=EP, moe_token_dispatcher_type="deepep",
                                add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
-                               use_cpu_initialization=True, gradient_accumulation_fusion=False)
+                               use_cpu_initialization=device == "cpu",
+                               gradient_accumulation_fusion=False)
     config.moe_mdeep_expert_map = {"physical_to_logical": MAP}
     submodules = MoESubmodules(experts=ModuleSpec(
         module=SequentialMLP,
         submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)))
     # Experts differ per rank (so the start's copy-in is exercised); the router is broadcast.
-    torch.manual_seed(1234 + torch.distributed.get_rank())
-    layer = MoELayer(config, submodules, layer_number=1).to(device)
-    from tests.helpers.distributed import cpu_group
+    seed = 1234 + torch.distributed.get_rank()
+    torch.manual_seed(seed)
+    if device != "cpu":  # built on the GPU: the copy-in at build runs on the EP group's device
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+        model_parallel_cuda_manual_seed(seed)
+    layer = MoELayer(config, submodules, layer_number=1).to(device)
     router = layer.router.weight.data.cpu()
     torch.distributed.broadcast(router, 0, group=cpu_group())
     layer.router.weight.data.copy_(router)
