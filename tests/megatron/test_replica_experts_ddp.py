@@ -101,6 +101,7 @@ def ddp_worker(rank, world, distributed_optimizer, device, transport):
 
     from megatron_deepep.megatron import replica_experts
     from tests.megatron import test_parity_matrix as matrix
+    from tests.megatron.test_parity_ep import _drop_buffers
 
     assert world == EP
     if device == "cpu":
@@ -115,8 +116,9 @@ def ddp_worker(rank, world, distributed_optimizer, device, transport):
     try:
         layer, config = _layer(device)
         layout = replica_experts.layer_layout(layer)
-        assert layer.num_local_experts == len(MAP) // EP
-        assert layout.replicated == [0, 1] and layout.local_logical == MAP[3 * rank:3 * rank + 3]
+        slots = len(MAP) // EP
+        assert layer.num_local_experts == slots and layout.replicated == [0, 1]
+        assert layout.local_logical == MAP[rank * slots:(rank + 1) * slots]
         _check_copies(layer, "start")  # copied in from the first copy at build
         ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
@@ -140,6 +142,7 @@ def ddp_worker(rank, world, distributed_optimizer, device, transport):
             _check_copies(layer, f"weights after step {step}")
     finally:
         ps.destroy_model_parallel()
+        _drop_buffers()  # NVLink Buffers are freed collectively, before the ranks exit
 
 
 class _HostTorch:
