@@ -2,14 +2,17 @@
 # FP8 dispatch on one GPU, before and after a kernel change, in one call:
 #   bash dev/gpu/fp8.sh WHEELS_DIR BEFORE_DIR
 #   DRY_RUN=1 bash dev/gpu/fp8.sh WHEELS_DIR BEFORE_DIR   # the plan; runs nothing
-# WHEELS_DIR: the TE 2.20.2 set and megatron-core 0.19.2 (the alltoall rows and the TE layer).
+# WHEELS_DIR: the TE 2.20.2 set and megatron-core 0.19.2 (the alltoall rows and the TE layer;
+# an empty folder: neither).
 # BEFORE_DIR: the package to compare with, as `git archive REV megatron_deepep cuda_src | tar x
 # -C BEFORE_DIR` leaves it (its own kernels: the JIT finds BEFORE_DIR/cuda_src).
 # Pieces (PIECES, default all, in this order; each under its limit, never past BUDGET, 570 s):
 #   tests   the FP8 GPU tests at 1 process (EP = 1's kernels): bit-exact against the reference
-#           quantizer, fresh and cached, every format (TEST_TIMEOUT, 150)
+#           quantizer, fresh and cached, every format, and TEST_FILES (default the standalone
+#           quantizer's tests/gpu/test_fp8_gpu.py; '' for none) (TEST_TIMEOUT, 150)
 #   after   python -m megatron_deepep.bench at DeepSeek-V3's shape, 24 and 132 SMs, bf16 and
-#           the three FP8 formats, with Megatron's alltoall rows (AFTER_TIMEOUT, 170)
+#           the three FP8 formats, with Megatron's alltoall rows when WHEELS_DIR brings
+#           megatron-core (AFTER_TIMEOUT, 170; AFTER_ARGS passed on, e.g. --no-megatron)
 #   before  the same bench with BEFORE_DIR's package, no Megatron rows (BEFORE_TIMEOUT, 120)
 #   ncu     Nsight Compute on dev/gpu/fp8_profile.py, after then before: per kernel duration,
 #           DRAM throughput, occupancy, registers, warp stalls (NCU_TIMEOUT, 90 each)
@@ -57,7 +60,7 @@ piece() {
 
 if ! dry; then
   source dev/gpu/wheels.sh
-  WHEELS_DIR=$WHEELS_DIR install_wheels fp8 || exit 2
+  WHEELS_DIR=$WHEELS_DIR install_wheels_if_any fp8 || exit 2
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
     | tee "$LOGS/fp8_versions.txt"
   python3 -c "import torch, megatron.core as m, transformer_engine as te; \
@@ -77,7 +80,7 @@ for name in $PIECES; do
     tests)
       piece tests "${TEST_TIMEOUT:-150}" fp8_tests.log env MDEEP_TEST_PROCS=1 \
         PYTHONPATH="$HERE_PATH" python3 -m pytest -m gpu -q -rs \
-        tests/gpu/test_fp8_dispatch_gpu.py tests/gpu/test_fp8_gpu.py ;;
+        tests/gpu/test_fp8_dispatch_gpu.py ${TEST_FILES:-tests/gpu/test_fp8_gpu.py} ;;
     tests2)
       piece tests2 "${TEST_TIMEOUT:-150}" fp8_tests2.log env MDEEP_TEST_PROCS=2 \
         PYTHONPATH="$HERE_PATH" python3 -m pytest -m gpu -q -rs \
@@ -85,7 +88,7 @@ for name in $PIECES; do
     after)
       piece after "${AFTER_TIMEOUT:-170}" fp8_bench_after.log env PYTHONPATH="$HERE_PATH" \
         python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms 24,132 --fp8 "$FORMATS" \
-        --out "$LOGS/after" ;;
+        --out "$LOGS/after" ${AFTER_ARGS:-} ;;
     before)
       piece before "${BEFORE_TIMEOUT:-120}" fp8_bench_before.log env PYTHONPATH="$BEFORE_PATH" \
         python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms 24,132 --fp8 "$FORMATS" \
