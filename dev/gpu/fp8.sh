@@ -80,7 +80,7 @@ for name in $PIECES; do
     tests)
       piece tests "${TEST_TIMEOUT:-150}" fp8_tests.log env MDEEP_TEST_PROCS=1 \
         PYTHONPATH="$HERE_PATH" python3 -m pytest -m gpu -q -rs \
-        tests/gpu/test_fp8_dispatch_gpu.py ${TEST_FILES:-tests/gpu/test_fp8_gpu.py} ;;
+        tests/gpu/test_fp8_dispatch_gpu.py ${TEST_FILES-tests/gpu/test_fp8_gpu.py} ;;
     tests2)
       piece tests2 "${TEST_TIMEOUT:-150}" fp8_tests2.log env MDEEP_TEST_PROCS=2 \
         PYTHONPATH="$HERE_PATH" python3 -m pytest -m gpu -q -rs \
