@@ -7,6 +7,9 @@
 # BEFORE_DIR: the package to compare with, as `git archive REV megatron_deepep cuda_src | tar x
 # -C BEFORE_DIR` leaves it (its own kernels: the JIT finds BEFORE_DIR/cuda_src).
 # Pieces (PIECES, default all, in this order; each under its limit, never past BUDGET, 570 s):
+#   check   our FP8 kernels precompiled (-j nproc), then dev/gpu/fp8_profile.py --check: fresh
+#           and cached FP8 dispatch bit-exact against quantize(bf16 dispatch), every format,
+#           H 7168, 2880 and 4096 (CHECK_TIMEOUT, 90)
 #   tests   the FP8 GPU tests at 1 process (EP = 1's kernels): bit-exact against the reference
 #           quantizer, fresh and cached, every format, and TEST_FILES (default the standalone
 #           quantizer's tests/gpu/test_fp8_gpu.py; '' for none) (TEST_TIMEOUT, 150)
@@ -34,10 +37,11 @@ BEFORE=$(cd "$2" && pwd)
 LOGS=${OUT:-.bench_out/fp8}
 mkdir -p "$LOGS"
 BUDGET_S=${BUDGET:-570}
-PIECES=${PIECES:-tests after before ncu layer tests2}
+PIECES=${PIECES:-check tests after before ncu layer tests2}
 export MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-$PWD/.bench_out/fp8_kernel_cache}
 SHAPE=4096,7168,256,8
-FORMATS=blockwise_1x128,mxfp8_1x32,blockwise_1x128_fp32_scales
+FORMATS=${FORMATS:-blockwise_1x128,mxfp8_1x32,blockwise_1x128_fp32_scales}
+NUM_SMS=${NUM_SMS:-24,132}
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 
 # piece NAME LIMIT LOG command...: runs it unless the budget is spent; one summary line.
@@ -77,6 +81,11 @@ NCU_ARGS=(--clock-control none --kernel-name "$NCU_KERNELS" --section SpeedOfLig
   --section MemoryWorkloadAnalysis)
 for name in $PIECES; do
   case $name in
+    check)
+      piece check "${CHECK_TIMEOUT:-90}" fp8_check.log env PYTHONPATH="$HERE_PATH" bash -c \
+        "python3 -m megatron_deepep.tools.precompile --topk 8 --index-dtype int64 --fp8 \
+        ${FORMATS//,/ } --bench -j $(nproc) -q && python3 dev/gpu/fp8_profile.py --check --fp8 $FORMATS"
+      dry || grep -E "precompile:|check " "$LOGS/fp8_check.log" ;;
     tests)
       piece tests "${TEST_TIMEOUT:-150}" fp8_tests.log env MDEEP_TEST_PROCS=1 \
         PYTHONPATH="$HERE_PATH" python3 -m pytest -m gpu -q -rs \
@@ -87,11 +96,13 @@ for name in $PIECES; do
         tests/gpu/test_fp8_dispatch_gpu.py ;;
     after)
       piece after "${AFTER_TIMEOUT:-170}" fp8_bench_after.log env PYTHONPATH="$HERE_PATH" \
-        python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms 24,132 --fp8 "$FORMATS" \
+        python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
         --out "$LOGS/after" ${AFTER_ARGS:-} ;;
     before)
+      dry || env PYTHONPATH="$BEFORE_PATH" python3 -m megatron_deepep.tools.precompile --topk 8 \
+        --index-dtype int64 --fp8 ${FORMATS//,/ } --bench -j "$(nproc)" -q
       piece before "${BEFORE_TIMEOUT:-120}" fp8_bench_before.log env PYTHONPATH="$BEFORE_PATH" \
-        python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms 24,132 --fp8 "$FORMATS" \
+        python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
         --no-megatron --out "$LOGS/before" ;;
     ncu)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
@@ -106,7 +117,8 @@ for name in $PIECES; do
         python3 -m megatron_deepep.bench.layer --te --variants \
         te-alltoall-fused,te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,te-deepep-fp8-experts \
         --iters 20 --out "$LOGS/fp8_layer.json" ;;
-    *) echo "fp8.sh: unknown piece '$name' (tests after before ncu layer tests2)"; exit 2 ;;
+    *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu layer tests2)"
+       exit 2 ;;
   esac
 done
 printf '%s\n' "fp8.sh: summary ($SECONDS s)" "${SUMMARY[@]}" | tee "$LOGS/fp8_summary.txt"

@@ -5,6 +5,11 @@ unless told otherwise: per format (bf16, then each FP8 format of `--fp8`) two fr
 dispatches (the layout kernel, then dispatch_local) and two cached ones (dispatch_local alone),
 at `--num-sms` blocks. Under `ncu` each kernel is replayed alone; outside it the script prints
 each call's µs (CUDA events, one call each: a sanity check, not a benchmark).
+
+`--check`: instead, per FP8 format and hidden size of `--check-hidden`, the fresh and the cached
+FP8 dispatch against the bf16 dispatch of the same call quantized by the reference quantizer
+(`Fp8Format.quantize`; quantization is per row, so the two must agree bit for bit); exits 1 on
+a mismatch.
 """
 
 from __future__ import annotations
@@ -18,22 +23,33 @@ import torch.distributed as dist
 from megatron_deepep.buffer import Buffer
 from megatron_deepep.fp8.dispatch import Fp8Dispatch
 
+# The CPU runs the script on the reference transport (a check of the script, not the kernels).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="4096,7168,256,8", help="N,H,E,K")
     parser.add_argument("--num-sms", type=int, default=132)
     parser.add_argument("--fp8", default="blockwise_1x128,mxfp8_1x32")
+    parser.add_argument("--check", action="store_true", help="bit-exactness check instead")
+    parser.add_argument("--check-hidden", default="7168,2880,4096",
+                        help="hidden sizes of --check, comma-separated")
     args = parser.parse_args()
     num_tokens, hidden, num_experts, num_topk = (int(v) for v in args.shape.split(","))
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29541"))
-    torch.cuda.set_device(0)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)
     dist.init_process_group("gloo")
+    if args.check:
+        failed = check(num_tokens, num_experts, num_topk, args)
+        dist.destroy_process_group()
+        raise SystemExit(1 if failed else 0)
     buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, num_sms=args.num_sms)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(num_tokens, hidden, device="cuda", generator=g).bfloat16()
-    scores = torch.rand(num_tokens, num_experts, device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=g).bfloat16()
+    scores = torch.rand(num_tokens, num_experts, device=DEVICE, generator=g)
     probs, idx = scores.topk(num_topk, dim=1)
     weights = (probs / probs.sum(1, keepdim=True)).float()
     bound = num_tokens * num_topk
@@ -55,6 +71,37 @@ def main() -> None:
                   flush=True)
     buf.destroy()
     dist.destroy_process_group()
+
+
+def check(num_tokens: int, num_experts: int, num_topk: int, args) -> int:
+    """The fresh and cached FP8 dispatch against quantize(bf16 dispatch); the failures' count."""
+    failed = 0
+    for hidden in (int(h) for h in args.check_hidden.split(",")):
+        buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, num_sms=args.num_sms)
+        g = torch.Generator(device=DEVICE).manual_seed(hidden)
+        x = torch.randn(num_tokens, hidden, device=DEVICE, generator=g).bfloat16()
+        x[0] = 0  # an all-zero row: its scales follow formats.py's rule
+        x[1] *= 1e4
+        scores = torch.rand(num_tokens, num_experts, device=DEVICE, generator=g)
+        scores[: num_tokens // 4, :8] += 2  # skewed: a quarter of the tokens on experts 0-7
+        idx = scores.topk(num_topk, dim=1).indices
+        idx[2, 1:] = -1  # a token with one expert
+        weights = torch.rand(num_tokens, num_topk, device=DEVICE, generator=g)
+        ref_x, _, _, _ = buf.dispatch(x, idx, weights, num_experts=num_experts)
+        for name in args.fp8.split(","):
+            fp8 = Fp8Dispatch.named(name, "fp8")
+            exp = [t.cpu() for t in fp8.fmt.quantize(ref_x.cpu())]
+            (data, scales), _, handle, _ = buf.dispatch(x, idx, weights,
+                                                        num_experts=num_experts, fp8=fp8)
+            cached = buf.dispatch(x, handle=handle, fp8=fp8)[0]
+            for mode, (d, s) in (("fresh", (data, scales)), ("cached", cached)):
+                same = (torch.equal(d.cpu().view(torch.uint8), exp[0].view(torch.uint8))
+                        and torch.equal(s.cpu().view(torch.uint8), exp[1].view(torch.uint8)))
+                failed += not same
+                print(f"fp8_profile: check {name} H={hidden} {mode}: "
+                      f"{'bit-exact' if same else 'MISMATCH'} ({d.shape[0]} rows)", flush=True)
+        buf.destroy()
+    return failed
 
 
 if __name__ == "__main__":
