@@ -299,7 +299,7 @@ def check_environment(reader: str = _BUFFER) -> None:
     """Checks every `MDEEP_*` variable that is set, whoever reads it: a bad value raises, an
     unknown name logs one warning (with the closest knob), and, for a `reader` of "Buffer"
     outside the Megatron dispatcher, a dispatcher-only knob logs one warning that the Buffer
-    does not read it.
+    does not read it (warnings: once per process, on global rank 0).
 
     Args:
         reader: "Buffer" (a `Buffer` is being built) or "dispatcher" (the Megatron dispatcher
@@ -331,7 +331,8 @@ def check_environment(reader: str = _BUFFER) -> None:
 
 
 def _warn_once(key: str, message: str, *args) -> None:
-    if key not in _warned_names:
+    """Warns once per process, on the first rank only (every rank sees the same variables)."""
+    if key not in _warned_names and os.environ.get("RANK", "0") == "0":
         _warned_names.add(key)
         logger.warning(message, *args)
 
@@ -343,3 +344,20 @@ def markdown_table() -> str:
         lines.append(f"| `{knob.env_name}` | {knob.shown_default} | {knob.read_by} | "
                      f"{knob.doc} |")
     return "\n".join(lines)
+
+
+def main() -> int:
+    """`python megatron_deepep/knobs.py`: checks the `MDEEP_*` environment with the standard
+    library alone (what `examples/run_gpt_moe.sh` runs first): 0, or 2 and one line naming the
+    bad variable. Unknown names warn."""
+    logging.basicConfig(format="megatron_deepep: %(message)s")
+    try:
+        check_environment(_DISPATCHER)
+    except ValueError as exc:
+        print(f"megatron_deepep: {exc}", flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
