@@ -326,7 +326,7 @@ def check_environment(reader: str = _BUFFER) -> None:
         read(knob)
         if reader == _BUFFER and not _dispatcher_built and not knob.read_by.startswith(
                 (_BUFFER, _KERNELS)):
-            _warn_once(env_name, "%s is set, but only %s reads it, not the Buffer API",
+            _warn_once(env_name, "%s is set, but the Buffer API does not read it (read by: %s)",
                        env_name, knob.read_by)
 
 

@@ -71,7 +71,7 @@ def test_unknown_and_unread_knobs_warn_once(world, monkeypatch, caplog):
         Buffer(None, 16, 64, 2, transport="reference")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
-        "MDEEP_FP8_DISPATCH is set, but only dispatcher reads it, not the Buffer API",
+        "MDEEP_FP8_DISPATCH is set, but the Buffer API does not read it (read by: dispatcher)",
         "MDEEP_NUM_SM is set but is no megatron_deepep knob (README, \"Knobs\"); did you mean "
         "MDEEP_NUM_SMS?"], lines
     caplog.clear()
