@@ -5,9 +5,9 @@ experts per rank; -1 ids; skew; row dtype; index dtype; alignment; a no-sync row
 and every rank builds the same inputs of every rank from the drawn seed, runs dispatch, cached
 dispatch, combine and weighted combine on its own, and compares its part with the oracle
 (`tests/helpers/oracle.py`). Every rank draws the same examples in the same order (derandomized,
-no database, no shrinking, no timing health checks) and the ranks agree on each verdict
-(an all-reduce, then the messages of a failure) before the next example, so a failure on one rank fails the same example
-on all of them and no collective is left waiting.
+no database, no shrinking, no timing health checks) and the ranks agree on each verdict (an
+all-reduce, then the messages of a failure) before the next example, so a failure on one rank
+fails the same example on all of them and no collective is left waiting.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 from tests.helpers import REPO_ROOT

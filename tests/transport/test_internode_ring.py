@@ -94,7 +94,8 @@ def test_auto_staging_refuses_a_bad_budget(monkeypatch):
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"MDEEP_INTERNODE_STAGING": "rings"}, r"MDEEP_INTERNODE_STAGING='rings': expected one of full, ring, auto; did you mean 'ring'"),
+    ({"MDEEP_INTERNODE_STAGING": "rings"},
+     r"MDEEP_INTERNODE_STAGING='rings': expected one of full, ring, auto; did you mean 'ring'"),
     ({"MDEEP_INTERNODE_STAGING": "ring", "MDEEP_INTERNODE_RING_SLOTS": "0"},
      r"MDEEP_INTERNODE_RING_SLOTS='0': expected an integer in \[1, 1048576\]"),
     ({"MDEEP_INTERNODE_STAGING": "ring", "MDEEP_INTERNODE_RING_SLOTS": "-4"},
