@@ -32,9 +32,10 @@ setup(
         # internode kernels.
         "jit": JIT_PACKAGES,
         "gpu": JIT_PACKAGES,
-        # pyyaml: megatron.training (in the megatron-core wheels from 0.17) imports it;
+        # The supported releases (README; = examples/prepare_env.py MEGATRON_CORE, a test
+        # checks). pyyaml: megatron.training (in the megatron-core wheels from 0.17) imports it;
         # psutil: dist_checkpointing's file writer (checkpoints with a placement plan).
-        "megatron": ["megatron-core>=0.16", "pyyaml", "psutil"],
+        "megatron": ["megatron-core>=0.16,<0.20", "pyyaml", "psutil"],
         "test": ["pytest", "matplotlib", "hypothesis"],
     },
 )

@@ -221,6 +221,9 @@ def parse_line(line: str) -> dict:
 
 
 def main() -> None:
+    if "RANK" not in os.environ:  # one line and the command, not torch's rendezvous error
+        sys.exit("balance_demo.py runs one process per EP rank under torchrun: "
+                 "torchrun --nproc-per-node 4 examples/balance_demo.py")
     backend = "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()

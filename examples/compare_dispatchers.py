@@ -68,6 +68,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_flags  # noqa: E402  (examples/megatron_flags.py, beside this file)
+from megatron_deepep.logs import quiet_known_noise  # noqa: E402
+
+quiet_known_noise()  # before megatron-core is imported (megatron_deepep.logs.KNOWN_NOISE)
 
 
 #: Sizes of the GPU runs and of the `--cpu` demonstration (an option left unset takes these).
@@ -138,6 +141,8 @@ def parse_args(argv=None):
         try:
             args.flags = megatron_flags.parse(model_flags, cpu=args.cpu)
         except megatron_flags.FlagError as exc:
+            if int(os.environ.get("RANK", "0")) != 0:  # one rank says it, not every rank
+                raise SystemExit(2) from None
             p.error(str(exc))
         for key, value in args.flags.args.items():
             if key in ("topk", "seed") or getattr(args, key) is None:
@@ -543,6 +548,13 @@ def side_by_side(curves) -> str:
 
 def main(argv=None):
     warnings.filterwarnings("ignore")
+    try:  # every MDEEP_* variable set, before any process starts: one line if one is bad
+        from megatron_deepep import knobs
+        knobs.check_environment("dispatcher")
+    except ValueError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"compare_dispatchers.py: {exc}", file=sys.stderr)
+        return 2
     args = parse_args(argv)
     if args.plot_only:
         return plot_only(args)

@@ -89,6 +89,18 @@ def value(text):
     return {"true": True, "false": False}.get(str(text).lower(), text)
 
 
+def did_you_mean(flag: str, fields, ours) -> str:
+    """"; did you mean --x?" for the closest flag this run places (or "")."""
+    import difflib
+
+    known = set(ARGS) | set(MODEL) | set(DROPPED) | set(DROPPED_ON_CPU) | set(IMPLIED)
+    known |= {"--swiglu", "--disable-bias-linear"}
+    known |= {"--" + name.replace("_", "-") for name in fields}
+    known |= {"--moe-mdeep-" + name.replace("_", "-") for name in ours}
+    close = difflib.get_close_matches(flag, sorted(known), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def parse(flags: Sequence[str], cpu: bool = True) -> MegatronFlags:
     """Places every flag (the last of a repeated flag wins, as with argparse); `cpu`: the run
     is on the CPU (`DROPPED_ON_CPU` is dropped too).
@@ -126,10 +138,41 @@ def parse(flags: Sequence[str], cpu: bool = True) -> MegatronFlags:
             out.config[name] = value(text)
         else:
             raise FlagError(f"{flag} is no TransformerConfig field and no flag this run knows "
-                            f"(examples/megatron_flags.py lists those)")
+                            f"(examples/megatron_flags.py lists those)"
+                            + did_you_mean(flag, fields, ours))
     for switch, needs in IMPLIED.items():
         field = needs[2:].replace("-", "_")
         if field in out.config and switch not in given:  # as megatron.training: ignored
             out.dropped.append((needs, f"only used with {switch}"))
             del out.config[field]
     return out
+
+
+def main(argv: Sequence[str]) -> int:
+    """`python examples/megatron_flags.py [--gpu] -- FLAGS`: 0 if every flag can be placed, else
+    one line naming the first that cannot (what `run_gpt_moe.sh` runs before it starts
+    torchrun, so a mistyped flag is one line, not every rank's traceback)."""
+    argv = list(argv)
+    cpu = "--gpu" not in argv[:argv.index("--")] if "--" in argv else True
+    flags = argv[argv.index("--") + 1:] if "--" in argv else argv
+    import os
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core's import-time notices (no TE, no Apex)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from megatron_deepep.logs import quiet_known_noise
+
+    quiet_known_noise()
+    try:
+        parse(flags, cpu=cpu)
+    except FlagError as exc:
+        print(f"run_gpt_moe.sh: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -45,6 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_deepep.logs import quiet_known_noise  # noqa: E402
+
+quiet_known_noise()  # before megatron-core is imported (megatron_deepep.logs.KNOWN_NOISE)
 import megatron_deepep.megatron as mdm  # noqa: E402
 from megatron_deepep import knobs  # noqa: E402
 

@@ -35,6 +35,8 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="${REPO}:${MEGATRON_LM:+${MEGATRON_LM}:}${PYTHONPATH:-}"
 TEST_COMMAND='pip install torch==2.13.0 -e ".[jit,test,megatron]" && python -m pytest -q -rs tests'
 
+# Every MDEEP_* variable set is checked first (standard library only): a bad value is one line.
+"$PY" "$REPO/megatron_deepep/knobs.py" >&2 || exit 2
 PLAN=$("$PY" "$HERE/prepare_env.py")
 read -r JOB_PATH NGPU <<< "$(tail -n 1 <<< "$PLAN")"
 case "$JOB_PATH" in
@@ -61,6 +63,13 @@ compare_options() {
   if [ -n "$MDIR" ]; then COMPARE+=(--metrics-dir "$MDIR"); fi
   if [ -n "${FAMILY:-}" ]; then COMPARE+=(--name "$FAMILY"); fi
 }
+
+# Flags for compare_dispatchers.py (the CPU demo, megatron-core alone): checked here, once, so a
+# mistyped one is one line ("did you mean ..."), not every rank's traceback under torchrun.
+if [ $# -gt 0 ] && [ "$JOB_PATH" != megatron-training ]; then
+  GPU_FLAG=(); if [ "$JOB_PATH" != cpu-demo ]; then GPU_FLAG=(--gpu); fi
+  "$PY" "$HERE/megatron_flags.py" "${GPU_FLAG[@]}" -- "$@" || exit 2
+fi
 
 if [ "$JOB_PATH" = cpu-demo ]; then
   OUT=${OUT:-$REPO/runs/cpu_demo}

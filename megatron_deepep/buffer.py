@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_deepep import ops, validate
+from megatron_deepep import knobs, ops, validate
 from megatron_deepep import transport as transport_module
 from megatron_deepep.events import EventHandle
 from megatron_deepep.fp8.dispatch import Fp8Dispatch, check_fp8_argument
@@ -50,18 +50,29 @@ class Buffer:
         num_topk: the largest top-k any call uses (at most 16).
         transport: "auto" (with CUDA: the EP = 1 kernels for one rank, the NVLink kernels for
             2-8 ranks of one node, the internode kernels for a group spanning nodes; without:
-            the pure-torch reference), "local", "nvlink", "internode" or "reference".
+            the pure-torch reference), "local", "nvlink", "internode" or "reference". None
+            (the default): `MDEEP_TRANSPORT`, else "auto".
         num_sms: SM budget of the communication kernels (the rest stay free for compute).
+            None (the default): `MDEEP_NUM_SMS`, else 24.
         timeout_s: how long any cross-GPU wait may last before it fails naming the peer.
         num_ranks_per_node: declares nodes of this many contiguous ranks (virtual nodes: e.g.
-            4 processes on one GPU with 2 model 2 nodes x 2 GPUs); by default the nodes are
-            the ranks' hosts.
+            4 processes on one GPU with 2 model 2 nodes x 2 GPUs); None: `MDEEP_RANKS_PER_NODE`,
+            else the nodes are the ranks' hosts.
+
+    Raises:
+        ValueError: an argument out of its range, or any `MDEEP_*` variable set to a bad value
+            (`knobs.check_environment`), named.
     """
 
     def __init__(self, group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
-                 transport: str = "auto", num_sms: int = DEFAULT_NUM_SMS,
+                 transport: Optional[str] = None, num_sms: Optional[int] = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, num_ranks_per_node: Optional[int] = None,
                  dtype: torch.dtype = torch.bfloat16):
+        knobs.check_environment()
+        transport = _transport_or_knob(transport)
+        num_sms = num_sms if num_sms is not None else knobs.get("NUM_SMS", DEFAULT_NUM_SMS)
+        if num_ranks_per_node is None:
+            num_ranks_per_node = knobs.get("RANKS_PER_NODE")
         _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                       num_topk=num_topk, dtype=dtype)
         _check_transport(transport)
@@ -522,6 +533,11 @@ def _check_limits(*, num_max_tokens_per_rank, hidden, num_topk, dtype=torch.bflo
                          f"multiple of {per_vector})")
 
 
+def _transport_or_knob(transport: Optional[str]) -> str:
+    """`transport`, else `MDEEP_TRANSPORT`, else "auto"."""
+    return transport if transport is not None else knobs.get("TRANSPORT", "auto")
+
+
 def _check_transport(transport) -> None:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -576,7 +592,8 @@ def check_buffers() -> None:
 
 
 def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
-               transport: str = "auto", dtype: torch.dtype = torch.bfloat16, **kwargs) -> Buffer:
+               transport: Optional[str] = None, dtype: torch.dtype = torch.bfloat16,
+               **kwargs) -> Buffer:
     """A process-wide Buffer for `group` that grows (never shrinks) when a call needs more.
 
     `hidden` counts elements of `dtype` (as for `Buffer`); rows are compared in bytes, so a
@@ -589,6 +606,7 @@ def get_buffer(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int, 
     """
     _check_limits(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                   num_topk=num_topk, dtype=dtype)
+    transport = _transport_or_knob(transport)
     _check_transport(transport)
     unknown = sorted(set(kwargs) - {"num_sms", "timeout_s", "num_ranks_per_node"})
     if unknown:

@@ -120,7 +120,7 @@ for piece in $PIECES; do
           | cut -c1-240 | tr '\n' ' ')
         [ "$PIECE_RC" = 0 ] && result="passed (2 processes on one GPU)"
         {
-          echo "- DeepEP's own tests/test_intranode.py --num-processes 2, unmodified: rc"
+          echo "- DeepEP's own test_intranode.py --num-processes 2, unmodified: rc"
           echo "  $PIECE_RC: ${result:-no error line; see the log}"
         } >> "$TABLE"
       fi

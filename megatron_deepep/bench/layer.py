@@ -24,9 +24,9 @@ Measured per row: fwd+bwd ms = median over `--iters` calls issued back to back, 
 (`bench.time_cuda`; rotating inputs, grads set to None between calls, as a training step does);
 host ms/layer = median wall time until the Python call (forward + backward, or the graph's
 replay) returns, the GPU idle at its start (`bench.host_us` one call at a time); it includes the
-host waits of a synchronizing variant. torch syncs = synchronizing torch calls in one call
-(`torch.cuda.set_sync_debug_mode`; e.g. the experts' `tokens_per_expert.tolist()`; the deepep
-dispatch's own wait for its row count reads mapped memory and is not among them). Ratio =
+host waits of a synchronizing variant. torch-flagged syncs = the synchronizing torch calls
+in one call (`torch.cuda.set_sync_debug_mode`), whoever makes them: not a count of the
+dispatcher's host waits (`SYNCS_NOTE`). Ratio =
 fwd+bwd time / each alltoall row's (unfused, fused permute), same table and shape. A variant
 that fails prints its error in its row and the run goes on. `--profile N` lists each row's N
 kernels with the most GPU time, the kernels of the FP8 experts' columnwise copy whatever their
@@ -368,11 +368,21 @@ def _add_ratios(rows: List[dict]) -> None:
                 r[key] = r["fwd_bwd_ms"] / ref
 
 
+#: What the syncs column counts, printed under the table.
+SYNCS_NOTE = (
+    "torch-flagged syncs/call: the synchronizing torch calls in one forward + backward "
+    "(`torch.cuda.set_sync_debug_mode`), whoever makes them; host waits on events, streams or "
+    "mapped memory are not among them. deepep-sync waits for its row count on mapped memory "
+    "(once per dispatch, not counted) and hands the experts host counts: 0. deepep-syncfree's "
+    "dispatcher never waits; its 1 is `TEGroupedMLP`'s `tokens_per_expert.tolist()` on the "
+    "device counts (the graph rows' `GroupedMMExperts` make none).")
+
+
 def markdown_table(rows: List[dict]) -> str:
     """The rows as a markdown table (variant with the transport it ran, shape, experts, times,
-    torch syncs, ratio)."""
+    torch-flagged syncs, ratio), then `SYNCS_NOTE`."""
     lines = ["| table | variant | shape (N,H,E,K,F) | experts | fwd+bwd ms | host ms/layer | "
-             "torch syncs/call | x alltoall (unfused) | x alltoall (fused permute) |",
+             "torch-flagged syncs/call | x alltoall (unfused) | x alltoall (fused permute) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = ",".join(str(v) for v in r["shape"])
@@ -393,7 +403,7 @@ def markdown_table(rows: List[dict]) -> str:
         variant = name + (f" ({r['transport']})" if r.get("transport") else "")
         lines.append(f"| {r['table']} | {variant} | {shape} | {experts} | "
                      f"{r['fwd_bwd_ms']:.3f} | {r['host_ms']:.3f} | {syncs} | {ratios} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + SYNCS_NOTE
 
 
 def kernel_tables(rows: List[dict]) -> str:

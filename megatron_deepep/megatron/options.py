@@ -228,7 +228,12 @@ def resolve_options(config) -> DeepEPOptions:
     """Resolves `DeepEPOptions` for `config` (see `DeepEPOptions` for the precedence).
 
     `config` may be None (no config fields: registered defaults, then the environment).
+
+    Raises:
+        ValueError: any `MDEEP_*` variable set to a bad value, named (`knobs.check_environment`;
+            also those that a config field or keyword overrides), or an option out of range.
     """
+    knobs.check_environment("dispatcher")
     values = {}
     for field in dataclasses.fields(DeepEPOptions):
         value = getattr(config, CONFIG_PREFIX + field.name, None)

@@ -122,8 +122,8 @@ def test_ranks_disagreeing_and_foreign_group_handles_raise():
     (dict(timeout_s="5"), r"timeout_s must be a finite number of seconds > 0, got '5'"),
     (dict(timeout_s=math.nan), r"timeout_s must be a finite number of seconds > 0, got nan"),
     (dict(timeout_s=0), r"timeout_s must be a finite number of seconds > 0, got 0"),
-    (dict(transport=None), r"transport must be one of \('auto', 'local', 'nvlink', "
-                           r"'internode', 'reference'\), got None"),
+    (dict(transport="nvlnk"), r"transport must be one of \('auto', 'local', 'nvlink', "
+                              r"'internode', 'reference'\), got 'nvlnk'"),
     (dict(num_ranks_per_node=0), r"num_ranks_per_node must be an int >= 1, got 0"),
     (dict(group="world"), r"group must be a torch.distributed.ProcessGroup .*got str"),
 ])

@@ -5,9 +5,9 @@ experts per rank; -1 ids; skew; row dtype; index dtype; alignment; a no-sync row
 and every rank builds the same inputs of every rank from the drawn seed, runs dispatch, cached
 dispatch, combine and weighted combine on its own, and compares its part with the oracle
 (`tests/helpers/oracle.py`). Every rank draws the same examples in the same order (derandomized,
-no database, no shrinking, no timing health checks) and the ranks agree on each verdict
-(`all_gather_object`) before the next example, so a failure on one rank fails the same example
-on all of them and no collective is left waiting.
+no database, no shrinking, no timing health checks) and the ranks agree on each verdict (an
+all-reduce, then the messages of a failure) before the next example, so a failure on one rank
+fails the same example on all of them and no collective is left waiting.
 """
 
 from __future__ import annotations
@@ -157,10 +157,14 @@ def run_property(rank: int, world: int, buf, device: torch.device, max_examples:
             error: Optional[str] = None
         except AssertionError as exc:
             error = f"{type(exc).__name__}: {exc}"[:2000]
-        errors: List[Optional[str]] = [None] * world
-        dist.all_gather_object(errors, error, group=group)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-        assert not failed, f"example {ex}:\n" + "\n".join(failed)
+        # One small all-reduce per example; the messages travel only when one failed.
+        any_failed = torch.tensor([int(error is not None)])
+        dist.all_reduce(any_failed, op=dist.ReduceOp.MAX, group=group)
+        if any_failed.item():
+            errors: List[Optional[str]] = [None] * world
+            dist.all_gather_object(errors, error, group=group)
+            failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+            raise AssertionError(f"example {ex}:\n" + "\n".join(failed))
 
     prop()
     return {"examples": count[0], "seconds": time.monotonic() - start}

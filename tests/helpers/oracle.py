@@ -22,17 +22,22 @@ def oracle_dispatch(xs: List[torch.Tensor], idxs: List[torch.Tensor], ws: List[t
     num_ranks = len(xs)
     num_local = num_experts // num_ranks
     hidden = xs[0].shape[1]
+    # Each expert's (source rank, token, k) entries, in that order: one pass over the ids.
+    entries = {}
+    for s in range(num_ranks):
+        for n, ids in enumerate(idxs[s].tolist()):
+            for k, g in enumerate(ids):
+                entries.setdefault(g, []).append((s, n, k))
+    weight_lists = [w.tolist() for w in ws]
     out = []
     for r in range(num_ranks):
         rows, weights, sources, sizes = [], [], [], []
         for e in range(num_local):
-            g = r * num_local + e
-            seg = [(s, n, k) for s in range(num_ranks) for n in range(idxs[s].shape[0])
-                   for k in range(idxs[s].shape[1]) if int(idxs[s][n, k]) == g]
+            seg = entries.get(r * num_local + e, [])
             pad = (-len(seg)) % expert_alignment
             for s, n, k in seg:
                 rows.append(xs[s][n])
-                weights.append(float(ws[s][n, k]))
+                weights.append(weight_lists[s][n][k])
                 sources.append((s, n, k))
             for _ in range(pad):
                 rows.append(torch.zeros(hidden, dtype=xs[0].dtype))

@@ -275,7 +275,11 @@ def test_options_read_the_environment_through_knobs(monkeypatch):
         options.resolve_options(None)
     monkeypatch.setenv("MDEEP_METRICS", "0")
     monkeypatch.setenv("MDEEP_TRANSPORT", "pcie")
-    with pytest.raises(ValueError, match="--moe-mdeep-transport"):
+    with pytest.raises(ValueError, match="MDEEP_TRANSPORT='pcie': expected one of auto, local"):
+        options.resolve_options(None)
+    monkeypatch.setenv("MDEEP_TRANSPORT", "local")
+    monkeypatch.setenv("MDEEP_NUM_SMS", "-4")  # the plugin's message names the variable too
+    with pytest.raises(ValueError, match=r"MDEEP_NUM_SMS='-4': expected an integer >= 1"):
         options.resolve_options(None)
     for transport in options.TRANSPORT_CHOICES:
         assert options.DeepEPOptions(transport=transport).transport == transport

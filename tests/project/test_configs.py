@@ -7,7 +7,8 @@ the launchers' own flags and a list checked against 0.19.2's parser stand in; wi
 proxy is small; the full size is the family's public shape in a layout the dispatcher accepts
 (`options.check_config`), whatever NODES is. The DeepSeek-V3 proxy's MoE layers (its flags as a
 TransformerConfig, grouped experts as the proxy runs them, FP8 dispatch, metrics on) train for
-several steps on the CPU: expert-bias updates, per-step metrics, no growth in the step time.
+several steps on the CPU: expert-bias updates, per-step metrics (step times printed, not
+asserted).
 """
 
 from __future__ import annotations
@@ -348,12 +349,11 @@ print("REPORT " + json.dumps(report))
 """
 
 
-@pytest.mark.wall_time  # after the background compiles (conftest.py)
 def test_deepseek_proxy_moe_layers_train_on_cpu(tmp_path):
     """The DeepSeek-V3 proxy's MoE path (256 experts, top-8, sigmoid + expert bias,
     group-limited routing, seq aux loss, shared expert, FP8 blockwise dispatch, metrics on) with
     the grouped experts the proxy trains with: equal to SequentialMLP's output, then 6 training
-    steps whose time does not grow (the GPU proxy once stalled after its third step)."""
+    steps (their times printed: the GPU proxy once stalled after its third step)."""
     import json
 
     flags = as_dict(proxy_flags("deepseek_v3"))
@@ -374,8 +374,9 @@ def test_deepseek_proxy_moe_layers_train_on_cpu(tmp_path):
     assert report["bias_moved"] > 0  # the aux-loss-free balancing bias is updated
     lines = (tmp_path / "metrics" / "deepep_metrics_rank0.jsonl").read_text().splitlines()
     assert [json.loads(ln)["step"] for ln in lines] == [-1] + list(range(steps))
-    steady = sorted(report["step_s"][1:])[len(report["step_s"][1:]) // 2]
-    assert max(report["step_s"][2:]) < 4 * steady + 0.5, report["step_s"]
+    # Step times are printed, not asserted: the CPU tier runs on shared, loaded machines (a
+    # stalled step on the GPU is the GPU tier's and the benchmarks' to catch).
+    print("\nstep times (s): " + ", ".join(f"{t:.2f}" for t in report["step_s"]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,7 +448,6 @@ esac
     assert "--plot-only" in done.stderr
 
 
-@pytest.mark.wall_time  # after the background compiles (conftest.py)
 def test_deepseek_cpu_proxy_trains_its_routing_and_writes_the_report(tmp_path):
     """The DeepSeek-V3 proxy's flags through compare_dispatchers.py --cpu (what the template
     runs without a GPU): says what it trains and drops, writes every metrics field, and the

@@ -132,7 +132,9 @@ def test_module_commands_the_docs_give_exist(path):
 
 def test_readme_is_short_and_links_the_latest_benchmarks():
     text = (ROOT / "README.md").read_text()
-    assert len(text.splitlines()) <= 250, "the README is for users: keep it to 250 lines"
+    # 265: 250 until the Buffer snippet became runnable (examples/buffer_quickstart.py's block)
+    # and the knob table said who reads each knob.
+    assert len(text.splitlines()) <= 265, "the README is for users: keep it to 265 lines"
     linked = set(re.findall(r"benchmarks/(h200_[0-9-]+_[a-z0-9_]+\.md)", text))
     assert linked, "the README links its measurements in benchmarks/"
     latest = {}

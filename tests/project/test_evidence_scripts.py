@@ -63,7 +63,8 @@ def test_evidence_dry_run_names_every_piece_and_record(tmp_path, folders):
         assert f"piece '{piece}'" in out, piece
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     for topic in ("baselines", "main_job", "deepep", "mps", "proxy", "model"):
-        assert f"record benchmarks/h200_{date}_{topic}.md" in out, topic
+        # A record is named after the card that ran it (`ev_card`): "dry" in a dry run.
+        assert f"record benchmarks/dry_{date}_{topic}.md" in out, topic
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=12 MDEEP_TEST_PROCS=8" in out
     assert "NVSHMEM_DISABLE_P2P=1 NVSHMEM_REMOTE_TRANSPORT=ucx" in out
     assert "alltoall-fused,alltoall,deepep-sync,deepep-syncfree" in out

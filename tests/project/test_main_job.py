@@ -225,3 +225,5 @@ def test_supported_megatron_core_range_is_the_readmes():
         text = f.read()
     assert f"megatron-core {low[0]}.{low[1]} to {end[0]}.{end[1] - 1}" in text
     assert prepare.MEGATRON_CORE == f">={low[0]}.{low[1]},<{end[0]}.{end[1]}"
+    with open(os.path.join(ROOT, "setup.py")) as f:  # the megatron extra: the same range
+        assert f'"megatron-core{prepare.MEGATRON_CORE}"' in f.read()

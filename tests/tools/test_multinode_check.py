@@ -142,7 +142,7 @@ def test_cli_end_to_end_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(
         [*COMMAND, "--spawn", "3", "--num-ranks-per-node", "1", "--transport",
-         "reference", "--device", "cpu", "--num-experts", "24", "--topk", "4",
+         "auto", "--device", "cpu", "--num-experts", "24", "--topk", "4",
          "--check-tokens", "12", "--check-hidden", "32", "--cases",
          "uneven,dropped,empty,node-limited", "--sweep-tokens", "16", "--sweep-hidden", "64",
          "--warmup", "0", "--iters", "1", "--seed", "7", "--fp8", "blockwise", "--json",
@@ -154,14 +154,15 @@ def test_cli_end_to_end_on_cpu(tmp_path):
     for case in ("uneven", "dropped", "empty", "node-limited"):
         assert f"check {case}" in text
     assert "correctness: PASSED" in text and "GB/s/NIC" in text
-    assert "transport that ran: reference (--transport reference)" in text
+    # `auto` on a CPU resolves to the reference: the record keeps both, asked and ran.
+    assert "transport that ran: reference (--transport auto)" in text
     # The reference transport's times are torch's gloo all-to-all: no GB/s, saying why.
     assert "GB/s: none, the reference transport ran" in text
     sweep_rows = [line for line in text.splitlines() if line.strip().startswith("16 ")]
     assert len(sweep_rows) == 2 and all(line.split()[-3:] == ["-"] * 3 for line in sweep_rows)
     doc = json.loads(out.read_text())
     assert doc["passed"] and doc["seed"] == 7 and doc["setup"]["nodes"] == 3
-    assert doc["setup"]["transport_ran"] == "reference"
+    assert (doc["setup"]["transport"], doc["setup"]["transport_ran"]) == ("auto", "reference")
     assert {(p["phase"], p["wire"]) for p in doc["sweep"]} == {("dispatch", "blockwise"),
                                                                 ("combine", "bf16")}
     assert all(p["network_bytes_per_rank"] > 0 and p["us"] > 0 for p in doc["sweep"])

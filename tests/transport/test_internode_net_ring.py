@@ -47,8 +47,8 @@ def test_net_ring_defaults_to_off(monkeypatch):
 
 
 @pytest.mark.parametrize("staging, value, match", [
-    ("ring", "-1", r"MDEEP_INTERNODE_NET_RING_CHUNKS=-1: expected an integer in \[0, 4096\]"),
-    ("ring", "4097", r"MDEEP_INTERNODE_NET_RING_CHUNKS=4097"),
+    ("ring", "-1", r"MDEEP_INTERNODE_NET_RING_CHUNKS='-1': expected an integer in \[0, 4096\]"),
+    ("ring", "4097", r"MDEEP_INTERNODE_NET_RING_CHUNKS='4097'"),
     ("ring", "two", r"MDEEP_INTERNODE_NET_RING_CHUNKS='two': expected an integer"),
     ("full", "2", r"MDEEP_INTERNODE_NET_RING_CHUNKS=2 needs MDEEP_INTERNODE_STAGING=ring"),
 ])

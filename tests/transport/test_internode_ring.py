@@ -84,7 +84,7 @@ def test_auto_staging_takes_the_first_that_fits(monkeypatch, nodes, name, gb, fu
 def test_auto_staging_refuses_a_bad_budget(monkeypatch):
     monkeypatch.delenv("MDEEP_INTERNODE_STAGING", raising=False)
     monkeypatch.delenv("MDEEP_INTERNODE_NET_RING_CHUNKS", raising=False)
-    for bad, match in (("0", "STAGING_MAX_GB=0.0: expected a positive"),
+    for bad, match in (("0", "STAGING_MAX_GB='0': expected a finite number > 0"),
                        ("lots", "STAGING_MAX_GB='lots': expected a number")):
         monkeypatch.setenv("MDEEP_INTERNODE_STAGING_MAX_GB", bad)
         with pytest.raises(ValueError, match=match):
@@ -94,15 +94,16 @@ def test_auto_staging_refuses_a_bad_budget(monkeypatch):
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"MDEEP_INTERNODE_STAGING": "rings"}, r"MDEEP_INTERNODE_STAGING='rings': choose one of"),
+    ({"MDEEP_INTERNODE_STAGING": "rings"},
+     r"MDEEP_INTERNODE_STAGING='rings': expected one of full, ring, auto; did you mean 'ring'"),
     ({"MDEEP_INTERNODE_STAGING": "ring", "MDEEP_INTERNODE_RING_SLOTS": "0"},
-     r"MDEEP_INTERNODE_RING_SLOTS=0: expected an integer in \[1, 1048576\]"),
+     r"MDEEP_INTERNODE_RING_SLOTS='0': expected an integer in \[1, 1048576\]"),
     ({"MDEEP_INTERNODE_STAGING": "ring", "MDEEP_INTERNODE_RING_SLOTS": "-4"},
-     r"MDEEP_INTERNODE_RING_SLOTS=-4"),
+     r"MDEEP_INTERNODE_RING_SLOTS='-4'"),
     ({"MDEEP_INTERNODE_STAGING": "ring", "MDEEP_INTERNODE_RING_SLOTS": "many"},
      r"MDEEP_INTERNODE_RING_SLOTS='many': expected an integer"),
     ({"MDEEP_INTERNODE_STAGING": "ring", "MDEEP_INTERNODE_RING_SLOTS": str((1 << 20) + 1)},
-     r"MDEEP_INTERNODE_RING_SLOTS=1048577"),
+     r"MDEEP_INTERNODE_RING_SLOTS='1048577'"),
 ])
 def test_bad_staging_knobs_name_the_variable(monkeypatch, env, match):
     for name, value in env.items():

@@ -43,7 +43,9 @@ def _step_with_a_failing_rank(rank, world, failing):
     if rank == 0:
         print(f"\n--- {world} ranks, rank {failing} fails; rank 0 after {elapsed:.2f} s ---\n"
               f"{message}")
-    assert TIMEOUT_S - 0.1 <= elapsed < TIMEOUT_S + 2.0, elapsed
+    # Not before its timeout; how late on a loaded machine is not asserted (the message says
+    # it was the timeout, and run_distributed's own limit catches a hang).
+    assert elapsed >= TIMEOUT_S - 0.1, elapsed
     assert f"combine (call 2 of rank {rank} of {world})" in message
     assert f"waited {TIMEOUT_S:g} s" in message
     assert f"rank {failing} (global {failing}) is still at its call 1 (dispatch)" in message
@@ -53,9 +55,7 @@ def _step_with_a_failing_rank(rank, world, failing):
 
 @pytest.mark.parametrize("world, failing", [(2, 1), (3, 0)])
 def test_a_rank_failing_between_dispatch_and_combine_times_out_its_peers(world, failing):
-    start = time.monotonic()
     run_distributed(world, _step_with_a_failing_rank, failing, timeout_s=60)
-    assert time.monotonic() - start < 40
 
 
 def _peer_process_gone(rank, world, queue):
@@ -95,6 +95,6 @@ def test_a_peer_whose_process_exited_is_named():
     assert not alive, "a rank hung"
     text = queue.get()
     print(f"\n--- rank 1's process exited after dispatch; rank 0's combine ---\n{text}")
-    assert float(text.split(" s:")[0]) < 30.0  # the error, not the timeout
+    assert "waited 30 s" not in text  # the process's exit, not the 30 s timeout
     assert "combine (call 2 of rank 0 of 2)" in text
     assert "rank 1 (global 1) is still at its call 1 (dispatch)" in text
