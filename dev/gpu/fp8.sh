@@ -84,7 +84,8 @@ for name in $PIECES; do
     check)
       piece check "${CHECK_TIMEOUT:-90}" fp8_check.log env PYTHONPATH="$HERE_PATH" bash -c \
         "python3 -m megatron_deepep.tools.precompile --topk 8 --index-dtype int64 --fp8 \
-        ${FORMATS//,/ } --bench -j $(nproc) -q && python3 dev/gpu/fp8_profile.py --check --fp8 $FORMATS"
+        ${FORMATS//,/ } --bench -j $(nproc) -q \
+        && python3 dev/gpu/fp8_profile.py --check --fp8 $FORMATS"
       dry || grep -E "precompile:|check " "$LOGS/fp8_check.log" ;;
     tests)
       piece tests "${TEST_TIMEOUT:-150}" fp8_tests.log env MDEEP_TEST_PROCS=1 \
@@ -107,7 +108,9 @@ for name in $PIECES; do
     ncu)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
         2>/dev/null | head -n 1)
-      if [ -z "$NCU" ]; then SUMMARY+=("ncu: not found on PATH or in /usr/local/cuda/bin"); continue; fi
+      if [ -z "$NCU" ]; then
+        SUMMARY+=("ncu: not found on PATH, in /usr/local/cuda/bin or /opt/nvidia"); continue
+      fi
       piece "ncu after" "${NCU_TIMEOUT:-90}" fp8_ncu_after.log env PYTHONPATH="$HERE_PATH" \
         "$NCU" "${NCU_ARGS[@]}" python3 dev/gpu/fp8_profile.py --fp8 blockwise_1x128
       piece "ncu before" "${NCU_TIMEOUT:-90}" fp8_ncu_before.log env PYTHONPATH="$BEFORE_PATH" \
