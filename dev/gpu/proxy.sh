@@ -9,6 +9,7 @@
 # PEs, so nvshmem_ptr is null for another virtual node and our kernels put through NVSHMEM),
 # NVSHMEM_REMOTE_TRANSPORT=ucx (TRANSPORT), UCX_TLS=tcp,cuda_copy,self (staged through host
 # memory over loopback TCP), UCX_NET_DEVICES=lo, NVSHMEM_IB_ENABLE_IBGDA=0, NVSHMEM_DEBUG=INFO
+# with NVSHMEM_DEBUG_SUBSYS (default INIT,BOOTSTRAP,TRANSPORT,PROXY: where set-up stops)
 # (which transport each PE pair got, into the log).
 # Pieces (PIECES, default "plugins tier sweep"), each under its limit, never past BUDGET:
 #   plugins  the wheel's transport plugins and what each fails to resolve (ldd), before and
@@ -70,6 +71,7 @@ NVSHMEM_LIB=$(python3 -c "import nvidia.nvshmem as m, os; \
 print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null)
 PROXY_ENV=(NVSHMEM_DISABLE_P2P=1 NVSHMEM_REMOTE_TRANSPORT="$TRANSPORT" NVSHMEM_IB_ENABLE_IBGDA=0
            UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo NVSHMEM_DEBUG=INFO
+           NVSHMEM_DEBUG_SUBSYS="${NVSHMEM_DEBUG_SUBSYS:-INIT,BOOTSTRAP,TRANSPORT,PROXY}"
            LD_LIBRARY_PATH="$UCX_SITE/libucx/lib:$UCX_SITE/libucx/lib/ucx:${LD_LIBRARY_PATH:-}")
 
 # blocker LOG: NVSHMEM's and the test's first error lines (what stopped the run).
