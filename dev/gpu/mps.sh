@@ -7,7 +7,9 @@
 # (trap: `quit`); if the daemon or its server cannot start, prints why (its control and server
 # logs) and exits 3. Every run of R processes gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/R: the
 # shares add up to <= 100, so NVSHMEM takes its full several-PEs-per-GPU mode (limited mode
-# without MPS), and a rank's SM budget is its share (even, at most 24).
+# without MPS), and a rank's SM budget is its share (even, at most MAX_SMS: default 24, the
+# budget DeepEP's V3 training uses; MAX_SMS=132 gives each rank its whole share, the most both
+# implementations accept under it).
 # Pieces (PIECES, default "side tier sweep"), each under its limit, never past BUDGET (570 s):
 #   side    dev/gpu/deepep_side_by_side.py --concurrent at R = 2, 4, 8: ours (and DeepEP with
 #           DEEPEP_BUILD) checked against tests/helpers/oracle.py, µs and GB/s per rank, and the
@@ -49,11 +51,12 @@ else
 fi
 ev_versions
 
-# sms_for R: a rank's SM budget at CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/R (even, <= 24).
+# sms_for R: a rank's SM budget at CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/R (even, <= MAX_SMS).
 sms_for() {
   local share=$(( ${FULL_SMS:-132} * (100 / $1) / 100 ))
   share=$(( share - share % 2 ))
-  echo $(( share < 24 ? share : 24 ))
+  local most=${MAX_SMS:-24}
+  echo $(( share < most ? share : most ))
 }
 
 case " $PIECES " in *" tier "*|*" sweep "*) ev_precompile_tier ;; esac
