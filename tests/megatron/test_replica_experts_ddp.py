@@ -13,6 +13,8 @@ runs the same worker on the GPU (2 processes sharing it, the NVLink kernels).
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import pytest
@@ -25,6 +27,8 @@ pytest.importorskip("megatron.core")
 H, E, K, STEPS = 64, 4, 2, 4
 MAP = [0, 1, 2, 0, 3, 1]  # rank 0 holds experts 0, 1, 2; rank 1 holds 0, 3, 1
 EP = 2
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples")
 
 
 def _layer(device):
@@ -145,31 +149,13 @@ def ddp_worker(rank, world, distributed_optimizer, device, transport):
         _drop_buffers()  # NVLink Buffers are freed collectively, before the ranks exit
 
 
-class _HostTorch:
-    """`torch` as Megatron's optimizer modules see it on the CPU: the small buffers they
-    allocate with `device='cuda'` (grad norm, clipping) go to the CPU."""
-
-    FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
-
-    def __getattr__(self, name):
-        value = getattr(torch, name)
-        if name not in self.FACTORIES:
-            return value
-
-        def on_host(*args, **kwargs):
-            if kwargs.get("device") == "cuda":
-                kwargs["device"] = "cpu"
-            return value(*args, **kwargs)
-
-        return on_host
-
-
 def _allow_optimizer_on_cpu():
-    """Lets `get_megatron_optimizer` and its grad clipping run on the CPU in this rank."""
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, optimizer
+    """Lets `get_megatron_optimizer` and its grad clipping run on the CPU in this rank: the
+    example's redirect of their `device='cuda'` buffers, and CUDA type names for the checks."""
+    sys.path.insert(0, EXAMPLES)
+    from replan_resume import allow_megatron_optimizer_on_cpu
 
-    optimizer.torch = clip_grads.torch = utils.torch = _HostTorch()
+    allow_megatron_optimizer_on_cpu()
     tensor_type = torch.Tensor.type
 
     def cuda_type(self, *args, **kwargs):  # the optimizer and clipping check for CUDA types
