@@ -43,8 +43,10 @@ SHAPE=4096,7168,256,8
 FORMATS=${FORMATS:-blockwise_1x128,mxfp8_1x32,blockwise_1x128_fp32_scales}
 NUM_SMS=${NUM_SMS:-24,132}
 dry() { [ "${DRY_RUN:-0}" = 1 ]; }
+source dev/gpu/time_limit.sh  # run LIMIT LOG command...: never past BUDGET_S
 
-# piece NAME LIMIT LOG command...: runs it unless the budget is spent; one summary line.
+# piece NAME LIMIT LOG command...: time_limit.sh's `run` unless the budget is short of half the
+# limit; one summary line.
 SUMMARY=()
 piece() {
   local name=$1 limit=$2 log=$3 t0=$SECONDS rc
@@ -53,9 +55,8 @@ piece() {
   if (( BUDGET_S - SECONDS < limit / 2 )); then
     SUMMARY+=("$name: skipped (budget)"); return 99
   fi
-  (( limit > BUDGET_S - SECONDS )) && limit=$(( BUDGET_S - SECONDS ))
   echo "fp8.sh: [$SECONDS s] $name: start (limit $limit s)"
-  timeout -k 5 "$limit" "$@" > "$LOGS/$log" 2>&1
+  run "$limit" "$LOGS/$log" "$@" > /dev/null
   rc=$?
   SUMMARY+=("$name: rc $rc in $((SECONDS - t0)) s ($log)")
   echo "fp8.sh: [$SECONDS s] $name: rc $rc"

@@ -24,21 +24,22 @@ mkdir -p "$LOGS"
 BUDGET_S=${BUDGET:-570}
 PIECES=${PIECES:-nvlink internode parity-te ring}
 SUMMARY=()
+source dev/gpu/time_limit.sh  # run LIMIT LOG command...
 if [ "${DRY_RUN:-0}" != 1 ]; then
   source dev/gpu/wheels.sh
   WHEELS_DIR=$(cd "$1" && pwd) install_wheels tier || exit 2
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
     | tee "$LOGS/tier_versions.txt"
 fi
-# piece NAME LIMIT command...: pytest under its limit; the counts line into the summary.
+# piece NAME LIMIT command...: pytest under time_limit.sh's `run` (its limit, never past
+# BUDGET_S); the counts line into the summary.
 piece() {
   local name=$1 limit=$2 t0=$SECONDS rc log="$LOGS/tier_$1.log"
   shift 2
   if [ "${DRY_RUN:-0}" = 1 ]; then echo "dry run: $name (limit $limit s): $*"; return; fi
   (( BUDGET_S - SECONDS < 45 )) && { SUMMARY+=("$name: skipped (budget)"); return; }
-  (( limit > BUDGET_S - SECONDS )) && limit=$(( BUDGET_S - SECONDS ))
   echo "tier_round: [$SECONDS s] $name: start (limit $limit s)"
-  timeout -k 5 "$limit" "$@" > "$log" 2>&1
+  run "$limit" "$log" "$@" > /dev/null
   rc=$?
   SUMMARY+=("$name: rc $rc in $((SECONDS - t0)) s: $(grep -E "passed|failed|error" "$log" \
     | tail -n 1 | cut -c1-160)")
