@@ -27,7 +27,7 @@ SUMMARY=()
 source dev/gpu/time_limit.sh  # run LIMIT LOG command...
 if [ "${DRY_RUN:-0}" != 1 ]; then
   source dev/gpu/wheels.sh
-  WHEELS_DIR=$(cd "$1" && pwd) install_wheels tier || exit 2
+  WHEELS_DIR=$(cd "$1" && pwd) install_wheels_if_any tier || exit 2
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
     | tee "$LOGS/tier_versions.txt"
 fi
@@ -41,7 +41,7 @@ piece() {
   echo "tier_round: [$SECONDS s] $name: start (limit $limit s)"
   run "$limit" "$log" "$@" > /dev/null
   rc=$?
-  SUMMARY+=("$name: rc $rc in $((SECONDS - t0)) s: $(grep -E "passed|failed|error" "$log" \
+  SUMMARY+=("$name: rc $rc in $((SECONDS - t0)) s: $(grep -E "passed|failed|error|skipped" "$log" \
     | tail -n 1 | cut -c1-160)")
   echo "tier_round: [$SECONDS s] $name: rc $rc"
 }
