@@ -272,6 +272,47 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
 // 1024 threads per budgeted SM for bf16 (the bare read-once-write-K kernel's warps per SM).
 // Given `host_info` (a synchronous call launched before its host wait), the last warp publishes
 // the layout kernel's receive layout to the host, off the layout's critical path.
+// Lane k < kTopk's routing entry k of one token, as dispatch_local reads it (a fresh dispatch
+// only: a cached one reads its rows from slot_rows): loaded apart from its use, so that the
+// loads can be in flight while the warp quantizes the token's row.
+struct LocalEntry {
+    i64 id;
+    float weight;
+    int pos;
+};
+
+template <int kTopk, bool kCached, typename IdxT>
+__device__ __forceinline__ LocalEntry load_local_entry(const IdxT* topk_idx,
+                                                       const float* topk_weights,
+                                                       const int* pos_in_expert, int n,
+                                                       int lane) {
+    LocalEntry entry{-1, 0.0f, 0};
+    if (!kCached && lane < kTopk) {
+        entry.id = (i64)topk_idx[(i64)n * kTopk + lane];
+        entry.weight = topk_weights[(i64)n * kTopk + lane];
+        entry.pos = pos_in_expert[(i64)n * kTopk + lane];
+    }
+    return entry;
+}
+
+// Lane k's row of entry k (-1: none), from the token's slot_rows (`my_rows`) when kCached; else
+// from its expert's row start and its position, written to `my_rows` with its weight.
+template <int kTopk, bool kCached>
+__device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_rows,
+                                               const int* expert_row_start, int num_local,
+                                               int max_rows, float* recv_weights, int lane) {
+    if (lane >= kTopk) return -1;
+    if (kCached) return my_rows[lane];
+    int row = -1;
+    if (entry.id >= 0 && entry.id < num_local) {  // a bad id (recorded by layout) gets no row
+        row = expert_row_start[entry.id] + entry.pos;
+        if (row >= max_rows) row = -1;  // overflow: reported by notify
+    }
+    my_rows[lane] = row;
+    if (row >= 0) recv_weights[row] = entry.weight;
+    return row;
+}
+
 template <int kFmt>
 struct DispatchLocalThreads {
     static constexpr int value = kFmt == fp8::kWireBf16 ? 1024 : kDispatchThreads;
@@ -361,21 +402,18 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
         const int slot = token_slot_in_rank[n];
-        if (slot < 0) continue;  // no expert on this rank: no rows, no slot
-        int* my_rows = slot_rows + (i64)slot * kTopk;
-        int row_lane = -1;  // lane k: the row of entry k
-        if (kCached) {
-            if (lane < kTopk) row_lane = my_rows[lane];
-        } else if (lane < kTopk) {
-            const i64 id = (i64)topk_idx[(i64)n * kTopk + lane];
-            const float weight = topk_weights[(i64)n * kTopk + lane];
-            if (id >= 0 && id < num_local) {  // a bad id (recorded by layout) gets no row
-                row_lane = expert_row_start[id] + pos_in_expert[(i64)n * kTopk + lane];
-                if (row_lane >= max_rows) row_lane = -1;  // overflow: reported by notify
-            }
-            my_rows[lane] = row_lane;
-            if (row_lane >= 0) recv_weights[row_lane] = weight;
+        const LocalEntry entry = load_local_entry<kTopk, kCached>(topk_idx, topk_weights,
+                                                                  pos_in_expert, n, lane);
+        if (quant_stage != nullptr && n != staged_token) {
+            // Quantized while the token's routing loads above are in flight.
+            __syncwarp();  // every lane has read the previous row from the stage
+            fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
+                                           hidden, quant_stage, amax_epsilon, lane);
         }
+        if (slot < 0) continue;  // no expert on this rank: no rows, no slot
+        const int row_lane = local_entry_row<kTopk, kCached>(
+            entry, slot_rows + (i64)slot * kTopk, expert_row_start, num_local, max_rows,
+            recv_weights, lane);
         if (kPreload) {
             const bool staged = kPreloadBeforeWait && n == warp;
             if (staged) cp_async_wait_all();
@@ -385,11 +423,6 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             continue;
         }
         if (quant_stage != nullptr) {
-            if (n != staged_token) {
-                __syncwarp();  // every lane has read the previous row from the stage
-                fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
-                                               hidden, quant_stage, amax_epsilon, lane);
-            }
             __syncwarp();  // the stage is complete before any lane reads another lane's part
             fp8::write_staged_row<kFmt, kTopk>(quant_stage, hidden, recv_x, recv_scales,
                                                row_lane, lane);

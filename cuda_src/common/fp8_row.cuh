@@ -49,14 +49,94 @@ __device__ __forceinline__ int4 dequant_e4m3x8(const uint2& q, float factor) {
     return pack_bf16x8(v);
 }
 
+// The quantize multiplier and the stored dequantize factor (mult[u], factor[u]) of the 1x128
+// block each lane's vector u belongs to, from that block's amax (amax[u], equal on the block's
+// 16 lanes). A chunk of kUnroll vectors per lane holds 2 * kUnroll blocks: lane j computes block
+// j's scale once (two fp32 and one fp64 division, the longest part of the quantize) and the
+// lanes fetch theirs by shuffle, where each lane computed its block's scale for every u before.
+// The values are blockwise_scale's and blockwise_scale_inv's either way.
+template <int kFmt, int kUnroll>
+__device__ __forceinline__ void blockwise_scales(const float (&amax)[kUnroll], float amax_epsilon,
+                                                 int lane, float (&mult)[kUnroll],
+                                                 float (&factor)[kUnroll]) {
+    using W = Wire<kFmt>;
+    constexpr int kBlocksPerVec = 32 / W::kBlockLanes;  // blocks in one u across the warp
+    static_assert(!W::kMx && kUnroll * kBlocksPerVec <= 32, "one lane per block of the chunk");
+    // Lane j takes block j: vector u = j / kBlocksPerVec, group j % kBlocksPerVec.
+    float my_amax = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const float a = __shfl_sync(0xffffffffu, amax[u], (lane % kBlocksPerVec) * W::kBlockLanes);
+        if (lane / kBlocksPerVec == u) my_amax = a;
+    }
+    const float my_mult = blockwise_scale<kFmt == kWireBlockwisePow2>(my_amax, amax_epsilon);
+    const float my_factor = blockwise_scale_inv(my_mult);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int owner = u * kBlocksPerVec + lane / W::kBlockLanes;
+        mult[u] = __shfl_sync(0xffffffffu, my_mult, owner);
+        factor[u] = __shfl_sync(0xffffffffu, my_factor, owner);
+    }
+}
+
+// The amax of the block lane's 8 bf16 values (`raw`) belong to, over the block's lanes
+// (columns past `hidden` were loaded as 0).
+template <int kFmt>
+__device__ __forceinline__ float block_amax(const int4& raw) {
+    float v[8];
+    unpack_bf16x8(raw, v);
+    float lane_amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) lane_amax = amax_update(lane_amax, v[j]);
+    return group_max<Wire<kFmt>::kBlockLanes>(lane_amax);
+}
+
+// Quantizes one lane's 8 bf16 values (`raw`, vector `i` of the row) with its block's `mult`
+// and writes them to each destination: the e4m3 bytes and, from the block's first lane, the
+// scale (`e8m0` for MXFP8, else `factor`); with kDequant, the dequantized bf16 values.
+template <int kFmt, int kMaxDst, bool kDequant>
+__device__ __forceinline__ void write_quantized_vec(const int4& raw, int i, float mult,
+                                                    float factor, u8 e8m0, u8* const* dst_data,
+                                                    u8* const* dst_scales, int num_dst,
+                                                    int lane) {
+    using W = Wire<kFmt>;
+    float v[8];
+    unpack_bf16x8(raw, v);
+    uint2 q;
+    q.x = f32x4_to_e4m3x4(v[0] * mult, v[1] * mult, v[2] * mult, v[3] * mult);
+    q.y = f32x4_to_e4m3x4(v[4] * mult, v[5] * mult, v[6] * mult, v[7] * mult);
+    if (kDequant) {
+        const int4 out = dequant_e4m3x8(q, factor);
+#pragma unroll
+        for (int d = 0; d < kMaxDst; ++d) {
+            if (d >= num_dst) break;
+            st_v4(reinterpret_cast<int4*>(dst_data[d]) + i, out);
+        }
+        return;
+    }
+    const bool owns_scale = lane % W::kBlockLanes == 0;
+    const int block = i * 8 / W::kBlock;
+#pragma unroll
+    for (int d = 0; d < kMaxDst; ++d) {
+        if (d >= num_dst) break;
+        reinterpret_cast<uint2*>(dst_data[d])[i] = q;
+        if (owns_scale) {
+            if (W::kMx) dst_scales[d][block] = e8m0;
+            else reinterpret_cast<float*>(dst_scales[d])[block] = factor;
+        }
+    }
+}
+
 // Quantizes the bf16 row `x` (`hidden` columns). Without kDequant, writes e4m3 data to each
 // dst_data[d] and the block scales to dst_scales[d]; with kDequant, writes the dequantized bf16
-// row to dst_data[d] (so the result equals dequantize(quantize(x)) of formats.py).
+// row to dst_data[d] (so the result equals dequantize(quantize(x)) of formats.py). Each chunk
+// of kRowUnroll vectors per lane is loaded at once; 1x128 blocks then take every block's amax
+// first and their scales together (blockwise_scales), while MXFP8's e8m0 scale, a few bit
+// operations, is made per vector.
 template <int kFmt, int kMaxDst, bool kDequant>
 __device__ __forceinline__ void quantize_row(const int4* x, int hidden, u8* const* dst_data,
                                              u8* const* dst_scales, int num_dst,
                                              float amax_epsilon, int lane) {
-    using W = Wire<kFmt>;
     const int num_vec = hidden / 8;
     for (int base = 0; base < num_vec; base += 32 * kRowUnroll) {
         int4 raw[kRowUnroll];
@@ -65,48 +145,27 @@ __device__ __forceinline__ void quantize_row(const int4* x, int hidden, u8* cons
             const int i = base + u * 32 + lane;
             raw[u] = i < num_vec ? ld_nc_v4(x + i) : make_int4(0, 0, 0, 0);
         }
+        if constexpr (Wire<kFmt>::kMx) {
 #pragma unroll
-        for (int u = 0; u < kRowUnroll; ++u) {
-            const int i = base + u * 32 + lane;
-            float v[8];
-            unpack_bf16x8(raw[u], v);
-            float amax = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) amax = amax_update(amax, v[j]);
-            amax = group_max<W::kBlockLanes>(amax);  // columns past `hidden` count as 0
-            float mult, factor;
-            u8 e8m0 = 0;
-            if (W::kMx) {
-                e8m0 = mxfp8_scale_from_amax(amax);
-                mult = e8m0_quant_multiplier(e8m0);
-                factor = e8m0_dequant_multiplier(e8m0);
-            } else {
-                mult = blockwise_scale<kFmt == kWireBlockwisePow2>(amax, amax_epsilon);
-                factor = blockwise_scale_inv(mult);
+            for (int u = 0; u < kRowUnroll; ++u) {
+                const int i = base + u * 32 + lane;
+                const u8 e8m0 = mxfp8_scale_from_amax(block_amax<kFmt>(raw[u]));
+                if (i < num_vec)
+                    write_quantized_vec<kFmt, kMaxDst, kDequant>(
+                        raw[u], i, e8m0_quant_multiplier(e8m0), e8m0_dequant_multiplier(e8m0),
+                        e8m0, dst_data, dst_scales, num_dst, lane);
             }
-            uint2 q;
-            q.x = f32x4_to_e4m3x4(v[0] * mult, v[1] * mult, v[2] * mult, v[3] * mult);
-            q.y = f32x4_to_e4m3x4(v[4] * mult, v[5] * mult, v[6] * mult, v[7] * mult);
-            if (i >= num_vec) continue;
-            if (kDequant) {
-                const int4 out = dequant_e4m3x8(q, factor);
+        } else {
+            float amax[kRowUnroll], mult[kRowUnroll], factor[kRowUnroll];
 #pragma unroll
-                for (int d = 0; d < kMaxDst; ++d) {
-                    if (d >= num_dst) break;
-                    st_v4(reinterpret_cast<int4*>(dst_data[d]) + i, out);
-                }
-                continue;
-            }
-            const bool owns_scale = lane % W::kBlockLanes == 0;
-            const int block = i * 8 / W::kBlock;
+            for (int u = 0; u < kRowUnroll; ++u) amax[u] = block_amax<kFmt>(raw[u]);
+            blockwise_scales<kFmt, kRowUnroll>(amax, amax_epsilon, lane, mult, factor);
 #pragma unroll
-            for (int d = 0; d < kMaxDst; ++d) {
-                if (d >= num_dst) break;
-                reinterpret_cast<uint2*>(dst_data[d])[i] = q;
-                if (owns_scale) {
-                    if (W::kMx) dst_scales[d][block] = e8m0;
-                    else reinterpret_cast<float*>(dst_scales[d])[block] = factor;
-                }
+            for (int u = 0; u < kRowUnroll; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < num_vec)
+                    write_quantized_vec<kFmt, kMaxDst, kDequant>(
+                        raw[u], i, mult[u], factor[u], 0, dst_data, dst_scales, num_dst, lane);
             }
         }
     }
