@@ -18,7 +18,11 @@
 #           megatron-core (AFTER_TIMEOUT, 170; AFTER_ARGS passed on, e.g. --no-megatron)
 #   before  the same bench with BEFORE_DIR's package, no Megatron rows (BEFORE_TIMEOUT, 120)
 #   ncu     Nsight Compute on dev/gpu/fp8_profile.py, after then before: per kernel duration,
-#           DRAM throughput, occupancy, registers, warp stalls (NCU_TIMEOUT, 90 each)
+#           DRAM throughput, occupancy, registers, warp stalls, at NCU_SMS blocks (default
+#           132) (NCU_TIMEOUT, 90 each)
+#   host    dev/gpu/fp8_profile.py --host, after then before: host and CUDA-event µs per call of
+#           sync, nosync and cached dispatch, bf16 and each format, and a cProfile of sync FP8
+#           calls (HOST_TIMEOUT, 60 each)
 #   layer   python -m megatron_deepep.bench.layer --te: table B's TE blockwise-FP8 layer rows,
 #           alltoall with TE's fused permute beside ours with FP8 dispatch and FP8 experts
 #           (LAYER_TIMEOUT, 150)
@@ -37,7 +41,7 @@ BEFORE=$(cd "$2" && pwd)
 LOGS=${OUT:-.bench_out/fp8}
 mkdir -p "$LOGS"
 BUDGET_S=${BUDGET:-570}
-PIECES=${PIECES:-check tests after before ncu layer tests2}
+PIECES=${PIECES:-check tests after before ncu host layer tests2}
 export MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-$PWD/.bench_out/fp8_kernel_cache}
 SHAPE=4096,7168,256,8
 FORMATS=${FORMATS:-blockwise_1x128,mxfp8_1x32,blockwise_1x128_fp32_scales}
@@ -113,15 +117,24 @@ for name in $PIECES; do
         SUMMARY+=("ncu: not found on PATH, in /usr/local/cuda/bin or /opt/nvidia"); continue
       fi
       piece "ncu after" "${NCU_TIMEOUT:-90}" fp8_ncu_after.log env PYTHONPATH="$HERE_PATH" \
-        "$NCU" "${NCU_ARGS[@]}" python3 dev/gpu/fp8_profile.py --fp8 blockwise_1x128
+        "$NCU" "${NCU_ARGS[@]}" python3 dev/gpu/fp8_profile.py --fp8 blockwise_1x128 \
+        --num-sms "${NCU_SMS:-132}"
       piece "ncu before" "${NCU_TIMEOUT:-90}" fp8_ncu_before.log env PYTHONPATH="$BEFORE_PATH" \
-        "$NCU" "${NCU_ARGS[@]}" python3 dev/gpu/fp8_profile.py --fp8 blockwise_1x128 ;;
+        "$NCU" "${NCU_ARGS[@]}" python3 dev/gpu/fp8_profile.py --fp8 blockwise_1x128 \
+        --num-sms "${NCU_SMS:-132}" ;;
+    host)
+      piece "host after" "${HOST_TIMEOUT:-60}" fp8_host_after.log env PYTHONPATH="$HERE_PATH" \
+        python3 dev/gpu/fp8_profile.py --host --fp8 "$FORMATS"
+      piece "host before" "${HOST_TIMEOUT:-60}" fp8_host_before.log \
+        env PYTHONPATH="$BEFORE_PATH" python3 dev/gpu/fp8_profile.py --host --fp8 "$FORMATS"
+      dry || grep -h "fp8_profile host:.*µs" "$LOGS"/fp8_host_after.log \
+        "$LOGS"/fp8_host_before.log ;;
     layer)
       piece layer "${LAYER_TIMEOUT:-150}" fp8_layer.log env PYTHONPATH="$HERE_PATH" \
         python3 -m megatron_deepep.bench.layer --te --variants \
         te-alltoall-fused,te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,te-deepep-fp8-experts \
         --iters 20 --out "$LOGS/fp8_layer.json" ;;
-    *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu layer tests2)"
+    *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu host layer tests2)"
        exit 2 ;;
   esac
 done

@@ -10,6 +10,12 @@ each call's µs (CUDA events, one call each: a sanity check, not a benchmark).
 FP8 dispatch against the bf16 dispatch of the same call quantized by the reference quantizer
 (`Fp8Format.quantize`; quantization is per row, so the two must agree bit for bit); exits 1 on
 a mismatch.
+
+`--host`: instead, per format (bf16, then each of `--fp8`) and mode (sync: exact size with the
+host wait; nosync: a row bound; cached: the handle replayed), the host µs per call (the calls
+issued back to back, the GPU left to lag) and the µs per call by CUDA events around the same
+calls; then a cProfile of `--host-calls` synchronous calls of the first FP8 format: where a
+call's host time goes.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def main() -> None:
     parser.add_argument("--num-sms", type=int, default=132)
     parser.add_argument("--fp8", default="blockwise_1x128,mxfp8_1x32")
     parser.add_argument("--check", action="store_true", help="bit-exactness check instead")
+    parser.add_argument("--host", action="store_true", help="host time per call instead")
+    parser.add_argument("--host-calls", type=int, default=200)
     parser.add_argument("--check-hidden", default="7168,2880,4096",
                         help="hidden sizes of --check, comma-separated")
     args = parser.parse_args()
@@ -55,6 +63,11 @@ def main() -> None:
     bound = num_tokens * num_topk
     specs = [("bf16", None)] + [(n, Fp8Dispatch.named(n, "fp8"))
                                 for n in args.fp8.split(",") if n]
+    if args.host:
+        host_times(buf, x, idx, weights, num_experts, specs, args.host_calls)
+        buf.destroy()
+        dist.destroy_process_group()
+        return
     for name, fp8 in specs:
         for mode in ("fresh", "fresh", "cached", "cached"):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -71,6 +84,58 @@ def main() -> None:
                   flush=True)
     buf.destroy()
     dist.destroy_process_group()
+
+
+def _synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_times(buf, x, idx, weights, num_experts: int, specs, calls: int) -> None:
+    """Prints host and CUDA-event µs per call of each format and mode, then a cProfile of
+    synchronous calls of the first FP8 format (of bf16 when none is given)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    on_gpu = DEVICE == "cuda"
+    bound = x.shape[0] * idx.shape[1]
+    _, _, handle, _ = buf.dispatch(x, idx, weights, num_experts=num_experts)
+    modes = {
+        "sync": lambda fp8: buf.dispatch(x, idx, weights, num_experts=num_experts, fp8=fp8),
+        "nosync": lambda fp8: buf.dispatch(x, idx, weights, num_experts=num_experts,
+                                           num_max_recv_rows=bound, fp8=fp8),
+        "cached": lambda fp8: buf.dispatch(x, handle=handle, fp8=fp8)}
+    for name, fp8 in specs:
+        for mode, call in modes.items():
+            for _ in range(5):
+                call(fp8)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on_gpu else []
+            _synchronize()
+            t0 = time.perf_counter()
+            for event in events[:1]:
+                event.record()
+            for _ in range(calls):
+                call(fp8)
+            for event in events[1:]:
+                event.record()
+            host_us = (time.perf_counter() - t0) / calls * 1e6
+            _synchronize()
+            gpu = (f"{events[0].elapsed_time(events[1]) * 1e3 / calls:.1f} µs/call" if on_gpu
+                   else "n/a (CPU)")
+            print(f"fp8_profile host: {name} {mode}: host {host_us:.1f} µs/call, events {gpu}",
+                  flush=True)
+    name, fp8 = specs[1] if len(specs) > 1 else specs[0]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        modes["sync"](fp8)
+    prof.disable()
+    _synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    print(f"fp8_profile host: cProfile of {calls} sync calls, {name}\n{text.getvalue()}")
 
 
 def check(num_tokens: int, num_experts: int, num_topk: int, args) -> int:
