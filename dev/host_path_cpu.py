@@ -9,12 +9,15 @@ CPU tensors, faking only what needs a GPU:
 - `torch.cuda.current_stream`, `torch.cuda.Event`, `torch.cuda.current_device`,
   `torch.cuda.is_available` and `torch.cuda.is_current_stream_capturing` are cheap stand-ins
   (the Buffer runs its CUDA path: a comm stream and a `CallOrder`) that count their calls;
+- `torch.empty` hands back a view of a block kept per (shape, dtype), as the CUDA caching
+  allocator hands back a cached block (real CPU allocations of the 470 MB output rows would
+  mmap and unmap them on every call, and their page-table work would swamp the host path);
 - `KernelStatus`'s mapped host arrays are ctypes buffers; before each sync call the harness
   writes the mailbox words of the epoch the call will wait for (outside the timed region).
 
-The stand-ins cost next to nothing, so a torch.cuda call the path makes costs here far less
-than on a GPU host (a few µs each there): the counts per call are printed beside the times.
-Tensor allocations are real CPU ones (`torch.empty` of the output rows). This CPU is slower
+The stand-ins cost next to nothing, so a torch.cuda call or an allocation the path makes
+costs here far less than on a GPU host (µs each there): their counts per call are printed
+beside the times. This CPU is slower
 than a GPU host; compare modes and before/after ratios, not absolute µs.
 
 Usage (from the repository root):
@@ -153,6 +156,20 @@ def fake_gpu(counter: CudaCallCounter):
     patch(torch.cuda, "ExternalStream", lambda *a, **k: None)
     patch(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     patch(status_module, "MappedHostArray", _HostArray)
+    real_empty = torch.empty
+    allocations = {}
+
+    def empty(*size, dtype=None, device=None):
+        # torch's CUDA caching allocator hands back a cached block: so does this (a CPU
+        # allocation of the output rows would mmap and unmap hundreds of MB per call).
+        counter.hit("torch.empty")
+        key = (size, dtype)
+        block = allocations.get(key)
+        if block is None:
+            block = allocations[key] = real_empty(*size, dtype=dtype, device=device)
+        return block.view(block.shape)
+
+    patch(torch, "empty", empty)
     try:
         yield
     finally:
@@ -182,14 +199,13 @@ def make_buffer(counter: CudaCallCounter, max_tokens: int, hidden: int, num_topk
     return buf
 
 
-def publish(buf, counts_per_expert) -> None:
+def publish(buf, counts_per_expert: np.ndarray) -> None:
     """Writes the mailbox words the next sync call will wait for (its epoch: the next one)."""
     status = buf._transport.status
-    epoch = buf._transport.epoch + 1
-    words = np.ctypeslib.as_array((ctypes.c_uint64 * status_module.HOST_INFO_U64).from_address(
-        status._host_info.host_ptr))
-    words[1:1 + len(counts_per_expert)] = [host_word(c, epoch) for c in counts_per_expert]
-    words[0] = host_word(sum(counts_per_expert), epoch)
+    epoch = np.uint64((buf._transport.epoch + 1) & 0xFFFFFFFF)
+    words = status._host_words
+    words[1:1 + len(counts_per_expert)] = (counts_per_expert << np.uint64(32)) | epoch
+    words[0] = np.uint64(host_word(int(counts_per_expert.sum()), int(epoch)))
 
 
 def time_calls(fn: Callable, before: Callable, calls: int) -> float:
@@ -233,7 +249,7 @@ def main(argv=None) -> int:
     x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
     idx = torch.rand(num_tokens, num_experts, generator=g).topk(num_topk, dim=1).indices
     w = torch.rand(num_tokens, num_topk, generator=g)
-    counts = torch.bincount(idx.flatten(), minlength=num_experts).tolist()
+    counts = torch.bincount(idx.flatten(), minlength=num_experts).numpy().astype(np.uint64)
     counter = CudaCallCounter()
     print(f"shape (N, H, E, K) = {(num_tokens, hidden, num_experts, num_topk)}, "
           f"{args.calls} calls x 5 rounds, topk_idx {idx.dtype}")
