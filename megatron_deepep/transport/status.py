@@ -141,13 +141,13 @@ class KernelStatus:
             # 64-bit load, so a value and its epoch always come from the same load.
             words = np.bitwise_or(self._host_words[1:1 + num_local], _NO_BITS)
             epochs = words.astype(np.uint32)  # the low halves (the cast keeps them)
-            stale = np.flatnonzero(epochs != published)
-            if stale.size == 0:
+            stale = epochs != published
+            if not stale.any():
                 return (words >> _VALUE_SHIFT).astype(np.uint32).view(np.int32).tolist()
             if deadline is None:
                 deadline = time.monotonic() + self.timeout_s + HOST_WAIT_SLACK_S
             elif time.monotonic() > deadline:
-                first = int(stale[0])
+                first = int(np.flatnonzero(stale)[0])
                 raise RuntimeError(
                     f"megatron_deepep: rank {self.rank}: local expert {first}'s row count "
                     f"carries epoch {int(epochs[first])}, the published layout {published}")
