@@ -490,6 +490,9 @@ class CallOrder:
     def __init__(self, new_event):
         self._new_event = new_event
         self._last = None  # (event, raw stream handle, capture) of the previous call
+        # Eager calls re-record one event per stream (a wait already issued keeps the record
+        # it saw), instead of making and freeing an event per call.
+        self._eager_events = {}
 
     def before(self, stream, capture: Optional[int] = None) -> None:
         """Makes `stream` wait for the previous call unless that one ran on `stream` itself."""
@@ -503,9 +506,17 @@ class CallOrder:
         """Records the end of the call just launched on `stream`."""
         if capture == self.UNKNOWN_CAPTURE:
             return
-        event = self._new_event()
+        handle = stream.cuda_stream
+        if capture is None:
+            # Keyed by device too: the legacy default stream is handle 0 on every device.
+            key = (handle, getattr(stream, "device_index", None))
+            event = self._eager_events.get(key)
+            if event is None:
+                event = self._eager_events[key] = self._new_event()
+        else:  # a capture records into its own graph: a new event, never an eager one
+            event = self._new_event()
         event.record(stream)
-        self._last = (event, stream.cuda_stream, capture)
+        self._last = (event, handle, capture)
 
 
 def _capture_of(stream) -> int:

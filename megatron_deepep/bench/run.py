@@ -204,22 +204,44 @@ def bench_ours(buf, xs, idxs, ws, num_experts: int, fp8=None) -> Dict[str, dict]
     return out
 
 
-def profile_host(buf, x, idx, w, num_experts: int, calls: int = 200) -> str:
-    """cProfile of no-sync dispatch + combine calls: where the host time goes."""
+HOST_PROFILE_MODES = ("sync", "nosync", "cached")
+
+
+def host_profile_calls(buf, x, idx, w, num_experts: int, fp8=None) -> Dict[str, Callable]:
+    """One dispatch call per mode of `HOST_PROFILE_MODES`: "sync" (exact size, one host wait),
+    "nosync" (a row bound, no host wait) and "cached" (the sync call's handle replayed)."""
+    bound = buf.num_ranks * x.shape[0] * idx.shape[1]
+    _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts, fp8=fp8)
+    return {"sync": lambda: buf.dispatch(x, idx, w, num_experts=num_experts, fp8=fp8),
+            "nosync": lambda: buf.dispatch(x, idx, w, num_experts=num_experts,
+                                           num_max_recv_rows=bound, fp8=fp8),
+            "cached": lambda: buf.dispatch(x, handle=handle, fp8=fp8)}
+
+
+def profile_host(buf, x, idx, w, num_experts: int, calls: int = 200, fp8=None,
+                 lines: int = 18) -> str:
+    """Where the host time of a dispatch goes, per mode (`host_profile_calls`): host µs per
+    call (timed without the profiler, the GPU kept busy but never waited for except by the
+    sync call's own host wait), then the cProfile lines of the most internal time."""
     import cProfile
     import io
     import pstats
-    bound = x.shape[0] * idx.shape[1]
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        recv_x, _, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts,
-                                            num_max_recv_rows=bound)
-        buf.combine(recv_x, handle)
-    prof.disable()
-    torch.cuda.synchronize()
+    label = "bf16" if fp8 is None else f"fp8 {fp8.fmt.name}"
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    for mode, fn in host_profile_calls(buf, x, idx, w, num_experts, fp8).items():
+        for _ in range(5):
+            fn()
+        us = host_us(lambda: fn(), lambda i: None, calls)
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        text.write(f"host profile, dispatch {mode} {label}: {us:.1f} µs/call (host), "
+                   f"{calls} calls\n")
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(lines)
     return text.getvalue()
 
 
@@ -379,14 +401,16 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
         print_table(rows)
         plot(rows, os.path.join(out_dir, "bench.png"))
     if profile_first or profile_host_first:
-        _profile_last(first, max(num_sms_list), profile_first, profile_host_first)
+        _profile_last(first, max(num_sms_list), profile_first, profile_host_first,
+                      fp8_specs[0] if fp8_specs else None)
     return rows
 
 
-def _profile_last(first, num_sms: int, kernels: bool, host: bool) -> None:
+def _profile_last(first, num_sms: int, kernels: bool, host: bool, fp8=None) -> None:
     """The profiles of the first shape, after all measurements: the torch profiler leaves its
     tracing hooks in the process, which slowed every later call (host and kernels) when it ran
-    first."""
+    first. The host profile covers each dispatch mode in bf16, then with `fp8` (the first
+    `--fp8` format) when one is given."""
     from megatron_deepep.buffer import Buffer
 
     num_tokens, hidden, num_topk, x, idx, w, num_experts = first
@@ -396,8 +420,9 @@ def _profile_last(first, num_sms: int, kernels: bool, host: bool) -> None:
         table = profile_kernels(buf, x, idx, w, num_experts)
         sys.stdout.write(f"profile, {num_sms} SMs:\n{table}\n")
     if dist.get_rank() == 0 and host:
-        sys.stdout.write(f"host profile, {num_sms} SMs:\n"
-                         f"{profile_host(buf, x, idx, w, num_experts)}\n")
+        for spec in (None,) if fp8 is None else (None, fp8):
+            sys.stdout.write(f"host profile, {num_sms} SMs:\n"
+                             f"{profile_host(buf, x, idx, w, num_experts, fp8=spec)}\n")
     buf.destroy()
 
 
@@ -552,7 +577,8 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="print per-kernel GPU times for the first shape")
     parser.add_argument("--profile-host", action="store_true",
-                        help="print a cProfile of the host side for the first shape")
+                        help="for the first shape: host µs/call and a cProfile of the sync, "
+                             "no-sync and cached dispatch, bf16 and the first --fp8 format")
     parser.add_argument("--fp8", default="blockwise_1x128,mxfp8_1x32",
                         help="FP8 formats to bench against bf16, comma-separated, as fp8= "
                              "takes them (blockwise, mxfp8 or a format name; '' for none)")

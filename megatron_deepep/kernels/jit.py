@@ -426,7 +426,20 @@ def current_raw_stream() -> "RawStream":
         stream = torch.cuda.current_stream()
         return RawStream(stream.cuda_stream, stream.device.index)
     device = torch._C._cuda_getDevice()
-    return RawStream(get_raw(device), device)
+    handle = get_raw(device)
+    # One RawStream per stream, reused: a frozen dataclass costs about a µs to build, twice a
+    # dispatch. A handle names one stream of its device while it exists, and a handle reused
+    # for a later stream names that one: the cached object is equal to a new one.
+    stream = _raw_streams.get((handle, device))
+    if stream is None:
+        if len(_raw_streams) >= _MAX_RAW_STREAMS:
+            _raw_streams.clear()
+        stream = _raw_streams[(handle, device)] = RawStream(handle, device)
+    return stream
+
+
+_raw_streams: Dict[Tuple[int, int], "RawStream"] = {}
+_MAX_RAW_STREAMS = 1024
 
 
 @dataclasses.dataclass(frozen=True)

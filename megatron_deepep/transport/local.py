@@ -149,7 +149,7 @@ class LocalTransport(Transport):
             num_experts=num_experts, num_topk=num_topk, hidden=hidden,
             expert_alignment=expert_alignment, num_recv_rows=num_rows,
             tokens_per_expert_list=tokens_per_expert_list, transport_state=(topk_idx, arena))
-        if fp8 is None:
+        if fp8 is None and row_dtype != torch.bfloat16:  # bf16 rows need no view (~1 µs)
             recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales), recv_weights, handle
 
@@ -164,7 +164,7 @@ class LocalTransport(Transport):
         ops.dispatch_local(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None,
                            handle.layout, cached=True, fp8=fp8,
                            num_local=handle.num_local_experts, num_sms=self.num_sms)
-        if fp8 is None:
+        if fp8 is None and row_dtype != torch.bfloat16:
             recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales)
 

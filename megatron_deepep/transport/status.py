@@ -29,6 +29,8 @@ HOST_INFO_U64 = 1 + MAX_LOCAL_EXPERTS  # struct HostInfo of common/host_info.cuh
 HOST_INFO_WORDS = 2 * HOST_INFO_U64  # in 32-bit words
 # The host wait outlasts the kernels' own timeout, so a stalled peer is reported by the kernel.
 HOST_WAIT_SLACK_S = 5.0
+_NO_BITS = np.uint64(0)  # or-ed into the words: a vectorized copy of them
+_VALUE_SHIFT = np.uint64(32)  # a host_word's value sits above its epoch
 
 
 def host_word(value: int, epoch: int) -> int:
@@ -132,17 +134,23 @@ class KernelStatus:
         """
         if self._published_epoch is None:
             raise RuntimeError("tokens_per_expert: no receive layout was waited for")
-        deadline = time.monotonic() + self.timeout_s + HOST_WAIT_SLACK_S
+        published = self._published_epoch
+        deadline = None  # set at the first stale read
         while True:
-            words = [unpack_host_word(w) for w in self._host_words[1:1 + num_local]]
-            stale = [e for e, (_, epoch) in enumerate(words) if epoch != self._published_epoch]
-            if not stale:
-                return [value for value, _ in words]
-            if time.monotonic() > deadline:
+            # One ufunc pass copies the words: each aligned uint64 element is read once, as one
+            # 64-bit load, so a value and its epoch always come from the same load.
+            words = np.bitwise_or(self._host_words[1:1 + num_local], _NO_BITS)
+            epochs = words.astype(np.uint32)  # the low halves (the cast keeps them)
+            stale = epochs != published
+            if not stale.any():
+                return (words >> _VALUE_SHIFT).astype(np.uint32).view(np.int32).tolist()
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout_s + HOST_WAIT_SLACK_S
+            elif time.monotonic() > deadline:
+                first = int(np.flatnonzero(stale)[0])
                 raise RuntimeError(
-                    f"megatron_deepep: rank {self.rank}: local expert {stale[0]}'s row count "
-                    f"carries epoch {words[stale[0]][1]}, the published layout "
-                    f"{self._published_epoch}")
+                    f"megatron_deepep: rank {self.rank}: local expert {first}'s row count "
+                    f"carries epoch {int(epochs[first])}, the published layout {published}")
 
     def destroy(self) -> None:
         self._host_info.destroy()

@@ -130,3 +130,36 @@ def test_table_prints_a_skipped_baseline_with_its_reason(capsys):
     out = capsys.readouterr().out
     assert "| megatron alltoall (fused permute) | skipped: no TE" in out
     assert "| megatron alltoall (unfused) | 4.0 |" in out
+
+
+def test_host_profile_reports_each_dispatch_mode(monkeypatch):
+    """`--profile-host`: the sync, no-sync and cached dispatch each get their µs/call and
+    cProfile lines (run here on the CPU harness's local transport, kernels faked)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "dev" / "host_path_cpu.py"
+    spec = importlib.util.spec_from_file_location("host_path_cpu", path)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    counter = harness.CudaCallCounter()
+    num_tokens, hidden, num_experts, num_topk = 64, 256, 16, 4
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    idx = torch.rand(num_tokens, num_experts, generator=g).topk(num_topk, dim=1).indices
+    w = torch.rand(num_tokens, num_topk, generator=g)
+    with harness.fake_gpu(counter):
+        buf = harness.make_buffer(counter, num_tokens, hidden, num_topk)
+        status = buf._transport.status
+        # Every sync call finds its receive layout published (the epoch is the one it waits
+        # for: the mailbox is refilled before each read).
+        status.wait_num_rows = lambda epoch: num_tokens * num_topk
+        status.tokens_per_expert = lambda num_local: [num_tokens * num_topk // num_local] * (
+            num_local)
+        for fp8 in (None, Fp8Dispatch.named("blockwise")):
+            text = bench.profile_host(buf, x, idx, w, num_experts, calls=3, fp8=fp8)
+            label = "bf16" if fp8 is None else "fp8 blockwise_1x128"
+            for mode in bench.HOST_PROFILE_MODES:
+                assert f"host profile, dispatch {mode} {label}: " in text
+            assert text.count("µs/call (host)") == 3 and "tottime" in text

@@ -170,3 +170,27 @@ def test_capture_waits_only_on_events_of_the_same_capture():
     order.before(a, capture=CallOrder.UNKNOWN_CAPTURE)
     order.after(a, capture=CallOrder.UNKNOWN_CAPTURE)
     assert [e[1] for e in log.entries].count("wait") == 1
+
+
+def test_eager_calls_reuse_one_event_per_stream_and_captures_get_their_own():
+    log, made = _Log(), []
+
+    def new_event():
+        made.append(FakeEvent(log))
+        return made[-1]
+
+    a, b = FakeStream("a", log), FakeStream("b", log)
+    order = CallOrder(new_event)
+    for stream in (a, b, a, b, a):
+        order.before(stream)
+        log.entries.append((stream.name, "launch", len(log.entries)))
+        order.after(stream)
+    assert len(made) == 2  # one per stream, re-recorded by each later call on it
+    # Each wait names the event the previous call recorded last: every launch stays ordered.
+    _assert_all_ordered(log)
+    order.before(a, capture=5)
+    order.after(a, capture=5)
+    order.after(a, capture=5)
+    assert len(made) == 4  # a capture never records an eager event
+    order.after(a)
+    assert len(made) == 4 and order._last[0] is made[0]

@@ -319,3 +319,21 @@ def test_columnwise_wrapper_fills_every_field(recorder, monkeypatch):
                           col_data=data.data_ptr(), col_scales=scale_inv.data_ptr(),
                           num_experts=3, num_rows=272, hidden=384, scale_cols=384, num_blocks=4,
                           amax_epsilon=0.5)
+
+
+def test_current_raw_stream_is_the_current_stream_of_the_current_device(monkeypatch):
+    """`jit.current_raw_stream` reuses one `RawStream` per (handle, device): equal to a new one
+    whichever stream and device are current."""
+    current = {"device": 0, "handles": {0: 11, 1: 22}}
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream",
+                        lambda device: current["handles"][device], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current["device"], raising=False)
+    first = jit.current_raw_stream()
+    assert first == jit.RawStream(11, 0) and jit.current_raw_stream() is first
+    current["device"] = 1
+    assert jit.current_raw_stream() == jit.RawStream(22, 1)
+    current["handles"][1] = 0  # the legacy default stream: handle 0 on every device
+    current["handles"][0] = 0
+    assert jit.current_raw_stream() == jit.RawStream(0, 1)
+    current["device"] = 0
+    assert jit.current_raw_stream() == jit.RawStream(0, 0)

@@ -92,3 +92,46 @@ def test_expert_words_of_another_epoch_fail_naming_both(monkeypatch):
 def test_tokens_per_expert_needs_a_waited_layout():
     with pytest.raises(RuntimeError, match="no receive layout"):
         _status().tokens_per_expert(1)
+
+
+def _mapped_status(num_words=status.HOST_INFO_U64):
+    """A status whose mailbox is a ctypes uint64 array, as `KernelStatus` maps it."""
+    import ctypes
+    st = _status()
+    st._host_words = np.ctypeslib.as_array((ctypes.c_uint64 * num_words)())
+    return st
+
+
+def test_tokens_per_expert_matches_the_word_by_word_unpack():
+    st = _mapped_status()
+    rng = np.random.default_rng(0)
+    values = [int(v) for v in rng.integers(-(1 << 31), 1 << 31, size=256)]
+    values[:4] = [0, -1, (1 << 31) - 1, -(1 << 31)]
+    epoch = 0x89ABCDEF
+    st._host_words[0] = host_word(sum(values[:2]), epoch)
+    for e, value in enumerate(values):
+        st._host_words[1 + e] = host_word(value, epoch)
+    st.wait_num_rows(epoch)
+    expected = [status.unpack_host_word(w)[0] for w in st._host_words[1:257]]
+    got = st.tokens_per_expert(256)
+    assert got == expected == values and all(type(v) is int for v in got)
+    assert st.tokens_per_expert(3) == values[:3]
+
+
+def test_negative_row_counts_keep_their_sign():
+    st = _status()
+    _publish(st, 9, 4, [-7, 3, -(1 << 31)])
+    assert st.wait_num_rows(9) == 4
+    assert st.tokens_per_expert(3) == [-7, 3, -(1 << 31)]
+
+
+def test_stale_words_across_the_epoch_wrap_are_read_again():
+    st = _status()
+    _publish(st, 0, 12, [4, 8])  # the epoch after 0xFFFFFFFF
+    st._host_words.stale[2] = [np.uint64(host_word(5, 0xFFFFFFFF))] * 3
+    assert st.wait_num_rows(1 << 32) == 12
+    assert st.tokens_per_expert(2) == [4, 8]
+    _publish(st, 0xFFFFFFFF, 6, [2, 4])
+    st._host_words.stale[1] = [np.uint64(host_word(1, 0xFFFFFFFE))]
+    assert st.wait_num_rows((1 << 33) - 1) == 6
+    assert st.tokens_per_expert(2) == [2, 4]
