@@ -265,13 +265,6 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
                                                       err);
 }
 
-// EP = 1: each token row read from x once and written to its expert-major rows; no staging and
-// no protocol (no regions are touched). The same recv_x, recv_weights and slot_rows as
-// dispatch_recv on one rank (the self source's offsets inside every expert are 0). One warp per
-// token, so the token's ids, positions and row starts are one round of parallel loads; blocks of
-// 1024 threads per budgeted SM for bf16 (the bare read-once-write-K kernel's warps per SM).
-// Given `host_info` (a synchronous call launched before its host wait), the last warp publishes
-// the layout kernel's receive layout to the host, off the layout's critical path.
 // Lane k < kTopk's routing entry k of one token, as dispatch_local reads it (a fresh dispatch
 // only: a cached one reads its rows from slot_rows): loaded apart from its use, so that the
 // loads can be in flight while the warp quantizes the token's row.
@@ -313,6 +306,13 @@ __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_
     return row;
 }
 
+// EP = 1: each token row read from x once and written to its expert-major rows; no staging and
+// no protocol (no regions are touched). The same recv_x, recv_weights and slot_rows as
+// dispatch_recv on one rank (the self source's offsets inside every expert are 0). One warp per
+// token, so the token's ids, positions and row starts are one round of parallel loads; blocks of
+// 1024 threads per budgeted SM for bf16 (the bare read-once-write-K kernel's warps per SM).
+// Given `host_info` (a synchronous call launched before its host wait), the last warp publishes
+// the layout kernel's receive layout to the host, off the layout's critical path.
 template <int kFmt>
 struct DispatchLocalThreads {
     static constexpr int value = kFmt == fp8::kWireBf16 ? 1024 : kDispatchThreads;
