@@ -51,8 +51,12 @@ def test_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
 
 
 def test_no_launcher_says_how_to_launch(monkeypatch, capsys):
-    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "MASTER_ADDR"):
-        monkeypatch.delenv(key, raising=False)
+    # setenv first: monkeypatch then restores each variable `_launch_env` writes (a RANK left
+    # behind would silence later tests' rank-0-only warnings).
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "MASTER_ADDR", "MASTER_PORT",
+                "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     assert mc.main(["--device", "cpu"]) == 2
     assert "torchrun" in capsys.readouterr().err
     monkeypatch.setenv("SLURM_PROCID", "3")
