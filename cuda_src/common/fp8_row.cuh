@@ -79,7 +79,7 @@ __device__ __forceinline__ void blockwise_scales(const float (&amax)[kUnroll], f
     }
 }
 
-// The amax of the block lane's 8 bf16 values (`raw`) belong to, over the block's lanes
+// The amax of the block that this lane's 8 bf16 values (`raw`) belong to, over its lanes
 // (columns past `hidden` were loaded as 0).
 template <int kFmt>
 __device__ __forceinline__ float block_amax(const int4& raw) {
