@@ -21,8 +21,8 @@
 #           DRAM throughput, occupancy, registers, warp stalls, at NCU_SMS blocks (default
 #           132) (NCU_TIMEOUT, 90 each)
 #   host    dev/gpu/fp8_profile.py --host, after then before: host and CUDA-event µs per call of
-#           sync, nosync and cached dispatch, bf16 and each format, and a cProfile of sync FP8
-#           calls (HOST_TIMEOUT, 60 each)
+#           sync, nosync and cached dispatch, bf16 and each format, and the bench's cProfile of
+#           each mode with the first format (HOST_TIMEOUT, 60 each)
 #   layer   python -m megatron_deepep.bench.layer --te: table B's TE blockwise-FP8 layer rows,
 #           alltoall with TE's fused permute beside ours with FP8 dispatch and FP8 experts
 #           (LAYER_TIMEOUT, 150)

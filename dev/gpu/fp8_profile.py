@@ -14,8 +14,8 @@ a mismatch.
 `--host`: instead, per format (bf16, then each of `--fp8`) and mode (sync: exact size with the
 host wait; nosync: a row bound; cached: the handle replayed), the host µs per call (the calls
 issued back to back, the GPU left to lag) and the µs per call by CUDA events around the same
-calls; then a cProfile of `--host-calls` synchronous calls of the first FP8 format: where a
-call's host time goes.
+calls; then, on a GPU, the bench's cProfile of `--host-calls` calls per mode of the first FP8
+format: where a call's host time goes.
 """
 
 from __future__ import annotations
@@ -92,32 +92,25 @@ def _synchronize() -> None:
 
 
 def host_times(buf, x, idx, weights, num_experts: int, specs, calls: int) -> None:
-    """Prints host and CUDA-event µs per call of each format and mode, then a cProfile of
-    synchronous calls of the first FP8 format (of bf16 when none is given)."""
-    import cProfile
-    import io
-    import pstats
+    """Prints host and CUDA-event µs per call of each format and mode (the bench's
+    `host_profile_calls`), then, on a GPU, the bench's cProfile of each mode for the first FP8
+    format (of bf16 when none is given)."""
     import time
 
+    from megatron_deepep.bench.run import host_profile_calls, profile_host
+
     on_gpu = DEVICE == "cuda"
-    bound = x.shape[0] * idx.shape[1]
-    _, _, handle, _ = buf.dispatch(x, idx, weights, num_experts=num_experts)
-    modes = {
-        "sync": lambda fp8: buf.dispatch(x, idx, weights, num_experts=num_experts, fp8=fp8),
-        "nosync": lambda fp8: buf.dispatch(x, idx, weights, num_experts=num_experts,
-                                           num_max_recv_rows=bound, fp8=fp8),
-        "cached": lambda fp8: buf.dispatch(x, handle=handle, fp8=fp8)}
     for name, fp8 in specs:
-        for mode, call in modes.items():
+        for mode, call in host_profile_calls(buf, x, idx, weights, num_experts, fp8).items():
             for _ in range(5):
-                call(fp8)
+                call()
             events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on_gpu else []
             _synchronize()
             t0 = time.perf_counter()
             for event in events[:1]:
                 event.record()
             for _ in range(calls):
-                call(fp8)
+                call()
             for event in events[1:]:
                 event.record()
             host_us = (time.perf_counter() - t0) / calls * 1e6
@@ -126,16 +119,9 @@ def host_times(buf, x, idx, weights, num_experts: int, specs, calls: int) -> Non
                    else "n/a (CPU)")
             print(f"fp8_profile host: {name} {mode}: host {host_us:.1f} µs/call, events {gpu}",
                   flush=True)
-    name, fp8 = specs[1] if len(specs) > 1 else specs[0]
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        modes["sync"](fp8)
-    prof.disable()
-    _synchronize()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-    print(f"fp8_profile host: cProfile of {calls} sync calls, {name}\n{text.getvalue()}")
+    if on_gpu:
+        _, fp8 = specs[1] if len(specs) > 1 else specs[0]
+        print(profile_host(buf, x, idx, weights, num_experts, calls, fp8=fp8, lines=25))
 
 
 def check(num_tokens: int, num_experts: int, num_topk: int, args) -> int:
