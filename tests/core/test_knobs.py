@@ -63,9 +63,6 @@ def test_the_buffer_reads_its_knobs_and_an_argument_wins(world, monkeypatch):
 
 
 def test_unknown_and_unread_knobs_warn_once(world, monkeypatch, caplog):
-    # A fresh process's state: earlier tests may have warned already or built a dispatcher.
-    monkeypatch.setattr(knobs, "_warned_names", set())
-    monkeypatch.setattr(knobs, "_dispatcher_built", False)
     monkeypatch.setenv("MDEEP_NUM_SM", "8")
     monkeypatch.setenv("MDEEP_FP8_DISPATCH", "blockwise")
     monkeypatch.setenv("MDEEP_TEST_PROCS", "2")  # the test harness's own: no warning
