@@ -16,6 +16,13 @@ host wait; nosync: a row bound; cached: the handle replayed), the host µs per c
 issued back to back, the GPU left to lag) and the µs per call by CUDA events around the same
 calls; then, on a GPU, the bench's cProfile of `--host-calls` calls per mode of the first FP8
 format: where a call's host time goes.
+
+`--timeline`: instead, per format (bf16, then each of `--fp8`) and mode (sync, nosync),
+`--timeline-calls` back-to-back calls under the PyTorch profiler (CPU and CUDA), each call and
+the sync call's host wait marked by `record_function`. Prints the medians of one call's
+pieces on one clock: the host before the wait, in it and after it, the host between calls, the
+GPU's kernels and its idle gap before each call's first kernel, and how long after its
+dispatch kernel started the host left the wait.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="bit-exactness check instead")
     parser.add_argument("--host", action="store_true", help="host time per call instead")
     parser.add_argument("--host-calls", type=int, default=200)
+    parser.add_argument("--timeline", action="store_true", help="one call's timeline instead")
+    parser.add_argument("--timeline-calls", type=int, default=40)
     parser.add_argument("--check-hidden", default="7168,2880,4096",
                         help="hidden sizes of --check, comma-separated")
     args = parser.parse_args()
@@ -63,6 +72,11 @@ def main() -> None:
     bound = num_tokens * num_topk
     specs = [("bf16", None)] + [(n, Fp8Dispatch.named(n, "fp8"))
                                 for n in args.fp8.split(",") if n]
+    if args.timeline:
+        timeline(buf, x, idx, weights, num_experts, specs, args.timeline_calls)
+        buf.destroy()
+        dist.destroy_process_group()
+        return
     if args.host:
         host_times(buf, x, idx, weights, num_experts, specs, args.host_calls)
         buf.destroy()
@@ -122,6 +136,82 @@ def host_times(buf, x, idx, weights, num_experts: int, specs, calls: int) -> Non
     if on_gpu:
         _, fp8 = specs[1] if len(specs) > 1 else specs[0]
         print(profile_host(buf, x, idx, weights, num_experts, calls, fp8=fp8, lines=25))
+
+
+def _median(values) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def timeline(buf, x, idx, weights, num_experts: int, specs, calls: int) -> None:
+    """Prints, per format and mode, the medians (µs) of one call's host and GPU pieces from a
+    profiler trace of `calls` back-to-back calls (the first five are left out)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from megatron_deepep.bench.run import host_profile_calls
+
+    status = getattr(buf._transport, "status", None)  # None: the reference transport (CPU)
+    wait = status.wait_num_rows if status is not None else None
+
+    def marked_wait(epoch):
+        with record_function("mdeep_wait"):
+            return wait(epoch)
+
+    if status is not None:  # the host wait, marked in the trace
+        status.wait_num_rows = marked_wait
+    for name, fp8 in specs:
+        fns = host_profile_calls(buf, x, idx, weights, num_experts, fp8)
+        for mode in ("sync", "nosync"):
+            for _ in range(5):
+                fns[mode]()
+            _synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    with record_function("mdeep_call"):
+                        fns[mode]()
+                _synchronize()
+            _print_timeline(f"{name} {mode}", prof.events())
+    if status is not None:
+        status.wait_num_rows = wait
+
+
+def _print_timeline(label: str, events) -> None:
+    """The medians of `timeline`'s pieces from the profiler's events."""
+    def spans(pick):
+        return sorted((e.time_range.start, e.time_range.end) for e in events if pick(e))
+
+    host_calls = spans(lambda e: e.name == "mdeep_call" and e.device_type.name == "CPU")
+    waits = spans(lambda e: e.name == "mdeep_wait" and e.device_type.name == "CPU")
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type.name == "CUDA" and e.name != "mdeep_call"
+                     and ("layout" in e.name or "dispatch" in e.name))
+    # Each call's kernels: those that start after the previous call's host entry.
+    per_call = [[k for k in kernels if start <= k[0] and (i + 1 == len(host_calls)
+                                                          or k[0] < host_calls[i + 1][1])]
+                for i, (start, _) in enumerate(host_calls)]
+    rows = {"host call": [], "host before wait": [], "host in wait": [], "host after wait": [],
+            "host between calls": [], "GPU kernels": [], "GPU idle before call": [],
+            "wait left after dispatch start": [], "GPU per call": []}
+    for i in range(5, len(host_calls)):
+        start, end = host_calls[i]
+        rows["host call"].append(end - start)
+        rows["host between calls"].append(start - host_calls[i - 1][1])
+        mine = per_call[i]
+        if mine and per_call[i - 1]:
+            rows["GPU kernels"].append(mine[-1][1] - mine[0][0])
+            rows["GPU idle before call"].append(mine[0][0] - per_call[i - 1][-1][1])
+            rows["GPU per call"].append(mine[-1][1] - per_call[i - 1][-1][1])
+        inside = [w for w in waits if start <= w[0] < end]
+        if inside:
+            rows["host before wait"].append(inside[0][0] - start)
+            rows["host in wait"].append(inside[0][1] - inside[0][0])
+            rows["host after wait"].append(end - inside[0][1])
+            if mine:
+                rows["wait left after dispatch start"].append(inside[0][1] - mine[-1][0])
+    names = sorted({k[2] for k in kernels})
+    print(f"fp8_profile timeline: {label}: " + ", ".join(
+        f"{key} {_median(v):.1f}" for key, v in rows.items() if v) + " µs (medians); kernels: "
+        + "; ".join(names), flush=True)
 
 
 def check(num_tokens: int, num_experts: int, num_topk: int, args) -> int:
