@@ -18,11 +18,10 @@ calls; then, on a GPU, the bench's cProfile of `--host-calls` calls per mode of 
 format: where a call's host time goes.
 
 `--timeline`: instead, per format (bf16, then each of `--fp8`) and mode (sync, nosync),
-`--timeline-calls` back-to-back calls under the PyTorch profiler (CPU and CUDA), each call and
-the sync call's host wait marked by `record_function`. Prints the medians of one call's
-pieces on one clock: the host before the wait, in it and after it, the host between calls, the
-GPU's kernels and its idle gap before each call's first kernel, and how long after its
-dispatch kernel started the host left the wait.
+`--timeline-calls` back-to-back calls, each call and the sync call's host wait stamped by the
+host clock: the medians of the host's time before the wait, in it and after it, and between
+calls, beside the GPU's µs per call (CUDA events). Where the host's time outside the wait
+exceeds the GPU's, the calls are host-bound.
 """
 
 from __future__ import annotations
@@ -144,74 +143,72 @@ def _median(values) -> float:
 
 
 def timeline(buf, x, idx, weights, num_experts: int, specs, calls: int) -> None:
-    """Prints, per format and mode, the medians (µs) of one call's host and GPU pieces from a
-    profiler trace of `calls` back-to-back calls (the first five are left out)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    """Prints, per format and mode, the medians (µs) of one call's host pieces over `calls`
+    back-to-back calls (the first five left out), stamped by `time.perf_counter_ns` (no
+    profiler: its per-op cost would change what it measures), and the GPU's µs per call (CUDA
+    events around the calls)."""
+    import time
 
     from megatron_deepep.bench.run import host_profile_calls
 
     status = getattr(buf._transport, "status", None)  # None: the reference transport (CPU)
     wait = status.wait_num_rows if status is not None else None
+    stamps = []
 
-    def marked_wait(epoch):
-        with record_function("mdeep_wait"):
-            return wait(epoch)
+    def stamped_wait(epoch):
+        stamps.append(("wait", time.perf_counter_ns()))
+        rows = wait(epoch)
+        stamps.append(("waited", time.perf_counter_ns()))
+        return rows
 
-    if status is not None:  # the host wait, marked in the trace
-        status.wait_num_rows = marked_wait
+    if status is not None:
+        status.wait_num_rows = stamped_wait
+    on_gpu = DEVICE == "cuda"
     for name, fp8 in specs:
         fns = host_profile_calls(buf, x, idx, weights, num_experts, fp8)
         for mode in ("sync", "nosync"):
             for _ in range(5):
                 fns[mode]()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if on_gpu else []
             _synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(calls):
-                    with record_function("mdeep_call"):
-                        fns[mode]()
-                _synchronize()
-            _print_timeline(f"{name} {mode}", prof.events())
+            stamps.clear()
+            for event in events[:1]:
+                event.record()
+            for _ in range(calls):
+                stamps.append(("call", time.perf_counter_ns()))
+                fns[mode]()
+                stamps.append(("return", time.perf_counter_ns()))
+            for event in events[1:]:
+                event.record()
+            _synchronize()
+            gpu = events[0].elapsed_time(events[1]) * 1e3 / calls if on_gpu else float("nan")
+            _print_timeline(f"{name} {mode}", list(stamps), gpu)
     if status is not None:
         status.wait_num_rows = wait
 
 
-def _print_timeline(label: str, events) -> None:
-    """The medians of `timeline`'s pieces from the profiler's events."""
-    def spans(pick):
-        return sorted((e.time_range.start, e.time_range.end) for e in events if pick(e))
-
-    host_calls = spans(lambda e: e.name == "mdeep_call" and e.device_type.name == "CPU")
-    waits = spans(lambda e: e.name == "mdeep_wait" and e.device_type.name == "CPU")
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type.name == "CUDA" and e.name != "mdeep_call"
-                     and ("layout" in e.name or "dispatch" in e.name))
-    # Each call's kernels: those that start after the previous call's host entry.
-    per_call = [[k for k in kernels if start <= k[0] and (i + 1 == len(host_calls)
-                                                          or k[0] < host_calls[i + 1][1])]
-                for i, (start, _) in enumerate(host_calls)]
-    rows = {"host call": [], "host before wait": [], "host in wait": [], "host after wait": [],
-            "host between calls": [], "GPU kernels": [], "GPU idle before call": [],
-            "wait left after dispatch start": [], "GPU per call": []}
-    for i in range(5, len(host_calls)):
-        start, end = host_calls[i]
-        rows["host call"].append(end - start)
-        rows["host between calls"].append(start - host_calls[i - 1][1])
-        mine = per_call[i]
-        if mine and per_call[i - 1]:
-            rows["GPU kernels"].append(mine[-1][1] - mine[0][0])
-            rows["GPU idle before call"].append(mine[0][0] - per_call[i - 1][-1][1])
-            rows["GPU per call"].append(mine[-1][1] - per_call[i - 1][-1][1])
-        inside = [w for w in waits if start <= w[0] < end]
-        if inside:
-            rows["host before wait"].append(inside[0][0] - start)
-            rows["host in wait"].append(inside[0][1] - inside[0][0])
-            rows["host after wait"].append(end - inside[0][1])
-            if mine:
-                rows["wait left after dispatch start"].append(inside[0][1] - mine[-1][0])
-    names = sorted({k[2] for k in kernels})
-    print(f"fp8_profile timeline: {label}: " + ", ".join(
-        f"{key} {_median(v):.1f}" for key, v in rows.items() if v) + " µs (medians); kernels: "
-        + "; ".join(names), flush=True)
+def _print_timeline(label: str, stamps, gpu_us: float) -> None:
+    """The medians of `timeline`'s host pieces from its (kind, ns) stamps."""
+    calls, current = [], None
+    for kind, ns in stamps:
+        if kind == "call":
+            current = {"call": ns}
+        elif current is not None:
+            current[kind] = ns
+            if kind == "return":
+                calls.append(current)
+    rows = {"host per call": [], "before wait": [], "in wait": [], "after wait": [],
+            "between calls": []}
+    for prev, call in zip(calls[4:], calls[5:]):
+        rows["host per call"].append(call["return"] - prev["return"])
+        rows["between calls"].append(call["call"] - prev["return"])
+        if "wait" in call and "waited" in call:
+            rows["before wait"].append(call["wait"] - call["call"])
+            rows["in wait"].append(call["waited"] - call["wait"])
+            rows["after wait"].append(call["return"] - call["waited"])
+    print(f"fp8_profile timeline: {label}: GPU {gpu_us:.1f} µs/call; host (medians) "
+          + ", ".join(f"{key} {_median(v) / 1e3:.1f}" for key, v in rows.items() if v) + " µs",
+          flush=True)
 
 
 def check(num_tokens: int, num_experts: int, num_topk: int, args) -> int:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU tier in pieces that fit one 10-minute call, each under its own limit, logs to $OUT:
-#   bash dev/gpu/tier_round.sh WHEELS_DIR            # PIECES="nvlink internode parity-te ring"
+#   bash dev/gpu/tier_round.sh WHEELS_DIR  # PIECES="precompile nvlink internode parity-te ring"
 #   DRY_RUN=1 bash dev/gpu/tier_round.sh WHEELS_DIR  # the plan; runs nothing
 # WHEELS_DIR: the TE 2.20.2 set and megatron-core 0.19.2 (the parity piece needs them).
 # Pieces (PIECES, in the order given; never past BUDGET, 570 s):
+#   precompile the NVLink kernels of every top-k, FP8 format and row dtype into the kernel
+#              cache (-j nproc), before the multi-process pieces: else each test process
+#              compiles its own, all at once
 #   nvlink     tests/gpu/test_nvlink_gpu.py at 3, 4 and 8 processes (NVLINK_PROCS), CALLS calls
 #   internode  tests/gpu/test_internode_gpu.py -k matches_reference on the virtual node shapes
 #              NODES (default 2x2,3x2,2x3,4x2,2x4), CALLS calls
@@ -22,7 +25,7 @@ export MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-$PWD/.bench_out/tier_kernel_cache}
 LOGS=${OUT:-.bench_out/tier_round}
 mkdir -p "$LOGS"
 BUDGET_S=${BUDGET:-570}
-PIECES=${PIECES:-nvlink internode parity-te ring}
+PIECES=${PIECES:-precompile nvlink internode parity-te ring}
 SUMMARY=()
 source dev/gpu/time_limit.sh  # run LIMIT LOG command...
 if [ "${DRY_RUN:-0}" != 1 ]; then
@@ -48,6 +51,9 @@ piece() {
 PYTEST=(python3 -m pytest -m gpu -q -rs --durations=5)
 for name in $PIECES; do
   case $name in
+    precompile) piece precompile 150 python3 -m megatron_deepep.tools.precompile \
+      --topk 1 2 4 6 8 16 --index-dtype int64 --fp8 blockwise_1x128 mxfp8_1x32 \
+      --row-dtype bf16 fp16 fp32 -j "$(nproc)" -q ;;
     nvlink) piece nvlink 180 env MDEEP_TEST_PROCS=${NVLINK_PROCS:-3,4,8} "${PYTEST[@]}" \
       tests/gpu/test_nvlink_gpu.py ;;
     internode) piece internode 200 env MDEEP_TEST_NODES=${NODES:-2x2,3x2,2x3,4x2,2x4} \
