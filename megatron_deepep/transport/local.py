@@ -105,9 +105,12 @@ class LocalTransport(Transport):
         rows_before_wait = (self._rows_before_wait(num_tokens, num_topk, num_experts,
                                                    expert_alignment) if is_sync else None)
         # Who publishes the receive layout to the host: nobody without a host wait; the expand
-        # when it starts before the wait; else the kernel that derives the receive layout.
+        # when it starts before the wait, unless it quantizes (each warp quantizes a row before
+        # its wait for the layout, which would hold the host's wait back); else the kernel that
+        # derives the receive layout.
         host_info = self.status.host_info_ptr if is_sync else 0
-        expand_publishes = layout is None and rows_before_wait is not None
+        quantizes = fp8 is not None and x_scales is None
+        expand_publishes = layout is None and rows_before_wait is not None and not quantizes
         after_layout = layout is None
         if layout is None:
             local_recv = ops.LocalRecv(recv=arena, host_info_ptr=0 if expand_publishes else
