@@ -1,0 +1,88 @@
+"""CPU tier: the FP8 measurement scripts of `dev/gpu/` (fp8.sh, tier_round.sh) plan what their
+header says in a dry run, and fp8_profile.py's timeline splits a call's host stamps right."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPU_DIR = os.path.join(ROOT, "dev", "gpu")
+
+
+def _dry_run(script, *args, **env):
+    full = dict(os.environ, DRY_RUN="1", **env)
+    full.pop("OUT", None)
+    done = subprocess.run(["bash", os.path.join(GPU_DIR, script), *args], env=full,
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.fixture
+def before_dir(tmp_path):
+    (tmp_path / "before" / "megatron_deepep").mkdir(parents=True)
+    (tmp_path / "wheels").mkdir()
+    return str(tmp_path / "wheels"), str(tmp_path / "before")
+
+
+def test_fp8_timeline_and_layer_pieces_plan(before_dir):
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="timeline layer", NUM_SMS="24,132",
+                       FORMATS="mxfp8_1x32,blockwise_1x128",
+                       LAYER_VARIANTS="te-alltoall-fused,te-deepep-fp8-experts",
+                       LAYER_ARGS="--profile 12")
+    assert rc == 0, out
+    timeline = next(line for line in out.splitlines() if line.startswith("dry run: timeline"))
+    # The first format, the last SM budget.
+    assert "fp8_profile.py --timeline --fp8 mxfp8_1x32 --num-sms 132" in timeline
+    layer = next(line for line in out.splitlines() if line.startswith("dry run: layer"))
+    assert "--variants te-alltoall-fused,te-deepep-fp8-experts" in layer
+    assert layer.rstrip().endswith("--profile 12")
+
+
+def test_fp8_unknown_piece_is_refused(before_dir):
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="timelines")
+    assert rc == 2 and "unknown piece 'timelines'" in out
+
+
+def test_tier_round_precompiles_before_its_multi_process_pieces(tmp_path):
+    rc, out = _dry_run("tier_round.sh", str(tmp_path))
+    assert rc == 0, out
+    names = [line.split()[2] for line in out.splitlines() if line.startswith("dry run:")]
+    assert names == ["precompile", "nvlink", "internode", "parity-te", "ring"]
+    precompile = out.splitlines()[0]
+    assert "megatron_deepep.tools.precompile --topk 1 2 4 6 8 16 --index-dtype int64" in precompile
+
+
+def _fp8_profile():
+    spec = importlib.util.spec_from_file_location(
+        "fp8_profile", os.path.join(GPU_DIR, "fp8_profile.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timeline_splits_each_call_at_its_wait(capsys):
+    """Sync calls of 100 µs each: 60 before the wait, 30 in it, 10 after, 5 between calls."""
+    stamps, t = [], 0
+    for _ in range(12):
+        t += 5_000
+        stamps += [("call", t), ("wait", t + 60_000), ("waited", t + 90_000),
+                   ("return", t + 100_000)]
+        t += 100_000
+    _fp8_profile()._print_timeline("bf16 sync", stamps, 120.0)
+    out = capsys.readouterr().out
+    assert "bf16 sync: GPU 120.0 µs/call" in out
+    assert ("host per call 105.0, before wait 60.0, in wait 30.0, after wait 10.0, "
+            "between calls 5.0 µs") in out
+
+
+def test_timeline_without_a_wait_reports_the_call_only(capsys):
+    stamps = []
+    for i in range(10):
+        stamps += [("call", i * 50_000), ("return", i * 50_000 + 40_000)]
+    _fp8_profile()._print_timeline("fp8 nosync", stamps, float("nan"))
+    out = capsys.readouterr().out
+    assert "host per call 50.0, between calls 10.0 µs" in out and "wait" not in out
