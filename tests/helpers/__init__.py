@@ -1,7 +1,18 @@
 """What the tests share: the single-process oracle, the routing cases, the multi-process launcher,
-the background compile jobs, the graph normaliser, the harness's own knobs and the repo's root."""
+the background compile jobs, the graph normaliser, the harness's own knobs, the repo's root and
+a loader for the scripts of `dev/gpu/`."""
 
+import importlib.util
 import os
 
 #: The repository's root (the checkout the tests run from).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_dev_gpu_script(name: str):
+    """The script `dev/gpu/<name>.py` as a module (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"_dev_gpu_{name}", os.path.join(REPO_ROOT, "dev", "gpu", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,7 +5,6 @@ oracle's order, the table, the model's input) work without a GPU."""
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,17 +13,15 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import load_dev_gpu_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_DIR = os.path.join(ROOT, "dev", "gpu")
 SCRIPTS = ("evidence.sh", "evidence_lib.sh", "deepep.sh", "mps.sh", "proxy.sh")
 
 
 def _side_by_side():
-    spec = importlib.util.spec_from_file_location(
-        "deepep_side_by_side", os.path.join(GPU_DIR, "deepep_side_by_side.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_dev_gpu_script("deepep_side_by_side")
 
 
 def _run(tmp_path, script, *args, **env):

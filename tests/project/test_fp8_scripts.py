@@ -3,11 +3,12 @@ header says in a dry run, and fp8_profile.py's timeline splits a call's host sta
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 
 import pytest
+
+from tests.helpers import load_dev_gpu_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_DIR = os.path.join(ROOT, "dev", "gpu")
@@ -56,14 +57,6 @@ def test_tier_round_precompiles_before_its_multi_process_pieces(tmp_path):
     assert "megatron_deepep.tools.precompile --topk 1 2 4 6 8 16 --index-dtype int64" in precompile
 
 
-def _fp8_profile():
-    spec = importlib.util.spec_from_file_location(
-        "fp8_profile", os.path.join(GPU_DIR, "fp8_profile.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_timeline_splits_each_call_at_its_wait(capsys):
     """Sync calls of 100 µs each: 60 before the wait, 30 in it, 10 after, 5 between calls."""
     stamps, t = [], 0
@@ -72,7 +65,7 @@ def test_timeline_splits_each_call_at_its_wait(capsys):
         stamps += [("call", t), ("wait", t + 60_000), ("waited", t + 90_000),
                    ("return", t + 100_000)]
         t += 100_000
-    _fp8_profile()._print_timeline("bf16 sync", stamps, 120.0)
+    load_dev_gpu_script("fp8_profile")._print_timeline("bf16 sync", stamps, 120.0)
     out = capsys.readouterr().out
     assert "bf16 sync: GPU 120.0 µs/call" in out
     assert ("host per call 105.0, before wait 60.0, in wait 30.0, after wait 10.0, "
@@ -83,6 +76,6 @@ def test_timeline_without_a_wait_reports_the_call_only(capsys):
     stamps = []
     for i in range(10):
         stamps += [("call", i * 50_000), ("return", i * 50_000 + 40_000)]
-    _fp8_profile()._print_timeline("fp8 nosync", stamps, float("nan"))
+    load_dev_gpu_script("fp8_profile")._print_timeline("fp8 nosync", stamps, float("nan"))
     out = capsys.readouterr().out
     assert "host per call 50.0, between calls 10.0 µs" in out and "wait" not in out

@@ -6,7 +6,6 @@ log, those of processes started under setsid (torchrun's workers) included."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import re
@@ -14,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, load_dev_gpu_script
 
 ROOT = REPO_ROOT
 
@@ -23,11 +22,7 @@ def _script(name: str):
     """A script of dev/gpu/ as a module, or a tool of the package (`megatron_deepep.tools`)."""
     if name in ("plot_metrics", "report"):
         return importlib.import_module(f"megatron_deepep.tools.{name}")
-    spec = importlib.util.spec_from_file_location(f"_script_{name}",
-                                                  os.path.join(ROOT, "dev", "gpu", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_dev_gpu_script(name)
 
 
 def _write_metrics(folder, ep_size: int, num_steps: int = 3) -> None:
