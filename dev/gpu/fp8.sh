@@ -23,9 +23,9 @@
 #   host    dev/gpu/fp8_profile.py --host, after then before: host and CUDA-event µs per call of
 #           sync, nosync and cached dispatch, bf16 and each format, and the bench's cProfile of
 #           each mode with the first format (HOST_TIMEOUT, 60 each)
-#   timeline  dev/gpu/fp8_profile.py --timeline at NUM_SMS's last value: one sync and one
-#           nosync call's host and GPU pieces on the profiler's clock, bf16 and the first format
-#           (HOST_TIMEOUT, 60)
+#   timeline  dev/gpu/fp8_profile.py --timeline at NUM_SMS's last value: the host's work per
+#           sync and nosync call (before, in and after the wait) beside the GPU's µs per call,
+#           bf16 and the first format (HOST_TIMEOUT, 60)
 #   layer   python -m megatron_deepep.bench.layer --te: table B's TE blockwise-FP8 layer rows,
 #           alltoall with TE's fused permute beside ours with FP8 dispatch and FP8 experts
 #           (LAYER_TIMEOUT, 150; LAYER_VARIANTS picks the variants, LAYER_ARGS is passed on,
@@ -140,10 +140,12 @@ for name in $PIECES; do
       dry || grep -h "fp8_profile timeline:" "$LOGS/fp8_timeline.log" ;;
     layer)
       piece layer "${LAYER_TIMEOUT:-150}" fp8_layer.log env PYTHONPATH="$HERE_PATH" \
-        python3 -m megatron_deepep.bench.layer --te --variants "${LAYER_VARIANTS:-te-alltoall-fused,\
-te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,te-deepep-fp8-experts}" \
+        python3 -m megatron_deepep.bench.layer --te --variants \
+        "${LAYER_VARIANTS:-te-alltoall-fused,te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,\
+te-deepep-fp8-experts}" \
         --iters 20 --out "$LOGS/fp8_layer.json" ${LAYER_ARGS:-} ;;
-    *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu host timeline layer tests2)"
+    *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu host timeline layer" \
+         "tests2)"
        exit 2 ;;
   esac
 done

@@ -105,11 +105,11 @@ class LocalTransport(Transport):
         rows_before_wait = (self._rows_before_wait(num_tokens, num_topk, num_experts,
                                                    expert_alignment) if is_sync else None)
         # Who publishes the receive layout to the host: nobody without a host wait; the expand
-        # when it starts before the wait, unless it quantizes (each warp quantizes a row before
-        # its wait for the layout, which would hold the host's wait back); else the kernel that
-        # derives the receive layout.
+        # when it starts before the wait, unless it quantizes into FP8 rows (each warp quantizes
+        # a row before its wait for the layout, which would hold the host's wait back); else the
+        # kernel that derives the receive layout.
         host_info = self.status.host_info_ptr if is_sync else 0
-        quantizes = fp8 is not None and x_scales is None
+        quantizes = fp8 is not None and x_scales is None and not fp8.dequantize
         expand_publishes = layout is None and rows_before_wait is not None and not quantizes
         after_layout = layout is None
         if layout is None:

@@ -169,7 +169,7 @@ def test_ep1_sync_launches_the_expand_before_the_wait_and_trims(recorder):
 
 def test_ep1_sync_fp8_quantizing_expand_leaves_the_publish_to_the_layout(recorder):
     """A quantizing expand starts before the wait but quantizes a row per warp first: the
-    layout kernel publishes. Pre-quantized rows (no quantize): the expand publishes."""
+    layout kernel publishes. Pre-quantized rows or bf16 rows out (no quantize): the expand."""
     from megatron_deepep.fp8.dispatch import Fp8Dispatch
     t = _transport(recorder, 1, 64, 256, 4, lambda: 256)
     x, idx, w = _inputs(64, 256, 16, 4)
@@ -182,6 +182,10 @@ def test_ep1_sync_fp8_quantizing_expand_leaves_the_publish_to_the_layout(recorde
     recorder.events.clear()
     data, scales = fp8.fmt.quantize(x)
     t.dispatch(data, idx, w, 16, fp8=fp8, x_scales=scales)
+    layout, expand = recorder.events[0][1]["args"], recorder.events[1][1]["args"]
+    assert (layout["host_info"], expand["host_info"]) == (0, t.status.host_info_ptr)
+    recorder.events.clear()
+    t.dispatch(x, idx, w, 16, fp8=Fp8Dispatch.named("blockwise", "bf16"))
     layout, expand = recorder.events[0][1]["args"], recorder.events[1][1]["args"]
     assert (layout["host_info"], expand["host_info"]) == (0, t.status.host_info_ptr)
 
