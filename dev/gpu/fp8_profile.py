@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -137,11 +138,6 @@ def host_times(buf, x, idx, weights, num_experts: int, specs, calls: int) -> Non
         print(profile_host(buf, x, idx, weights, num_experts, calls, fp8=fp8, lines=25))
 
 
-def _median(values) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else float("nan")
-
-
 def timeline(buf, x, idx, weights, num_experts: int, specs, calls: int) -> None:
     """Prints, per format and mode, the medians (µs) of one call's host pieces over `calls`
     back-to-back calls (the first five left out), stamped by `time.perf_counter_ns` (no
@@ -207,7 +203,8 @@ def _print_timeline(label: str, stamps, gpu_us: float) -> None:
             rows["in wait"].append(call["waited"] - call["wait"])
             rows["after wait"].append(call["return"] - call["waited"])
     print(f"fp8_profile timeline: {label}: GPU {gpu_us:.1f} µs/call; host (medians) "
-          + ", ".join(f"{key} {_median(v) / 1e3:.1f}" for key, v in rows.items() if v) + " µs",
+          + ", ".join(f"{key} {statistics.median_high(v) / 1e3:.1f}"
+                      for key, v in rows.items() if v) + " µs",
           flush=True)
 
 

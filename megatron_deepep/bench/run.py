@@ -231,7 +231,7 @@ def profile_host(buf, x, idx, w, num_experts: int, calls: int = 200, fp8=None,
     for mode, fn in host_profile_calls(buf, x, idx, w, num_experts, fp8).items():
         for _ in range(5):
             fn()
-        us = host_us(lambda: fn(), lambda i: None, calls)
+        us = host_us(fn, lambda i: None, calls)
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()

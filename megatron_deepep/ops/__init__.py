@@ -29,7 +29,7 @@ from megatron_deepep.ops.combine import (  # noqa: F401
     combine_send)
 from megatron_deepep.ops.dispatch import (  # noqa: F401
     DISPATCH_STAGE_MAX_BYTES, DispatchLocalArgs, DispatchRecvArgs, DispatchSendArgs,
-    dispatch_local, dispatch_recv, dispatch_send)
+    dispatch_local, dispatch_recv, dispatch_send, local_quantizes_rows)
 from megatron_deepep.ops.fp8 import DequantizeArgs, dequantize_rows  # noqa: F401
 from megatron_deepep.ops.fp8_columnwise import (  # noqa: F401
     COLUMNWISE_THREADS, ColumnwiseArgs, columnwise_from_rowwise)

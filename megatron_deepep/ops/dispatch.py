@@ -159,12 +159,19 @@ def _dispatch_stage_bytes(hidden: int, threads: int) -> int:
     return warps * words_per_lane * 32 * 16
 
 
+def local_quantizes_rows(fp8, x_scales) -> bool:
+    """Whether dispatch_local quantizes the rows it writes (bf16 `x` in, FP8 rows out): its
+    warps then quantize each token's row into a shared-memory stage, the first one before their
+    wait for the layout kernel."""
+    return fp8 is not None and x_scales is None and not fp8.dequantize
+
+
 def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales) -> int:
-    """Bytes an FP8 dispatch_local stages per block when it quantizes (bf16 `x`, FP8 rows out):
+    """Bytes an FP8 dispatch_local stages per block when it quantizes (`local_quantizes_rows`):
     each warp's row of `hidden` e4m3 bytes, then its scales from the next 16-byte boundary
     (fp8_row.cuh's stage_stride). 0 (the unstaged path) when the rows come pre-quantized or
     bf16, or when the stages exceed DISPATCH_STAGE_MAX_BYTES."""
-    if x_scales is not None or fp8.dequantize:
+    if not local_quantizes_rows(fp8, x_scales):
         return 0
     stride = hidden + -(-fp8.fmt.scale_bytes_per_token(hidden) // 16) * 16
     total = threads // 32 * stride

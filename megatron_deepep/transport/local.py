@@ -109,8 +109,8 @@ class LocalTransport(Transport):
         # a row before its wait for the layout, which would hold the host's wait back); else the
         # kernel that derives the receive layout.
         host_info = self.status.host_info_ptr if is_sync else 0
-        quantizes = fp8 is not None and x_scales is None and not fp8.dequantize
-        expand_publishes = layout is None and rows_before_wait is not None and not quantizes
+        expand_publishes = (layout is None and rows_before_wait is not None
+                            and not ops.local_quantizes_rows(fp8, x_scales))
         after_layout = layout is None
         if layout is None:
             local_recv = ops.LocalRecv(recv=arena, host_info_ptr=0 if expand_publishes else
