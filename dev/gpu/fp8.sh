@@ -26,6 +26,9 @@
 #   timeline  dev/gpu/fp8_profile.py --timeline at NUM_SMS's last value: the host's work per
 #           sync and nosync call (before, in and after the wait) beside the GPU's µs per call,
 #           bf16 and the first format (HOST_TIMEOUT, 60)
+#   breakdown  dev/gpu/host_breakdown.py, after then before (BREAKDOWN_SIDES), at NUM_SMS's last value: each
+#           function's host µs per call (sync, nosync, cached; bf16 and the first format) and
+#           the raw cost of the CUDA entry points a call makes (HOST_TIMEOUT, 60 each)
 #   layer   python -m megatron_deepep.bench.layer --te: table B's TE blockwise-FP8 layer rows,
 #           alltoall with TE's fused permute beside ours with FP8 dispatch and FP8 experts
 #           (LAYER_TIMEOUT, 150; LAYER_VARIANTS picks the variants, LAYER_ARGS is passed on,
@@ -138,14 +141,21 @@ for name in $PIECES; do
         python3 dev/gpu/fp8_profile.py --timeline --fp8 "${FORMATS%%,*}" \
         --num-sms "${NUM_SMS##*,}"
       dry || grep -h "fp8_profile timeline:" "$LOGS/fp8_timeline.log" ;;
+    breakdown)
+      for side in ${BREAKDOWN_SIDES:-after before}; do
+        [ $side = after ] && path=$HERE_PATH || path=$BEFORE_PATH
+        piece "breakdown $side" "${HOST_TIMEOUT:-60}" fp8_breakdown_$side.log \
+          env PYTHONPATH="$path" python3 dev/gpu/host_breakdown.py --fp8 "${FORMATS%%,*}" \
+          --num-sms "${NUM_SMS##*,}"
+      done ;;
     layer)
       piece layer "${LAYER_TIMEOUT:-150}" fp8_layer.log env PYTHONPATH="$HERE_PATH" \
         python3 -m megatron_deepep.bench.layer --te --variants \
         "${LAYER_VARIANTS:-te-alltoall-fused,te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,\
 te-deepep-fp8-experts}" \
         --iters 20 --out "$LOGS/fp8_layer.json" ${LAYER_ARGS:-} ;;
-    *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu host timeline layer" \
-         "tests2)"
+    *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu host timeline breakdown" \
+         "layer tests2)"
        exit 2 ;;
   esac
 done
