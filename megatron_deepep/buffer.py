@@ -192,15 +192,18 @@ class Buffer:
             self._enter_capture()
         if self._comm_stream is None:
             return fn(), EventHandle(None)
-        compute = torch.cuda.current_stream()
-        capture = _capture_of(compute) if capturing else None
         if previous_event is None and not async_finish:
             # The caller's stream would wait for the comm stream anyway: launching on it gives
-            # the same order without two cross-stream event pairs per call.
-            self._call_order.before(compute, capture)
+            # the same order without two cross-stream event pairs per call. It is named by its
+            # raw handle (a torch Stream object costs ~5 µs a call).
+            current = _current_stream()
+            capture = _capture_of(current) if capturing else None
+            self._call_order.before(current, capture)
             result = fn()
-            self._call_order.after(compute, capture)
+            self._call_order.after(current, capture)
             return result, EventHandle(None)
+        compute = torch.cuda.current_stream()
+        capture = _capture_of(compute) if capturing else None
         if previous_event is not None and previous_event.event is not None:
             self._comm_stream.wait_event(previous_event.event)
         else:
@@ -479,8 +482,11 @@ class CallOrder:
     eager work or of another capture cannot be waited on there): a replay runs in the order of
     the stream it is launched on.
 
+    Streams are torch Streams or `CurrentStream`s: what is used of them is `cuda_stream`,
+    `device_index`, `wait_event` and `record_event`.
+
     Args:
-        new_event: makes an event with `record(stream)` (`torch.cuda.Event`).
+        new_event: makes an event (`torch.cuda.Event`).
     """
 
     # `capture` below: None for an eager call, else the id of the capture recording it
@@ -515,8 +521,34 @@ class CallOrder:
                 event = self._eager_events[key] = self._new_event()
         else:  # a capture records into its own graph: a new event, never an eager one
             event = self._new_event()
-        event.record(stream)
+        stream.record_event(event)
         self._last = (event, handle, capture)
+
+
+def _current_stream() -> "CurrentStream":
+    return CurrentStream(ops.current_raw_stream())
+
+
+class CurrentStream:
+    """The caller's current stream as `CallOrder` uses it (`cuda_stream`, `device_index`,
+    `wait_event`, `record_event`), made from its raw handle.
+
+    Args:
+        raw: the current stream's raw handle (`ops.current_raw_stream()`).
+    """
+
+    __slots__ = ("cuda_stream", "device_index")
+
+    def __init__(self, raw):
+        self.cuda_stream, self.device_index = raw.cuda_stream, raw.device_index
+
+    @staticmethod
+    def wait_event(event) -> None:
+        event.wait()  # on the current stream
+
+    @staticmethod
+    def record_event(event) -> None:
+        event.record()  # on the current stream
 
 
 def _capture_of(stream) -> int:
@@ -586,7 +618,19 @@ _BUFFERS = {}
 
 def is_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return _cuda_available() and torch.cuda.is_current_stream_capturing()
+
+
+_CUDA_SEEN = False
+
+
+def _cuda_available() -> bool:
+    """`torch.cuda.is_available()`, remembered once true (it costs ~3 µs, every call asks, and
+    CUDA does not go away from a process that has it)."""
+    global _CUDA_SEEN
+    if not _CUDA_SEEN:
+        _CUDA_SEEN = torch.cuda.is_available()
+    return _CUDA_SEEN
 
 
 def check_buffers() -> None:

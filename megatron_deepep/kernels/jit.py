@@ -469,6 +469,9 @@ class Kernel:
         self._max_dynamic_shared = 48 * 1024  # what a launch may ask for without an attribute
         self._occupancy: Dict[Tuple[int, int], int] = {}  # (block, shared_mem) -> blocks/SM
         self._device_sms: Optional[int] = None
+        from cuda.bindings import driver
+        # Bound once: an import statement and two attribute lookups cost ~1 µs per launch.
+        self._launch, self._launch_ex = driver.cuLaunchKernel, driver.cuLaunchKernelEx
 
     def launch(self, grid: int, block: int, args: KernelArgs, stream, shared_mem: int = 0,
                programmatic: bool = False, cooperative: bool = False) -> None:
@@ -483,7 +486,6 @@ class Kernel:
             CoResidencyError: a cooperative grid larger than the GPU holds at once.
             CudaError: the launch failed (the CUDA error name and the kernel).
         """
-        from cuda.bindings import driver
         if not getattr(_contexts_checked, "done", False):
             ensure_context(self.device_index)
             _contexts_checked.done = True
@@ -498,10 +500,10 @@ class Kernel:
             config = _launch_config(programmatic, cooperative)
             config.gridDimX, config.blockDimX = grid, int(block)
             config.sharedMemBytes, config.hStream = shared_mem, stream.cuda_stream
-            err, = driver.cuLaunchKernelEx(config, self.function, args.kernel_params, 0)
+            err, = self._launch_ex(config, self.function, args.kernel_params, 0)
         else:
-            err, = driver.cuLaunchKernel(self.function, grid, 1, 1, int(block), 1, 1,
-                                         shared_mem, stream.cuda_stream, args.kernel_params, 0)
+            err, = self._launch(self.function, grid, 1, 1, int(block), 1, 1, shared_mem,
+                                stream.cuda_stream, args.kernel_params, 0)
         if int(err) != 0:
             raise CudaError(f"launching {self.name} (grid {grid}, block {block}, "
                             f"{shared_mem} B shared) failed: {error_name(err)}")

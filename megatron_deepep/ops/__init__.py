@@ -45,8 +45,8 @@ from megatron_deepep.ops.internode import (  # noqa: F401
     internode_ring_combine_expressions, internode_ring_count, internode_ring_dispatch,
     internode_ring_expressions, internode_wire, net_ring_min_blocks)
 from megatron_deepep.ops.launch import (  # noqa: F401
-    COMM_THREADS, ROW_DTYPE_CODES, ROW_DTYPE_NAMES, ErrorSink, addr, as_wire_rows, launch_on,
-    launch_stream, on_launch_stream, row_dtype_code)
+    COMM_THREADS, ROW_DTYPE_CODES, ROW_DTYPE_NAMES, ErrorSink, addr, as_wire_rows,
+    current_raw_stream, launch_on, launch_stream, on_launch_stream, row_dtype_code)
 from megatron_deepep.ops.layout import (  # noqa: F401
     LAYOUT_CHUNK_ENTRIES, LAYOUT_MAX_CHUNK_ENTRIES, LAYOUT_THREADS, LayoutArgs, LocalRecv,
     dispatch_layout, layout_chunk_tokens, layout_plan)

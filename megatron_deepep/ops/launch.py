@@ -46,6 +46,12 @@ def on_launch_stream():
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+def current_raw_stream():
+    """torch's current stream as a raw handle (`jit.RawStream`: `cuda_stream`, `device_index`),
+    without building a torch Stream object (~5 µs)."""
+    return jit.current_raw_stream()
+
+
 def launch_stream():
     """The stream kernels go to now: `launch_on`'s, else the current one as a raw handle
     (building a torch Stream object per launch costs tens of µs)."""

@@ -42,6 +42,9 @@ class FakeStream:
         assert event.recorded, "a wait on an event never recorded orders nothing"
         self.log.entries.append((self.name, "wait", event.id))
 
+    def record_event(self, event):
+        event.record(self)
+
     def wait_stream(self, other):
         event = FakeEvent(self.log)
         event.record(other)
@@ -87,6 +90,7 @@ def fake_buffer(monkeypatch):
     buf._call_order = CallOrder(lambda: FakeEvent(log))
     buf._transport = _Transport()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current["stream"])
+    monkeypatch.setattr(buffer_module, "_current_stream", lambda: current["stream"])
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
     monkeypatch.setattr(buffer_module, "is_capturing", lambda: False)
 
@@ -194,3 +198,28 @@ def test_eager_calls_reuse_one_event_per_stream_and_captures_get_their_own():
     assert len(made) == 4  # a capture never records an eager event
     order.after(a)
     assert len(made) == 4 and order._last[0] is made[0]
+
+
+def test_current_stream_waits_and_records_on_whatever_stream_is_current():
+    """The sync path's stream stand-in: no torch Stream, the event ops take no stream (so
+    they use the current one), and it keeps the handle CallOrder keys its events by."""
+    calls = []
+
+    class _Event:
+        def wait(self, *args):
+            calls.append(("wait", args))
+
+        def record(self, *args):
+            calls.append(("record", args))
+
+    class _Raw:
+        cuda_stream, device_index = 1234, 3
+
+    current = buffer_module.CurrentStream(_Raw())
+    order = CallOrder(_Event)
+    order.after(current)
+    other = buffer_module.CurrentStream(type("_Other", (), {"cuda_stream": 99,
+                                                            "device_index": 3})())
+    order.before(other)
+    assert calls == [("record", ()), ("wait", ())]
+    assert order._last[1] == 1234 and (1234, 3) in order._eager_events
