@@ -179,6 +179,7 @@ def raw_costs(hidden: int, num_rows: int, calls: int) -> None:
         "torch.cuda.is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
         "Stream.wait_stream": lambda: stream.wait_stream(stream),
     }
+    cases.update(_launch_cases())
     for label, fn in cases.items():
         for _ in range(20):
             fn()
@@ -187,6 +188,39 @@ def raw_costs(hidden: int, num_rows: int, calls: int) -> None:
             fn()
         print(f"host_breakdown: raw {label:<40} "
               f"{(time.perf_counter_ns() - t0) / calls / 1e3:6.2f} µs", flush=True)
+
+
+def _launch_cases() -> Dict[str, Callable]:
+    """An empty kernel's launch through cuda.bindings (as `Kernel.launch` makes it), and the
+    same launch through ctypes straight into libcuda: what the binding's own layer costs."""
+    import ctypes
+
+    from cuda.bindings import driver
+
+    from megatron_deepep.kernels import jit
+    source = 'extern "C" __global__ void empty_kernel(long long p) {}'
+    cubin, _ = jit.compile_program(source, "empty.cu", [], [f"-arch={jit.device_arch()}"])
+    jit.ensure_context(torch.cuda.current_device())
+    image = ctypes.create_string_buffer(cubin, len(cubin))
+    module = jit.cu_check(driver.cuModuleLoadData(ctypes.addressof(image)), "load")
+    function = jit.cu_check(driver.cuModuleGetFunction(module, b"empty_kernel"), "function")
+    value = ctypes.c_longlong(0)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(value))
+    params_ptr = ctypes.addressof(params)
+    handle = torch.cuda.current_stream().cuda_stream
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    launch = libcuda.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    raw_function = int(function)
+    keep = (image, params, module)
+
+    def bindings():
+        keep  # noqa: B018 (alive while timed)
+        return driver.cuLaunchKernel(function, 1, 1, 1, 32, 1, 1, 0, handle, params_ptr, 0)
+
+    return {"launch, cuda.bindings cuLaunchKernel": bindings,
+            "launch, ctypes libcuda cuLaunchKernel":
+                lambda: launch(raw_function, 1, 1, 1, 32, 1, 1, 0, handle, params_ptr, None)}
 
 
 def main() -> None:
