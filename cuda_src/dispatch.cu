@@ -406,8 +406,7 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                                                                   pos_in_expert, n, lane);
         if (quant_stage != nullptr && n != staged_token) {
             // Quantized while the token's routing loads above are in flight.
-            fp8::release_stage();
-            __syncwarp();  // every lane and bulk copy has read the previous row from the stage
+            __syncwarp();  // every lane has read the previous row from the stage
             fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
                                            hidden, quant_stage, amax_epsilon, lane);
         }
@@ -439,5 +438,4 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                 hidden, dst, dst_scales, num_dst, amax_epsilon, lane);
     }
     if (kPreloadBeforeWait) cp_async_wait_all();  // a token with no rows left its copies
-    if (quant_stage != nullptr) bulk_wait_all();  // the stage outlives the copies reading it
 }

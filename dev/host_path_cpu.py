@@ -8,7 +8,8 @@ CPU tensors, faking only what needs a GPU:
 - `jit.current_raw_stream` returns a fixed `RawStream`;
 - `torch.cuda.current_stream`, `torch.cuda.Event`, `torch.cuda.current_device`,
   `torch.cuda.is_available` and `torch.cuda.is_current_stream_capturing` are cheap stand-ins
-  (the Buffer runs its CUDA path: a comm stream and a `CallOrder`) that count their calls;
+  (the Buffer runs its CUDA path: a comm stream and a `CallOrder`, whose events are stand-ins
+  too) that count their calls;
 - `torch.empty` hands back a view of a block kept per (shape, dtype), as the CUDA caching
   allocator hands back a cached block (real CPU allocations of the 470 MB output rows would
   mmap and unmap them on every call, and their page-table work would swamp the host path);
@@ -73,6 +74,9 @@ class _FakeEvent:
 
     def record(self, stream=None) -> None:
         self._counter.hit("Event.record")
+
+    def wait(self, stream=None) -> None:
+        self._counter.hit("Event.wait")
 
 
 class _FakeStream:
@@ -195,7 +199,7 @@ def make_buffer(counter: CudaCallCounter, max_tokens: int, hidden: int, num_topk
     buf._transport, buf.device = t, t.device
     buf._comm_stream = _FakeStream(counter, 9)
     buf._successor, buf._lineage, buf.captured = None, 0, False
-    buf._call_order = buffer_module.CallOrder(torch.cuda.Event)
+    buf._call_order = buffer_module.CallOrder(lambda: _FakeEvent(counter))
     return buf
 
 

@@ -26,6 +26,7 @@ from megatron_deepep import transport as transport_module
 from megatron_deepep.events import EventHandle
 from megatron_deepep.fp8.dispatch import Fp8Dispatch, check_fp8_argument
 from megatron_deepep.handle import DispatchHandle
+from megatron_deepep.kernels.cuda_calls import RawEvent
 from megatron_deepep.layout import DispatchLayout
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class Buffer:
         self.captured = False
         # Orders each call after the previous one (async on the comm stream, sync on the
         # caller's): they share the transport's epoch words and block counters.
-        self._call_order = CallOrder(torch.cuda.Event) if self._comm_stream is not None else None
+        self._call_order = CallOrder(RawEvent) if self._comm_stream is not None else None
         logger.info("megatron_deepep Buffer: rank %d/%d, transport %s, %d bytes", self.rank,
                     self.num_ranks, self._transport.name, self.num_bytes)
 
@@ -195,7 +196,8 @@ class Buffer:
         if previous_event is None and not async_finish:
             # The caller's stream would wait for the comm stream anyway: launching on it gives
             # the same order without two cross-stream event pairs per call. It is named by its
-            # raw handle (a torch Stream object costs ~5 µs a call).
+            # raw handle, and CallOrder's events take raw handles (a torch Stream object costs
+            # ~5 µs a call).
             current = _current_stream()
             capture = _capture_of(current) if capturing else None
             self._call_order.before(current, capture)
@@ -482,11 +484,11 @@ class CallOrder:
     eager work or of another capture cannot be waited on there): a replay runs in the order of
     the stream it is launched on.
 
-    Streams are torch Streams or `CurrentStream`s: what is used of them is `cuda_stream`,
-    `device_index`, `wait_event` and `record_event`.
+    Streams are torch Streams or raw handles (`jit.RawStream`): what is used of them is
+    `cuda_stream` and `device_index`.
 
     Args:
-        new_event: makes an event (`torch.cuda.Event`).
+        new_event: makes an event with `record(stream)` and `wait(stream)` (`RawEvent`).
     """
 
     # `capture` below: None for an eager call, else the id of the capture recording it
@@ -506,7 +508,7 @@ class CallOrder:
             return
         event, last_stream, last_capture = self._last
         if last_stream != stream.cuda_stream and last_capture == capture:
-            stream.wait_event(event)
+            event.wait(stream)
 
     def after(self, stream, capture: Optional[int] = None) -> None:
         """Records the end of the call just launched on `stream`."""
@@ -521,34 +523,13 @@ class CallOrder:
                 event = self._eager_events[key] = self._new_event()
         else:  # a capture records into its own graph: a new event, never an eager one
             event = self._new_event()
-        stream.record_event(event)
+        event.record(stream)
         self._last = (event, handle, capture)
 
 
-def _current_stream() -> "CurrentStream":
-    return CurrentStream(ops.current_raw_stream())
-
-
-class CurrentStream:
-    """The caller's current stream as `CallOrder` uses it (`cuda_stream`, `device_index`,
-    `wait_event`, `record_event`), made from its raw handle.
-
-    Args:
-        raw: the current stream's raw handle (`ops.current_raw_stream()`).
-    """
-
-    __slots__ = ("cuda_stream", "device_index")
-
-    def __init__(self, raw):
-        self.cuda_stream, self.device_index = raw.cuda_stream, raw.device_index
-
-    @staticmethod
-    def wait_event(event) -> None:
-        event.wait()  # on the current stream
-
-    @staticmethod
-    def record_event(event) -> None:
-        event.record()  # on the current stream
+def _current_stream():
+    """torch's current stream as `CallOrder` takes it: a raw handle with its device."""
+    return ops.current_raw_stream()
 
 
 def _capture_of(stream) -> int:

@@ -179,47 +179,28 @@ __device__ __forceinline__ int stage_stride(int hidden) {
 }
 
 // Quantizes the bf16 row `x` into the warp's shared-memory `stage` (e4m3 data, then scales at
-// stage + hidden): the same values quantize_row writes, so the rows stay bit-exact. The stage
-// must be free: the caller ran release_stage and a __syncwarp() since its last write_staged_row.
+// stage + hidden): the same values quantize_row writes, so the rows stay bit-exact.
 template <int kFmt>
 __device__ __forceinline__ void stage_quantized_row(const int4* x, int hidden, u8* stage,
                                                     float amax_epsilon, int lane) {
     u8* const data[1] = {stage};
     u8* const scales[1] = {stage + hidden};
     quantize_row<kFmt, 1, false>(x, hidden, data, scales, 1, amax_epsilon, lane);
-    fence_proxy_async_shared();  // this lane's stage bytes, before a bulk copy reads them
 }
 
-// Waits until the bulk copies this lane issued from its warp's stage (write_staged_row) have
-// read it; the warp's __syncwarp() after it frees the stage for the next row.
-__device__ __forceinline__ void release_stage() { bulk_wait_read(); }
-
 // Writes a staged quantized row (stage_quantized_row) to the rows of `recv_x` and
-// `recv_scales` that lanes 0..kTopk-1 name in `row_lane` (-1: none). On sm_90 lane k hands its
-// row to the TMA unit (one bulk copy of the data, one of the scales when their bytes are a
-// multiple of 16) and the warp goes on while it runs; else, and for other scale rows, the lanes
-// store 16-byte words for the data, 4-byte words (or bytes) for the scales, with row addresses
-// by shuffle (no pointer array in local memory). The caller __syncwarp()s between staging and
-// this call, and runs release_stage before the stage is written again.
+// `recv_scales` that lanes 0..kTopk-1 name in `row_lane` (-1: none): 16-byte words for the
+// data, 4-byte words (or bytes) for the scales. Row addresses come by shuffle, so no pointer
+// array lives in local memory. The caller __syncwarp()s between staging and this call.
 template <int kFmt, int kTopk>
 __device__ __forceinline__ void write_staged_row(const u8* stage, int hidden, u8* recv_x,
                                                  u8* recv_scales, int row_lane, int lane) {
     const int scale_bytes = scale_row_bytes<kFmt>(hidden);
-#if MDEEP_BULK_COPY
-    const bool bulk_scales = scale_bytes % 16 == 0;
-    if (lane < kTopk && row_lane >= 0) {
-        bulk_store(recv_x + (i64)row_lane * hidden, stage, hidden);
-        if (bulk_scales)
-            bulk_store(recv_scales + (i64)row_lane * scale_bytes, stage + hidden, scale_bytes);
-        bulk_commit();
-    }
-    if (bulk_scales) return;
-#endif
     int rows[kTopk];
 #pragma unroll
     for (int k = 0; k < kTopk; ++k) rows[k] = __shfl_sync(0xffffffffu, row_lane, k);
     const int4* words = reinterpret_cast<const int4*>(stage);
-    const int num_int4 = MDEEP_BULK_COPY ? 0 : hidden / 16;  // the data went by bulk copy
+    const int num_int4 = hidden / 16;
     for (int base = 0; base < num_int4; base += 32 * kCopyUnroll) {
         int4 v[kCopyUnroll];
 #pragma unroll

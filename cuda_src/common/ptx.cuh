@@ -85,42 +85,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// Bulk copies shared -> global by the TMA unit (sm_90+): the lanes neither read the shared
-// bytes nor issue the global stores, so the copy runs beside their next work. Source 16-byte
-// aligned, size a multiple of 16. The generic writes that filled the source are fenced for the
-// async proxy (fence_proxy_async_shared, by each writing lane, before the warp's sync that
-// precedes the copy); the issuing thread's bulk_wait_read returns once its copies have read
-// their source (which may then be overwritten), bulk_wait_all once they are complete.
-#if __CUDA_ARCH__ >= 900
-#define MDEEP_BULK_COPY 1
-__device__ __forceinline__ void fence_proxy_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, u32 bytes) {
-    const u32 src = static_cast<u32>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 ::"l"(gmem), "r"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-
-__device__ __forceinline__ void bulk_wait_all() {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-#else
-#define MDEEP_BULK_COPY 0
-__device__ __forceinline__ void fence_proxy_async_shared() {}
-__device__ __forceinline__ void bulk_wait_read() {}
-__device__ __forceinline__ void bulk_wait_all() {}
-#endif
-
 // Bytes of dynamic shared memory this launch was given.
 __device__ __forceinline__ u32 dynamic_smem_bytes() {
     u32 bytes;

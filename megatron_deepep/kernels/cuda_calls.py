@@ -55,3 +55,50 @@ def stream_capture_id(cuda_stream: int):
     if status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
         return None
     return int(capture_id)
+
+
+class RawEvent:
+    """A CUDA event (no timing) recorded and waited for on raw stream handles through the
+    driver: its callers need no torch Stream object (torch's `Event.record()` builds one for
+    the current stream, ~5 µs). Made in the current context at its first record; destroyed with
+    the object.
+
+    Streams are anything with `cuda_stream` (a raw handle): a torch Stream or a `jit.RawStream`.
+    """
+
+    __slots__ = ("_handle",)
+
+    def __init__(self):
+        self._handle = None
+
+    def record(self, stream) -> None:
+        """Records the work issued so far on `stream`.
+
+        Raises:
+            CudaError: the driver refused the event or the record.
+        """
+        from cuda.bindings import driver
+        if self._handle is None:
+            self._handle = cu_check(
+                driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                "cuEventCreate")
+        cu_check(driver.cuEventRecord(self._handle, stream.cuda_stream), "cuEventRecord")
+
+    def wait(self, stream) -> None:
+        """Makes `stream` wait for the last record (the event must have been recorded).
+
+        Raises:
+            CudaError: the driver refused the wait.
+        """
+        from cuda.bindings import driver
+        cu_check(driver.cuStreamWaitEvent(stream.cuda_stream, self._handle, 0),
+                 "cuStreamWaitEvent")
+
+    def __del__(self):
+        if self._handle is not None:
+            try:
+                from cuda.bindings import driver
+                driver.cuEventDestroy(self._handle)
+            except Exception:  # interpreter shutdown: the driver may be gone already
+                pass
+

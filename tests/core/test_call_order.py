@@ -31,6 +31,9 @@ class FakeEvent:
         self.recorded = True
         self.log.entries.append((stream.name, "record", self.id))
 
+    def wait(self, stream):
+        stream.wait_event(self)
+
 
 class FakeStream:
     _handles = itertools.count(1)
@@ -41,9 +44,6 @@ class FakeStream:
     def wait_event(self, event):
         assert event.recorded, "a wait on an event never recorded orders nothing"
         self.log.entries.append((self.name, "wait", event.id))
-
-    def record_event(self, event):
-        event.record(self)
 
     def wait_stream(self, other):
         event = FakeEvent(self.log)
@@ -200,26 +200,33 @@ def test_eager_calls_reuse_one_event_per_stream_and_captures_get_their_own():
     assert len(made) == 4 and order._last[0] is made[0]
 
 
-def test_current_stream_waits_and_records_on_whatever_stream_is_current():
-    """The sync path's stream stand-in: no torch Stream, the event ops take no stream (so
-    they use the current one), and it keeps the handle CallOrder keys its events by."""
+def test_raw_event_records_and_waits_by_raw_handles(monkeypatch):
+    """CallOrder's event: made once at its first record, then recorded on and waited for by
+    the streams' raw handles (no torch Stream object), each status checked."""
+    from cuda.bindings import driver
+
+    from megatron_deepep.kernels import cuda_calls
     calls = []
-
-    class _Event:
-        def wait(self, *args):
-            calls.append(("wait", args))
-
-        def record(self, *args):
-            calls.append(("record", args))
+    ok = driver.CUresult.CUDA_SUCCESS
+    monkeypatch.setattr(driver, "cuEventCreate",
+                        lambda flags: calls.append(("create", int(flags))) or (ok, "ev"))
+    monkeypatch.setattr(driver, "cuEventRecord",
+                        lambda ev, stream: calls.append(("record", ev, stream)) or (ok,))
+    monkeypatch.setattr(driver, "cuStreamWaitEvent",
+                        lambda stream, ev, flags: calls.append(("wait", stream, ev)) or (
+                            driver.CUresult.CUDA_ERROR_INVALID_HANDLE,))
+    monkeypatch.setattr(driver, "cuEventDestroy", lambda ev: calls.append(("destroy", ev)))
 
     class _Raw:
-        cuda_stream, device_index = 1234, 3
+        def __init__(self, handle):
+            self.cuda_stream, self.device_index = handle, 0
 
-    current = buffer_module.CurrentStream(_Raw())
-    order = CallOrder(_Event)
-    order.after(current)
-    other = buffer_module.CurrentStream(type("_Other", (), {"cuda_stream": 99,
-                                                            "device_index": 3})())
-    order.before(other)
-    assert calls == [("record", ()), ("wait", ())]
-    assert order._last[1] == 1234 and (1234, 3) in order._eager_events
+    event = cuda_calls.RawEvent()
+    event.record(_Raw(11))
+    event.record(_Raw(12))
+    disable_timing = int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    assert calls == [("create", disable_timing), ("record", "ev", 11), ("record", "ev", 12)]
+    with pytest.raises(cuda_calls.CudaError, match="cuStreamWaitEvent.*INVALID_HANDLE"):
+        event.wait(_Raw(13))
+    del event
+    assert calls[-2:] == [("wait", 13, "ev"), ("destroy", "ev")]
