@@ -398,10 +398,6 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                                             expert_row_start, lane);
 
     for (int n = warp; n < num_tokens; n += num_warps) {
-        // The warp's next row heads for L2 while this one is written: its quantize then waits
-        // on L2, not HBM, for each chunk it loads.
-        if (quant_stage != nullptr && lane == 0 && n + num_warps < num_tokens)
-            prefetch_l2(x + (n + num_warps) * in_row_bytes, (u32)in_row_bytes);
         if (kPreload && (n != warp || !kPreloadBeforeWait))
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);

@@ -85,14 +85,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// Has the TMA unit bring `bytes` at `gmem` (16-byte aligned, a multiple of 16) into L2, so a
-// later load of them waits on L2 rather than HBM (sm_90+; nothing before).
-__device__ __forceinline__ void prefetch_l2(const void* gmem, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
-#endif
-}
-
 // Bytes of dynamic shared memory this launch was given.
 __device__ __forceinline__ u32 dynamic_smem_bytes() {
     u32 bytes;
