@@ -313,26 +313,6 @@ __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_
 // 1024 threads per budgeted SM for bf16 (the bare read-once-write-K kernel's warps per SM).
 // Given `host_info` (a synchronous call launched before its host wait), the last warp publishes
 // the layout kernel's receive layout to the host, off the layout's critical path.
-// Lane 0 claims the warp's next token from `claims[0]` (tokens below `num_warps` are every
-// warp's first, taken by index); every lane gets it. A claim at or past the token count ends the
-// warp's tokens.
-__device__ __forceinline__ int claim_token(int* claims, int num_warps, int lane) {
-    int token = 0;
-    if (lane == 0) token = num_warps + atomicAdd(claims, 1);
-    return __shfl_sync(0xffffffffu, token, 0);
-}
-
-// Counts the warp done; the last warp zeroes the counters for the next launch (stream-ordered
-// after this grid: no later dispatch_local starts before it has finished).
-__device__ __forceinline__ void release_token_claims(int* claims, int num_warps, int lane) {
-    if (lane != 0) return;
-    __threadfence();  // this warp's claims come before its count
-    if (atomicAdd(claims + 1, 1) == num_warps - 1) {
-        claims[0] = 0;
-        claims[1] = 0;
-    }
-}
-
 template <int kFmt>
 struct DispatchLocalThreads {
     static constexpr int value = kFmt == fp8::kWireBf16 ? 1024 : kDispatchThreads;
@@ -359,7 +339,6 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     HostInfo* const host_info = args.host_info;
     const int* const tokens_per_expert = args.tokens_per_expert;
     const u32 host_epoch = args.host_epoch;
-    int* const token_claims = args.token_claims;
     static_assert(kTopk <= 32, "one lane per top-k entry");
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -418,19 +397,7 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                                             scale_bytes, max_rows, num_recv_tokens_per_expert,
                                             expert_row_start, lane);
 
-    // Quantizing warps take their tokens past the first from a shared counter instead of by
-    // stride: blocks that start late (behind the layout kernel's blocks on their SMs) or meet
-    // slow rows then take fewer, and the grid ends together. Each claim is made a token ahead
-    // (its latency hides behind the token in hand).
-    const bool claims = quant_stage != nullptr && token_claims != nullptr;
-    int claimed = claims && warp < num_tokens ? claim_token(token_claims, num_warps, lane) : 0;
-    for (int n = warp, next; n < num_tokens; n = next) {
-        if (claims) {
-            next = claimed;
-            if (next < num_tokens) claimed = claim_token(token_claims, num_warps, lane);
-        } else {
-            next = n + num_warps;
-        }
+    for (int n = warp; n < num_tokens; n += num_warps) {
         if (kPreload && (n != warp || !kPreloadBeforeWait))
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
@@ -471,5 +438,4 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                 hidden, dst, dst_scales, num_dst, amax_epsilon, lane);
     }
     if (kPreloadBeforeWait) cp_async_wait_all();  // a token with no rows left its copies
-    if (claims) release_token_claims(token_claims, num_warps, lane);
 }

@@ -134,7 +134,6 @@ struct DispatchLocalArgs {
     HostInfo* host_info;
     const int* tokens_per_expert;
     u32 host_epoch;
-    int* token_claims;  // [2]: tokens claimed past the first per warp, warps done; zero between
 };
 
 // combine.cu: combine_send.

@@ -47,7 +47,7 @@ class DispatchLocalArgs(KernelArgs):
         ("slot_rows", Ptr), ("x", Ptr), ("x_scales", Ptr), ("amax_epsilon", F32),
         ("topk_idx", Ptr), ("topk_weights", Ptr), ("pos_in_expert", Ptr),
         ("token_slot_in_rank", Ptr), ("num_tokens", I32), ("num_local", I32), ("host_info", Ptr),
-        ("tokens_per_expert", Ptr), ("host_epoch", U32), ("token_claims", Ptr)]
+        ("tokens_per_expert", Ptr), ("host_epoch", U32)]
 
 
 def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
@@ -113,17 +113,14 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
                    x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
                    fp8, num_local: int, num_sms: int, after_layout: bool = False,
-                   host_info_ptr: int = 0, host_epoch: int = 0, token_claims: int = 0) -> None:
+                   host_info_ptr: int = 0, host_epoch: int = 0) -> None:
     """EP = 1: expands `x [N, H]` into the expert-major `recv_x` with no protocol; the same
     outputs as `dispatch_recv` on one rank (`recv_weights` and `recv`'s `slot_rows` written
     unless `cached`, which reads `slot_rows`). `after_layout`: the previous kernel on this
     stream is the layout kernel of `lay`, so the launch may overlap its end (the kernel reads
     only `x`, complete before that layout began, until the layout has finished).
     `host_info_ptr` (a synchronous call launched before its host wait): the kernel publishes
-    `recv`'s receive layout there with `host_epoch` once the layout has finished.
-    `token_claims`: the device address of two int32 words, zero, that only this stream's
-    dispatch_local launches use (left zero at the end): quantizing warps then take their tokens
-    from it (0: by stride)."""
+    `recv`'s receive layout there with `host_epoch` once the layout has finished."""
     fmt, dequant, amax_epsilon = wire_format(fp8)
     kernel = jit.get_kernel("dispatch.cu", "dispatch_local",
                             [topk_idx.shape[1], cached, index_type_name(topk_idx), fmt, dequant])
@@ -142,7 +139,7 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
         token_slot_in_rank=lay.address("token_slot_in_rank"), num_tokens=x.shape[0],
         num_local=num_local, host_info=host_info_ptr, tokens_per_expert=a("tokens_per_expert"),
-        host_epoch=host_epoch & 0xFFFFFFFF, token_claims=token_claims)
+        host_epoch=host_epoch & 0xFFFFFFFF)
     kernel.launch(num_sms, threads, args, launch_stream(), shared_mem=stage_bytes,
                   programmatic=after_layout)
 

@@ -54,11 +54,9 @@ class LocalTransport(Transport):
         self.max_tokens = num_max_tokens_per_rank
         self.num_sms = num_sms
         self.timeout_ns = int(timeout_s * 1e9)
-        # The notify kernel's Meta block (zeroed once: flags carry epochs), after it the error
-        # claim word, then dispatch_local's token claims (zero between its launches, which the
-        # Buffer's call order keeps one at a time).
-        self._private = torch.zeros(META_BYTES + 32, dtype=torch.uint8, device=self.device)
-        self._token_claims = self._private.data_ptr() + META_BYTES + 16
+        # The notify kernel's Meta block (zeroed once: flags carry epochs) and, after it, the
+        # error claim word.
+        self._private = torch.zeros(META_BYTES + 16, dtype=torch.uint8, device=self.device)
         self._meta_bases = torch.tensor([self._private.data_ptr()], dtype=torch.int64,
                                         device=self.device)
         self.status = KernelStatus(self._private.data_ptr() + META_BYTES, 0, timeout_s)
@@ -140,7 +138,7 @@ class LocalTransport(Transport):
                            topk_weights, layout, cached=False, fp8=fp8, num_local=num_experts,
                            num_sms=self.num_sms, after_layout=after_layout,
                            host_info_ptr=host_info if expand_publishes else 0,
-                           host_epoch=self.epoch, token_claims=self._token_claims)
+                           host_epoch=self.epoch)
         tokens_per_expert_list = None
         if is_sync:  # read after the launch: off the wait's critical path
             if rows_before_wait is not None:
@@ -168,8 +166,7 @@ class LocalTransport(Transport):
         recv_x, recv_scales = empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
         ops.dispatch_local(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None,
                            handle.layout, cached=True, fp8=fp8,
-                           num_local=handle.num_local_experts, num_sms=self.num_sms,
-                           token_claims=self._token_claims)
+                           num_local=handle.num_local_experts, num_sms=self.num_sms)
         if fp8 is None and row_dtype != torch.bfloat16:
             recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales)
