@@ -1,5 +1,6 @@
 """CPU tier: the FP8 measurement scripts of `dev/gpu/` (fp8.sh, tier_round.sh) plan what their
-header says in a dry run, and fp8_profile.py's timeline splits a call's host stamps right."""
+header says in a dry run, fp8_profile.py's timeline splits a call's host stamps right, and
+host_breakdown.py's timers wrap and restore each kind of target."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 from tests.helpers import load_dev_gpu_script
 
@@ -79,3 +81,46 @@ def test_timeline_without_a_wait_reports_the_call_only(capsys):
     load_dev_gpu_script("fp8_profile")._print_timeline("fp8 nosync", stamps, float("nan"))
     out = capsys.readouterr().out
     assert "host per call 50.0, between calls 10.0 µs" in out and "wait" not in out
+
+
+def test_breakdown_piece_plans_both_sides(before_dir):
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="breakdown", NUM_SMS="24,132",
+                       BREAKDOWN_SIDES="after before")
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if line.startswith("dry run: breakdown")]
+    assert [line.split()[3] for line in lines] == ["after", "before"]
+    assert all("host_breakdown.py --fp8 blockwise_1x128 --num-sms 132" in line
+               for line in lines)
+    assert before_dir[1] in lines[1] and before_dir[1] not in lines[0]
+
+
+def test_breakdown_timers_wrap_functions_methods_and_classmethods():
+    """Each kind of target is timed while enabled, counted per call, and put back as it was;
+    a target this package lacks (an older tree) is skipped, not an error."""
+    import megatron_deepep.arena as arena
+    import megatron_deepep.validate as validate
+
+    breakdown = load_dev_gpu_script("host_breakdown")
+    originals = (validate.__dict__["check_int"], arena.ArenaPlan.__dict__["allocate"],
+                 arena.ArenaFields.__dict__["from_arena"])
+    timers = breakdown.Timers()
+    assert timers.patch("megatron_deepep.validate", "check_int")
+    assert timers.patch("megatron_deepep.arena", "ArenaPlan.allocate")
+    assert timers.patch("megatron_deepep.arena", "ArenaFields.from_arena")
+    assert not timers.patch("megatron_deepep.arena", "ArenaPlan.no_such_method")
+    assert not timers.patch("megatron_deepep.validate", "no_such_function")
+    try:
+        plan = arena.ArenaPlan([("a", (4,), torch.int32)])
+        validate.check_int("n", 3, low=0)  # not counted: the timers are off
+        timers.enabled = True
+        validate.check_int("n", 3, low=0)
+        made = plan.allocate("cpu")
+        arena.ArenaFields.from_arena(made)
+        timers.enabled = False
+        assert dict(timers.count) == {"check_int": 1, "ArenaPlan.allocate": 1,
+                                      "ArenaFields.from_arena": 1}
+        assert all(ns > 0 for ns in timers.ns.values())
+    finally:
+        timers.unpatch()
+    assert (validate.__dict__["check_int"], arena.ArenaPlan.__dict__["allocate"],
+            arena.ArenaFields.__dict__["from_arena"]) == originals
