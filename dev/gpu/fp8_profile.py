@@ -54,24 +54,14 @@ def main() -> None:
                         help="hidden sizes of --check, comma-separated")
     args = parser.parse_args()
     num_tokens, hidden, num_experts, num_topk = (int(v) for v in args.shape.split(","))
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29541"))
-    if DEVICE == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("gloo")
+    join_as_one_rank("29541")
     if args.check:
         failed = check(num_tokens, num_experts, num_topk, args)
         dist.destroy_process_group()
         raise SystemExit(1 if failed else 0)
     buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, num_sms=args.num_sms)
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=g).bfloat16()
-    scores = torch.rand(num_tokens, num_experts, device=DEVICE, generator=g)
-    probs, idx = scores.topk(num_topk, dim=1)
-    weights = (probs / probs.sum(1, keepdim=True)).float()
+    x, idx, weights, specs = make_inputs(num_tokens, hidden, num_experts, num_topk, args.fp8)
     bound = num_tokens * num_topk
-    specs = [("bf16", None)] + [(n, Fp8Dispatch.named(n, "fp8"))
-                                for n in args.fp8.split(",") if n]
     if args.timeline:
         timeline(buf, x, idx, weights, num_experts, specs, args.timeline_calls)
         buf.destroy()
@@ -98,6 +88,30 @@ def main() -> None:
                   flush=True)
     buf.destroy()
     dist.destroy_process_group()
+
+
+def join_as_one_rank(default_port: str) -> None:
+    """This process as rank 0 of a gloo group of one (MASTER_PORT, else `default_port`), on
+    GPU 0 where there is one."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", default_port))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo")
+
+
+def make_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int, fp8_names: str):
+    """Seeded inputs: `x [N, H]` bf16, `idx [N, K]` int64 top-k of random scores, `weights
+    [N, K]` float32 (rows sum to 1), and the formats `[(name, Fp8Dispatch or None)]`, bf16
+    first, then each of the comma-separated `fp8_names`."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=g).bfloat16()
+    scores = torch.rand(num_tokens, num_experts, device=DEVICE, generator=g)
+    probs, idx = scores.topk(num_topk, dim=1)
+    weights = (probs / probs.sum(1, keepdim=True)).float()
+    specs = [("bf16", None)] + [(n, Fp8Dispatch.named(n, "fp8"))
+                                for n in fp8_names.split(",") if n]
+    return x, idx, weights, specs
 
 
 def _synchronize() -> None:

@@ -23,6 +23,7 @@ import collections
 import functools
 import importlib
 import os
+import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
@@ -31,7 +32,11 @@ import torch.distributed as dist
 
 from megatron_deepep.bench.run import host_profile_calls
 from megatron_deepep.buffer import Buffer
-from megatron_deepep.fp8.dispatch import Fp8Dispatch
+
+# fp8_profile.py beside this script: its one-rank group and inputs (this folder is no package,
+# so it goes on sys.path here, for a test that loads this file as well).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fp8_profile  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -231,18 +236,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
     num_tokens, hidden, num_experts, num_topk = (int(v) for v in args.shape.split(","))
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29543"))
-    if DEVICE == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("gloo")
+    fp8_profile.join_as_one_rank("29543")
     buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, num_sms=args.num_sms)
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=g).bfloat16()
-    probs, idx = torch.rand(num_tokens, num_experts, device=DEVICE, generator=g).topk(num_topk)
-    weights = (probs / probs.sum(1, keepdim=True)).float()
-    specs = [("bf16", None)] + [(n, Fp8Dispatch.named(n, "fp8"))
-                                for n in args.fp8.split(",") if n]
+    x, idx, weights, specs = fp8_profile.make_inputs(num_tokens, hidden, num_experts, num_topk,
+                                                     args.fp8)
     breakdown(buf, x, idx, weights, num_experts, specs, args.calls)
     if DEVICE == "cuda":
         raw_costs(hidden, num_tokens * num_topk, args.calls)
