@@ -7,7 +7,8 @@ CPU tensors, faking only what needs a GPU:
 - `jit._get_kernel` returns a kernel whose `launch` does nothing (`jit.get_kernel` itself runs);
 - `jit.current_raw_stream` returns a fixed `RawStream`;
 - `torch.cuda.current_stream`, `torch.cuda.Event`, `torch.cuda.current_device`,
-  `torch.cuda.is_available` and `torch.cuda.is_current_stream_capturing` are cheap stand-ins
+  `torch.cuda.is_available`, `torch.cuda.is_initialized` (true) and
+  `torch.cuda.is_current_stream_capturing` are cheap stand-ins
   (the Buffer runs its CUDA path: a comm stream and a `CallOrder`, whose events are stand-ins
   too) that count their calls;
 - `torch.empty` hands back a view of a block kept per (shape, dtype), as the CUDA caching
@@ -155,6 +156,7 @@ def fake_gpu(counter: CudaCallCounter):
     patch(torch.cuda, "current_stream", current_stream)
     patch(torch.cuda, "current_device", current_device)
     patch(torch.cuda, "is_available", is_available)
+    patch(torch.cuda, "is_initialized", lambda: True)  # as on a GPU host: the capture query runs
     patch(torch.cuda, "is_current_stream_capturing", is_capturing)
     patch(torch.cuda, "Event", lambda *a, **k: _FakeEvent(counter))
     patch(torch.cuda, "ExternalStream", lambda *a, **k: None)

@@ -598,20 +598,10 @@ _BUFFERS = {}
 
 
 def is_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return _cuda_available() and torch.cuda.is_current_stream_capturing()
-
-
-_CUDA_SEEN = False
-
-
-def _cuda_available() -> bool:
-    """`torch.cuda.is_available()`, remembered once true (it costs ~3 µs, every call asks, and
-    CUDA does not go away from a process that has it)."""
-    global _CUDA_SEEN
-    if not _CUDA_SEEN:
-        _CUDA_SEEN = torch.cuda.is_available()
-    return _CUDA_SEEN
+    """Whether the current CUDA stream is capturing a graph (False without CUDA). A capture
+    needs torch's CUDA state, so an uninitialized one answers first: `is_initialized` reads a
+    flag, where `is_available` cost ~4 µs a call on an H100 host."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def check_buffers() -> None:

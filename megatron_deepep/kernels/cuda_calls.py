@@ -101,4 +101,3 @@ class RawEvent:
                 driver.cuEventDestroy(self._handle)
             except Exception:  # interpreter shutdown: the driver may be gone already
                 pass
-
