@@ -378,8 +378,9 @@ def _graph_worker(rank, world):
     nvl.destroy()
 
 
-@pytest.mark.parametrize("num_procs", [n for n in NUM_PROCS if n > 1])
+@pytest.mark.parametrize("num_procs", NUM_PROCS)
 def test_nvlink_graph_replay(num_procs):
+    """At 1 process the EP = 1 kernels: the call order's events recorded inside the capture."""
     run_distributed(num_procs, _graph_worker, backend=tier_backend(), timeout_s=300)
 
 
