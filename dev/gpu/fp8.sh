@@ -19,7 +19,8 @@
 #   before  the same bench with BEFORE_DIR's package, no Megatron rows (BEFORE_TIMEOUT, 120)
 #   ncu     Nsight Compute on dev/gpu/fp8_profile.py, after then before: per kernel duration,
 #           DRAM throughput, occupancy, registers, warp stalls, at NCU_SMS blocks (default
-#           132) (NCU_TIMEOUT, 90 each)
+#           132) (NCU_TIMEOUT, 90 each); NCU_EXTRA adds ncu arguments, e.g. "--metrics
+#           l1tex__m_l1tex2xbar_throughput.avg.pct_of_peak_sustained_elapsed" (L1 to L2 writes)
 #   host    dev/gpu/fp8_profile.py --host, after then before: host and CUDA-event µs per call of
 #           sync, nosync and cached dispatch, bf16 and each format, and the bench's cProfile of
 #           each mode with the first format (HOST_TIMEOUT, 60 each)
@@ -91,6 +92,8 @@ NCU_KERNELS="regex:dispatch_local|layout_kernel"
 NCU_ARGS=(--clock-control none --kernel-name "$NCU_KERNELS" --section SpeedOfLight
   --section Occupancy --section LaunchStats --section WarpStateStats
   --section MemoryWorkloadAnalysis)
+read -r -a NCU_EXTRA_ARGS <<< "${NCU_EXTRA:-}"
+NCU_ARGS+=("${NCU_EXTRA_ARGS[@]}")
 for name in $PIECES; do
   case $name in
     check)
@@ -120,6 +123,7 @@ for name in $PIECES; do
     ncu)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
         2>/dev/null | head -n 1)
+      if [ -z "$NCU" ] && dry; then NCU=ncu; fi  # the plan, wherever ncu is
       if [ -z "$NCU" ]; then
         SUMMARY+=("ncu: not found on PATH, in /usr/local/cuda/bin or /opt/nvidia"); continue
       fi

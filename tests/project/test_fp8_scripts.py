@@ -94,6 +94,17 @@ def test_breakdown_piece_plans_both_sides(before_dir):
     assert before_dir[1] in lines[1] and before_dir[1] not in lines[0]
 
 
+def test_ncu_piece_takes_extra_arguments(before_dir):
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="ncu", NCU_SMS="24",
+                       NCU_EXTRA="--metrics a.sum,b.avg --section X")
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if line.startswith("dry run: ncu")]
+    assert [line.split()[3] for line in lines] == ["after", "before"]
+    for line in lines:
+        assert "--section MemoryWorkloadAnalysis --metrics a.sum,b.avg --section X" in line
+        assert line.rstrip().endswith("--num-sms 24")
+
+
 def test_breakdown_timers_wrap_functions_methods_and_classmethods():
     """Each kind of target is timed while enabled, counted per call, and put back as it was;
     a target this package lacks (an older tree) is skipped, not an error."""
