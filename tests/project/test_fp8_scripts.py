@@ -83,23 +83,26 @@ def test_timeline_without_a_wait_reports_the_call_only(capsys):
     assert "host per call 50.0, between calls 10.0 µs" in out and "wait" not in out
 
 
-def test_breakdown_piece_plans_both_sides(before_dir):
-    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="breakdown", NUM_SMS="24,132",
-                       BREAKDOWN_SIDES="after before")
+def _after_and_before_plans(before_dir, piece, **env):
+    """fp8.sh's dry-run lines of a piece that runs after, then before."""
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES=piece, **env)
     assert rc == 0, out
-    lines = [line for line in out.splitlines() if line.startswith("dry run: breakdown")]
-    assert [line.split()[3] for line in lines] == ["after", "before"]
+    lines = [line for line in out.splitlines() if line.startswith(f"dry run: {piece}")]
+    assert [line.split()[3] for line in lines] == ["after", "before"], out
+    return lines
+
+
+def test_breakdown_piece_plans_both_sides(before_dir):
+    lines = _after_and_before_plans(before_dir, "breakdown", NUM_SMS="24,132",
+                                    BREAKDOWN_SIDES="after before")
     assert all("host_breakdown.py --fp8 blockwise_1x128 --num-sms 132" in line
                for line in lines)
     assert before_dir[1] in lines[1] and before_dir[1] not in lines[0]
 
 
 def test_ncu_piece_takes_extra_arguments(before_dir):
-    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="ncu", NCU_SMS="24",
-                       NCU_EXTRA="--metrics a.sum,b.avg --section X")
-    assert rc == 0, out
-    lines = [line for line in out.splitlines() if line.startswith("dry run: ncu")]
-    assert [line.split()[3] for line in lines] == ["after", "before"]
+    lines = _after_and_before_plans(before_dir, "ncu", NCU_SMS="24",
+                                    NCU_EXTRA="--metrics a.sum,b.avg --section X")
     for line in lines:
         assert "--section MemoryWorkloadAnalysis --metrics a.sum,b.avg --section X" in line
         assert line.rstrip().endswith("--num-sms 24")
