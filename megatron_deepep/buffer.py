@@ -198,7 +198,7 @@ class Buffer:
             # the same order without two cross-stream event pairs per call. It is named by its
             # raw handle, and CallOrder's events take raw handles (a torch Stream object costs
             # ~5 µs a call).
-            current = _current_stream()
+            current = ops.current_raw_stream()
             capture = _capture_of(current) if capturing else None
             self._call_order.before(current, capture)
             result = fn()
@@ -525,11 +525,6 @@ class CallOrder:
             event = self._new_event()
         event.record(stream)
         self._last = (event, handle, capture)
-
-
-def _current_stream():
-    """torch's current stream as `CallOrder` takes it: a raw handle with its device."""
-    return ops.current_raw_stream()
 
 
 def _capture_of(stream) -> int:

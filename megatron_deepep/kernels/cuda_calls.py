@@ -66,10 +66,12 @@ class RawEvent:
     Streams are anything with `cuda_stream` (a raw handle): a torch Stream or a `jit.RawStream`.
     """
 
-    __slots__ = ("_handle",)
+    __slots__ = ("_handle", "_driver")
 
     def __init__(self):
+        from cuda.bindings import driver
         self._handle = None
+        self._driver = driver  # bound once: a call records one of these per Buffer call
 
     def record(self, stream) -> None:
         """Records the work issued so far on `stream`.
@@ -77,7 +79,7 @@ class RawEvent:
         Raises:
             CudaError: the driver refused the event or the record.
         """
-        from cuda.bindings import driver
+        driver = self._driver
         if self._handle is None:
             self._handle = cu_check(
                 driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING),
@@ -90,14 +92,12 @@ class RawEvent:
         Raises:
             CudaError: the driver refused the wait.
         """
-        from cuda.bindings import driver
-        cu_check(driver.cuStreamWaitEvent(stream.cuda_stream, self._handle, 0),
+        cu_check(self._driver.cuStreamWaitEvent(stream.cuda_stream, self._handle, 0),
                  "cuStreamWaitEvent")
 
     def __del__(self):
         if self._handle is not None:
             try:
-                from cuda.bindings import driver
-                driver.cuEventDestroy(self._handle)
+                self._driver.cuEventDestroy(self._handle)
             except Exception:  # interpreter shutdown: the driver may be gone already
                 pass

@@ -90,7 +90,7 @@ def fake_buffer(monkeypatch):
     buf._call_order = CallOrder(lambda: FakeEvent(log))
     buf._transport = _Transport()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current["stream"])
-    monkeypatch.setattr(buffer_module, "_current_stream", lambda: current["stream"])
+    monkeypatch.setattr(ops, "current_raw_stream", lambda: current["stream"])
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
     monkeypatch.setattr(buffer_module, "is_capturing", lambda: False)
 
