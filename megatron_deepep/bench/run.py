@@ -319,19 +319,35 @@ def megatron_rows(xs, idxs, ws, num_experts: int, device: str = "cuda") -> Dict[
     return rows
 
 
-def profile_kernels(buf, x, idx, w, num_experts: int) -> str:
-    """Per-kernel GPU time of a few no-sync dispatch+combine calls (torch.profiler), to split
-    kernel time from host gaps."""
+def profile_kernels(buf, x, idx, w, num_experts: int, fp8=None, calls: int = 5) -> str:
+    """Per-kernel GPU time (torch.profiler) apart from host gaps: `calls` no-sync dispatch +
+    combine calls in bf16, then, given `fp8`, `calls` no-sync and `calls` cached FP8
+    dispatches (the calls of `host_profile_calls`); one table each."""
     from torch.profiler import ProfilerActivity, profile
-    bound = x.shape[0] * idx.shape[1]
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            recv_x, _, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts,
-                                                num_max_recv_rows=bound)
-            buf.combine(recv_x, handle)
+    bound = buf.num_ranks * x.shape[0] * idx.shape[1]
+
+    def bf16_call():
+        recv_x, _, handle, _ = buf.dispatch(x, idx, w, num_experts=num_experts,
+                                            num_max_recv_rows=bound)
+        buf.combine(recv_x, handle)
+
+    runs = [("dispatch+combine nosync bf16", bf16_call)]
+    if fp8 is not None:
+        fp8_calls = host_profile_calls(buf, x, idx, w, num_experts, fp8)
+        runs += [(f"dispatch {mode} fp8 {fp8.fmt.name}", fp8_calls[mode])
+                 for mode in ("nosync", "cached")]
+    text = []
+    for label, call in runs:
+        call()  # warm: the kernels compiled and loaded outside the profile
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
-                                     max_name_column_width=50)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                          max_name_column_width=50)
+        text.append(f"kernels of {calls} calls, {label}:\n{table}")
+    return "\n".join(text)
 
 
 def _fp8_formats(names: str):
@@ -417,7 +433,7 @@ def _profile_last(first, num_sms: int, kernels: bool, host: bool, fp8=None) -> N
     buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, transport="nvlink",
                  num_sms=num_sms)
     if dist.get_rank() == 0 and kernels:
-        table = profile_kernels(buf, x, idx, w, num_experts)
+        table = profile_kernels(buf, x, idx, w, num_experts, fp8=fp8)
         sys.stdout.write(f"profile, {num_sms} SMs:\n{table}\n")
     if dist.get_rank() == 0 and host:
         for spec in (None,) if fp8 is None else (None, fp8):
@@ -575,7 +591,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=".bench_out", help="folder for bench.json/bench.png")
     parser.add_argument("--no-megatron", action="store_true", help="skip Megatron's dispatcher")
     parser.add_argument("--profile", action="store_true",
-                        help="print per-kernel GPU times for the first shape")
+                        help="for the first shape at the largest SM budget: per-kernel GPU "
+                             "times (torch.profiler) of no-sync bf16 dispatch + combine, and of "
+                             "the no-sync and cached dispatch in the first --fp8 format")
     parser.add_argument("--profile-host", action="store_true",
                         help="for the first shape: host µs/call and a cProfile of the sync, "
                              "no-sync and cached dispatch, bf16 and the first --fp8 format")

@@ -132,23 +132,57 @@ def test_table_prints_a_skipped_baseline_with_its_reason(capsys):
     assert "| megatron alltoall (unfused) | 4.0 |" in out
 
 
-def test_host_profile_reports_each_dispatch_mode(monkeypatch):
-    """`--profile-host`: the sync, no-sync and cached dispatch each get their µs/call and
-    cProfile lines (run here on the CPU harness's local transport, kernels faked)."""
+def _host_path_harness():
+    """dev/host_path_cpu.py as a module: a Buffer on the local transport with CUDA faked."""
     import importlib.util
     import pathlib
     path = pathlib.Path(__file__).resolve().parents[2] / "dev" / "host_path_cpu.py"
     spec = importlib.util.spec_from_file_location("host_path_cpu", path)
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)
-    from megatron_deepep.fp8.dispatch import Fp8Dispatch
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    counter = harness.CudaCallCounter()
-    num_tokens, hidden, num_experts, num_topk = 64, 256, 16, 4
+    return harness
+
+
+def _harness_inputs(num_tokens, hidden, num_experts, num_topk):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
     idx = torch.rand(num_tokens, num_experts, generator=g).topk(num_topk, dim=1).indices
     w = torch.rand(num_tokens, num_topk, generator=g)
+    return x, idx, w
+
+
+def test_kernel_profile_tables_each_format_and_mode(monkeypatch):
+    """`--profile`: one kernel table for bf16 dispatch + combine, then one each for the no-sync
+    and the cached FP8 dispatch (the CPU harness's local transport, kernels faked)."""
+    harness = _host_path_harness()
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    counter = harness.CudaCallCounter()
+    num_tokens, hidden, num_experts, num_topk = 64, 256, 16, 4
+    x, idx, w = _harness_inputs(num_tokens, hidden, num_experts, num_topk)
+    with harness.fake_gpu(counter):
+        buf = harness.make_buffer(counter, num_tokens, hidden, num_topk)
+        status = buf._transport.status
+        status.wait_num_rows = lambda epoch: num_tokens * num_topk
+        status.tokens_per_expert = lambda num_local: [num_tokens * num_topk // num_local] * (
+            num_local)
+        text = bench.profile_kernels(buf, x, idx, w, num_experts,
+                                     fp8=Fp8Dispatch.named("blockwise"), calls=2)
+    for label in ("dispatch+combine nosync bf16", "dispatch nosync fp8 blockwise_1x128",
+                  "dispatch cached fp8 blockwise_1x128"):
+        assert f"kernels of 2 calls, {label}:" in text
+    assert text.count("Self CPU time total") == 3  # a profiler table under each
+
+
+def test_host_profile_reports_each_dispatch_mode(monkeypatch):
+    """`--profile-host`: the sync, no-sync and cached dispatch each get their µs/call and
+    cProfile lines (run here on the CPU harness's local transport, kernels faked)."""
+    harness = _host_path_harness()
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    counter = harness.CudaCallCounter()
+    num_tokens, hidden, num_experts, num_topk = 64, 256, 16, 4
+    x, idx, w = _harness_inputs(num_tokens, hidden, num_experts, num_topk)
     with harness.fake_gpu(counter):
         buf = harness.make_buffer(counter, num_tokens, hidden, num_topk)
         status = buf._transport.status
