@@ -12,7 +12,6 @@
 // the send (bf16 input) or copied (pre-quantized input). kDequant: the receiver expands FP8 rows
 // into bf16 rows; otherwise recv_x holds e4m3 rows and recv_scales their scales.
 #include "common/args.cuh"
-#include "common/fp8_group_stage.cuh"
 #include "common/fp8_row.cuh"
 #include "common/recv_rows.cuh"
 #include "common/protocol.cuh"
@@ -314,20 +313,6 @@ __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_
 // 1024 threads per budgeted SM for bf16 (the bare read-once-write-K kernel's warps per SM).
 // Given `host_info` (a synchronous call launched before its host wait), the last warp publishes
 // the layout kernel's receive layout to the host, off the layout's critical path.
-// Quantizes the bf16 row `x` into the warp's `stage` (the layout write_staged_row reads): whole
-// and by groups (`group_stage`), or by chunks of the row loaded into registers.
-template <int kFmt>
-__device__ __forceinline__ void stage_token_row(const u8* x, int hidden, u8* stage,
-                                                bool group_stage, float amax_epsilon, int lane) {
-    const int4* row = reinterpret_cast<const int4*>(x);
-    if (group_stage) {
-        fp8::stage_bf16_row(row, hidden, stage, lane);
-        fp8::quantize_staged_bf16_row<kFmt>(stage, hidden, amax_epsilon, lane);
-    } else {
-        fp8::stage_quantized_row<kFmt>(row, hidden, stage, amax_epsilon, lane);
-    }
-}
-
 template <int kFmt>
 struct DispatchLocalThreads {
     static constexpr int value = kFmt == fp8::kWireBf16 ? 1024 : kDispatchThreads;
@@ -368,22 +353,16 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     // its shared-memory stage once, then writes the stage to the token's rows with 16-byte
     // stores. A fresh dispatch quantizes each warp's first token before the wait for the layout
     // kernel: the read of x and the arithmetic overlap the layout, as bf16's preload does.
-    // Where the stage holds the whole bf16 row (2 * hidden bytes per warp), the row is copied
-    // in at once and quantized one 128-column group per lane (fp8_group_stage.cuh).
     u8* quant_stage = nullptr;
-    bool group_stage = false;
     int staged_token = -1;
     if (kFp8Out && x_scales == nullptr) {
-        const u32 warps_per_block = blockDim.x / 32;
-        group_stage = fp8::group_stage_fits(hidden) &&
-                      dynamic_smem_bytes() >= 2u * hidden * warps_per_block;
-        const int stride = group_stage ? 2 * hidden : fp8::stage_stride<kFmt>(hidden);
-        if (dynamic_smem_bytes() >= (u32)stride * warps_per_block)
+        const int stride = fp8::stage_stride<kFmt>(hidden);
+        if (dynamic_smem_bytes() >= (u32)stride * (blockDim.x / 32))
             quant_stage = reinterpret_cast<u8*>(dispatch_stage) + (threadIdx.x >> 5) * stride;
     }
     if (!kCached && quant_stage != nullptr && warp < num_tokens) {
-        stage_token_row<kFmt>(x + warp * in_row_bytes, hidden, quant_stage, group_stage,
-                              amax_epsilon, lane);
+        fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + warp * in_row_bytes),
+                                       hidden, quant_stage, amax_epsilon, lane);
         staged_token = warp;
     }
 
@@ -422,18 +401,10 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
         if (kPreload && (n != warp || !kPreloadBeforeWait))
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
-        const bool quantize_here = quant_stage != nullptr && n != staged_token;
-        if (quantize_here && group_stage) {
-            __syncwarp();  // every lane has read the previous row from the stage
-            fp8::stage_bf16_row(reinterpret_cast<const int4*>(x + n * in_row_bytes), hidden,
-                                quant_stage, lane);  // in flight with the routing loads below
-        }
         const int slot = token_slot_in_rank[n];
         const LocalEntry entry = load_local_entry<kTopk, kCached>(topk_idx, topk_weights,
                                                                   pos_in_expert, n, lane);
-        if (quantize_here && group_stage) {
-            fp8::quantize_staged_bf16_row<kFmt>(quant_stage, hidden, amax_epsilon, lane);
-        } else if (quantize_here) {
+        if (quant_stage != nullptr && n != staged_token) {
             // Quantized while the token's routing loads above are in flight.
             __syncwarp();  // every lane has read the previous row from the stage
             fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + n * in_row_bytes),

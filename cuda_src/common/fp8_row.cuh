@@ -188,21 +188,6 @@ __device__ __forceinline__ void stage_quantized_row(const int4* x, int hidden, u
     quantize_row<kFmt, 1, false>(x, hidden, data, scales, 1, amax_epsilon, lane);
 }
 
-// Copies a staged row's `scale_bytes` of scales (`Word`s; the rows of `recv_scales` are
-// `scale_bytes` apart, so each row starts Word-aligned) to the rows named in `rows` (-1: none).
-template <typename Word, int kTopk>
-__device__ __forceinline__ void copy_staged_scales(const u8* src, int scale_bytes, u8* recv_scales,
-                                                   const int (&rows)[kTopk], int lane) {
-    const int num_words = scale_bytes / static_cast<int>(sizeof(Word));
-    for (int i = lane; i < num_words; i += 32) {
-        const Word w = reinterpret_cast<const Word*>(src)[i];
-#pragma unroll
-        for (int k = 0; k < kTopk; ++k)
-            if (rows[k] >= 0)
-                reinterpret_cast<Word*>(recv_scales + (i64)rows[k] * scale_bytes)[i] = w;
-    }
-}
-
 // Writes a staged quantized row (stage_quantized_row) to the rows of `recv_x` and
 // `recv_scales` that lanes 0..kTopk-1 name in `row_lane` (-1: none): 16-byte words for the
 // data, 4-byte words (or bytes) for the scales. Row addresses come by shuffle, so no pointer
@@ -234,15 +219,23 @@ __device__ __forceinline__ void write_staged_row(const u8* stage, int hidden, u8
             }
         }
     }
-    // The scales in the widest words that tile a row's scale bytes (224 for H 7168: one
-    // 16-byte store per row and lane, 14 lanes): per row, the fewest store requests.
     const u8* src_scales = stage + hidden;
-    if (scale_bytes % 16 == 0)
-        copy_staged_scales<int4, kTopk>(src_scales, scale_bytes, recv_scales, rows, lane);
-    else if (scale_bytes % 4 == 0)
-        copy_staged_scales<u32, kTopk>(src_scales, scale_bytes, recv_scales, rows, lane);
-    else
-        copy_staged_scales<u8, kTopk>(src_scales, scale_bytes, recv_scales, rows, lane);
+    if (scale_bytes % 4 == 0) {  // every row's scales start 4-byte aligned
+        for (int i = lane; i < scale_bytes / 4; i += 32) {
+            const u32 w = reinterpret_cast<const u32*>(src_scales)[i];
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k)
+                if (rows[k] >= 0)
+                    reinterpret_cast<u32*>(recv_scales + (i64)rows[k] * scale_bytes)[i] = w;
+        }
+    } else {
+        for (int i = lane; i < scale_bytes; i += 32) {
+            const u8 b = src_scales[i];
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k)
+                if (rows[k] >= 0) recv_scales[(i64)rows[k] * scale_bytes + i] = b;
+        }
+    }
 }
 
 // Copies a row's scales (`hidden` columns' worth) to each destination.

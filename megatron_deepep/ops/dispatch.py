@@ -166,23 +166,13 @@ def local_quantizes_rows(fp8, x_scales) -> bool:
     return fp8 is not None and x_scales is None and not fp8.dequantize
 
 
-# The widest row fp8_group_stage.cuh quantizes by groups: 32 lanes x 2 groups x 128 columns.
-GROUP_STAGE_MAX_HIDDEN = 8192
-
-
 def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales) -> int:
-    """Bytes an FP8 dispatch_local stages per block when it quantizes (`local_quantizes_rows`).
-
-    Per warp, the whole bf16 row (2 * `hidden` bytes) where every warp's fits, which the kernel
-    quantizes in place one 128-column group per lane (fp8_group_stage.cuh); else the row's
-    `hidden` e4m3 bytes and its scales from the next 16-byte boundary (fp8_row.cuh's
-    stage_stride). 0 (the unstaged path) when the rows come pre-quantized or bf16, or when
-    neither fits DISPATCH_STAGE_MAX_BYTES."""
+    """Bytes an FP8 dispatch_local stages per block when it quantizes (`local_quantizes_rows`):
+    each warp's row of `hidden` e4m3 bytes, then its scales from the next 16-byte boundary
+    (fp8_row.cuh's stage_stride). 0 (the unstaged path) when the rows come pre-quantized or
+    bf16, or when the stages exceed DISPATCH_STAGE_MAX_BYTES."""
     if not local_quantizes_rows(fp8, x_scales):
         return 0
-    warps = threads // 32
-    if hidden <= GROUP_STAGE_MAX_HIDDEN and warps * 2 * hidden <= DISPATCH_STAGE_MAX_BYTES:
-        return warps * 2 * hidden
     stride = hidden + -(-fp8.fmt.scale_bytes_per_token(hidden) // 16) * 16
-    total = warps * stride
+    total = threads // 32 * stride
     return total if total <= DISPATCH_STAGE_MAX_BYTES else 0
