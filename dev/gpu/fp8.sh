@@ -35,6 +35,11 @@
 #           (LAYER_TIMEOUT, 150; LAYER_VARIANTS picks the variants, LAYER_ARGS is passed on,
 #           e.g. "--profile 12")
 #   tests2  the FP8 GPU tests at 2 processes (the NVLink kernels) (TEST_TIMEOUT, 150)
+#   rounds  ROUNDS (default 2) alternating rounds of the bench, after then before, each with
+#           --profile (the expand's kernel time inside the bench's back-to-back calls; a
+#           BEFORE_DIR older than the FP8 kernel tables prints bf16's only), then
+#           dev/gpu/bench_rounds.py's table of each row's least µs per side (ROUND_TIMEOUT, 100
+#           each)
 # Logs land in $OUT (the device tool's folder) or .bench_out/fp8.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
@@ -158,8 +163,24 @@ for name in $PIECES; do
         "${LAYER_VARIANTS:-te-alltoall-fused,te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,\
 te-deepep-fp8-experts}" \
         --iters 20 --out "$LOGS/fp8_layer.json" ${LAYER_ARGS:-} ;;
+    rounds)
+      dry || env PYTHONPATH="$BEFORE_PATH" python3 -m megatron_deepep.tools.precompile --topk 8 \
+        --index-dtype int64 --fp8 ${FORMATS//,/ } --bench -j "$(nproc)" -q
+      round_files=()
+      for i in $(seq "${ROUNDS:-2}"); do
+        for side in after before; do
+          [ $side = after ] && path=$HERE_PATH || path=$BEFORE_PATH
+          piece "round $i $side" "${ROUND_TIMEOUT:-100}" fp8_round${i}_$side.log \
+            env PYTHONPATH="$path" python3 -m megatron_deepep.bench --shapes "$SHAPE" \
+            --num-sms "$NUM_SMS" --fp8 "$FORMATS" --no-megatron --profile \
+            --out "$LOGS/round${i}_$side"
+          round_files+=("$side=$LOGS/round${i}_$side/bench.json")
+        done
+      done
+      if dry; then echo "dry run: rounds table: python3 dev/gpu/bench_rounds.py ${round_files[*]}"
+      else python3 dev/gpu/bench_rounds.py "${round_files[@]}" | tee "$LOGS/fp8_rounds.md"; fi ;;
     *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu host timeline breakdown" \
-         "layer tests2)"
+         "layer tests2 rounds)"
        exit 2 ;;
   esac
 done

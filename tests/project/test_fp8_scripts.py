@@ -1,6 +1,7 @@
 """CPU tier: the FP8 measurement scripts of `dev/gpu/` (fp8.sh, tier_round.sh) plan what their
-header says in a dry run, fp8_profile.py's timeline splits a call's host stamps right, and
-host_breakdown.py's timers wrap and restore each kind of target."""
+header says in a dry run, fp8_profile.py's timeline splits a call's host stamps right,
+host_breakdown.py's timers wrap and restore each kind of target, and bench_rounds.py tables
+alternating rounds."""
 
 from __future__ import annotations
 
@@ -138,3 +139,42 @@ def test_breakdown_timers_wrap_functions_methods_and_classmethods():
         timers.unpatch()
     assert (validate.__dict__["check_int"], arena.ArenaPlan.__dict__["allocate"],
             arena.ArenaFields.__dict__["from_arena"]) == originals
+
+
+def test_fp8_rounds_piece_alternates_sides_and_tables_them(before_dir):
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="rounds", ROUNDS="2")
+    assert rc == 0, out
+    runs = [line for line in out.splitlines() if line.startswith("dry run: round ")]
+    assert [line.split("(")[0].split()[-2:] for line in runs] == [
+        ["1", "after"], ["1", "before"], ["2", "after"], ["2", "before"]]
+    assert all("megatron_deepep.bench" in line and "--profile" in line for line in runs)
+    assert before_dir[1] in runs[1] and before_dir[1] not in runs[0]
+    table = next(line for line in out.splitlines() if "rounds table:" in line)
+    assert table.count("after=") == table.count("before=") == 2
+
+
+def _bench_json(path, sync_us, fp8_us):
+    variants = {"ours 24 SMs sync": {"dispatch_us": sync_us},
+                "ours 24 SMs fp8 blockwise_1x128 sync": {"dispatch_us": fp8_us,
+                                                          "fp8": "blockwise_1x128"},
+                "megatron alltoall": {"error": "not run"}}
+    path.parent.mkdir(parents=True)
+    path.write_text(__import__("json").dumps([{"shape": [64, 128, 8, 2], "variants": variants}]))
+    return str(path)
+
+
+def test_bench_rounds_takes_each_sides_least_and_the_fp8_ratio(tmp_path, capsys):
+    rounds = load_dev_gpu_script("bench_rounds")
+    args = [f"after={_bench_json(tmp_path / 'a1' / 'bench.json', 400.0, 250.0)}",
+            f"before={_bench_json(tmp_path / 'b1' / 'bench.json', 380.0, 260.0)}",
+            f"after={_bench_json(tmp_path / 'a2' / 'bench.json', 375.0, 240.0)}",
+            f"before={tmp_path / 'b2' / 'bench.json'}"]  # a round that never wrote its file
+    assert rounds.main(args) == 0
+    out = capsys.readouterr()
+    assert "| variant | after | before |" in out.out
+    # FP8's least over bf16's least of the same side: 240 / 375 and 260 / 380.
+    assert "| 64,128,8,2 ours 24 SMs fp8 blockwise_1x128 sync | 240.0 (0.64) [250.0 240.0] | " \
+           "260.0 (0.68) [260.0] |" in out.out
+    assert "| 64,128,8,2 ours 24 SMs sync | 375.0 [400.0 375.0] | 380.0 [380.0] |" in out.out
+    assert "alltoall" not in out.out and "left out" in out.err
+    assert rounds.main(["no-equals-sign"]) == 2
