@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import pathlib
+
 import pytest
 import torch
 
@@ -132,40 +136,36 @@ def test_table_prints_a_skipped_baseline_with_its_reason(capsys):
     assert "| megatron alltoall (unfused) | 4.0 |" in out
 
 
-def _host_path_harness():
-    """dev/host_path_cpu.py as a module: a Buffer on the local transport with CUDA faked."""
-    import importlib.util
-    import pathlib
+@contextlib.contextmanager
+def _harness_buffer(monkeypatch):
+    """A Buffer on dev/host_path_cpu.py's local transport with CUDA faked, and its inputs:
+    (buf, x, idx, w, num_experts). Every sync call finds its receive layout published (the
+    epoch is the one it waits for: the mailbox is refilled before each read)."""
     path = pathlib.Path(__file__).resolve().parents[2] / "dev" / "host_path_cpu.py"
     spec = importlib.util.spec_from_file_location("host_path_cpu", path)
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)
-    return harness
-
-
-def _harness_inputs(num_tokens, hidden, num_experts, num_topk):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    counter = harness.CudaCallCounter()
+    num_tokens, hidden, num_experts, num_topk = 64, 256, 16, 4
     g = torch.Generator().manual_seed(0)
     x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
     idx = torch.rand(num_tokens, num_experts, generator=g).topk(num_topk, dim=1).indices
     w = torch.rand(num_tokens, num_topk, generator=g)
-    return x, idx, w
-
-
-def test_kernel_profile_tables_each_format_and_mode(monkeypatch):
-    """`--profile`: one kernel table for bf16 dispatch + combine, then one each for the no-sync
-    and the cached FP8 dispatch (the CPU harness's local transport, kernels faked)."""
-    harness = _host_path_harness()
-    from megatron_deepep.fp8.dispatch import Fp8Dispatch
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    counter = harness.CudaCallCounter()
-    num_tokens, hidden, num_experts, num_topk = 64, 256, 16, 4
-    x, idx, w = _harness_inputs(num_tokens, hidden, num_experts, num_topk)
     with harness.fake_gpu(counter):
         buf = harness.make_buffer(counter, num_tokens, hidden, num_topk)
         status = buf._transport.status
         status.wait_num_rows = lambda epoch: num_tokens * num_topk
         status.tokens_per_expert = lambda num_local: [num_tokens * num_topk // num_local] * (
             num_local)
+        yield buf, x, idx, w, num_experts
+
+
+def test_kernel_profile_tables_each_format_and_mode(monkeypatch):
+    """`--profile`: one kernel table for bf16 dispatch + combine, then one each for the no-sync
+    and the cached FP8 dispatch (the CPU harness's local transport, kernels faked)."""
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    with _harness_buffer(monkeypatch) as (buf, x, idx, w, num_experts):
         text = bench.profile_kernels(buf, x, idx, w, num_experts,
                                      fp8=Fp8Dispatch.named("blockwise"), calls=2)
     for label in ("dispatch+combine nosync bf16", "dispatch nosync fp8 blockwise_1x128",
@@ -177,20 +177,8 @@ def test_kernel_profile_tables_each_format_and_mode(monkeypatch):
 def test_host_profile_reports_each_dispatch_mode(monkeypatch):
     """`--profile-host`: the sync, no-sync and cached dispatch each get their µs/call and
     cProfile lines (run here on the CPU harness's local transport, kernels faked)."""
-    harness = _host_path_harness()
     from megatron_deepep.fp8.dispatch import Fp8Dispatch
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    counter = harness.CudaCallCounter()
-    num_tokens, hidden, num_experts, num_topk = 64, 256, 16, 4
-    x, idx, w = _harness_inputs(num_tokens, hidden, num_experts, num_topk)
-    with harness.fake_gpu(counter):
-        buf = harness.make_buffer(counter, num_tokens, hidden, num_topk)
-        status = buf._transport.status
-        # Every sync call finds its receive layout published (the epoch is the one it waits
-        # for: the mailbox is refilled before each read).
-        status.wait_num_rows = lambda epoch: num_tokens * num_topk
-        status.tokens_per_expert = lambda num_local: [num_tokens * num_topk // num_local] * (
-            num_local)
+    with _harness_buffer(monkeypatch) as (buf, x, idx, w, num_experts):
         for fp8 in (None, Fp8Dispatch.named("blockwise")):
             text = bench.profile_host(buf, x, idx, w, num_experts, calls=3, fp8=fp8)
             label = "bf16" if fp8 is None else "fp8 blockwise_1x128"
