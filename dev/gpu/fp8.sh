@@ -93,6 +93,11 @@ print('torch', torch.__version__, '| megatron-core', m.__version__, '| TE', te._
 fi
 HERE_PATH=$PWD:${PYTHONPATH:-}
 BEFORE_PATH=$BEFORE:${PYTHONPATH:-}
+# BEFORE_DIR's kernels into the kernel cache (-j nproc) before its timed pieces.
+precompile_before() {
+  env PYTHONPATH="$BEFORE_PATH" python3 -m megatron_deepep.tools.precompile --topk 8 \
+    --index-dtype int64 --fp8 ${FORMATS//,/ } --bench -j "$(nproc)" -q
+}
 NCU_KERNELS="regex:dispatch_local|layout_kernel"
 NCU_ARGS=(--clock-control none --kernel-name "$NCU_KERNELS" --section SpeedOfLight
   --section Occupancy --section LaunchStats --section WarpStateStats
@@ -120,8 +125,7 @@ for name in $PIECES; do
         python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
         --out "$LOGS/after" ${AFTER_ARGS:-} ;;
     before)
-      dry || env PYTHONPATH="$BEFORE_PATH" python3 -m megatron_deepep.tools.precompile --topk 8 \
-        --index-dtype int64 --fp8 ${FORMATS//,/ } --bench -j "$(nproc)" -q
+      dry || precompile_before
       piece before "${BEFORE_TIMEOUT:-120}" fp8_bench_before.log env PYTHONPATH="$BEFORE_PATH" \
         python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
         --no-megatron --out "$LOGS/before" ;;
@@ -164,8 +168,7 @@ for name in $PIECES; do
 te-deepep-fp8-experts}" \
         --iters 20 --out "$LOGS/fp8_layer.json" ${LAYER_ARGS:-} ;;
     rounds)
-      dry || env PYTHONPATH="$BEFORE_PATH" python3 -m megatron_deepep.tools.precompile --topk 8 \
-        --index-dtype int64 --fp8 ${FORMATS//,/ } --bench -j "$(nproc)" -q
+      dry || precompile_before
       round_files=()
       for i in $(seq "${ROUNDS:-2}"); do
         for side in after before; do

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 from megatron_deepep.bench import run as bench
 from megatron_deepep.layout import compute_layout
+from tests.helpers import load_dev_script
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,num_topk", [(37, 16, 4), (64, 256, 8),
@@ -141,10 +140,7 @@ def _harness_buffer(monkeypatch):
     """A Buffer on dev/host_path_cpu.py's local transport with CUDA faked, and its inputs:
     (buf, x, idx, w, num_experts). Every sync call finds its receive layout published (the
     epoch is the one it waits for: the mailbox is refilled before each read)."""
-    path = pathlib.Path(__file__).resolve().parents[2] / "dev" / "host_path_cpu.py"
-    spec = importlib.util.spec_from_file_location("host_path_cpu", path)
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+    harness = load_dev_script("host_path_cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     counter = harness.CudaCallCounter()
     num_tokens, hidden, num_experts, num_topk = 64, 256, 16, 4
