@@ -22,6 +22,12 @@ format: where a call's host time goes.
 host clock: the medians of the host's time before the wait, in it and after it, and between
 calls, beside the GPU's µs per call (CUDA events). Where the host's time outside the wait
 exceeds the GPU's, the calls are host-bound.
+
+`--queued`: instead, per format and mode (nosync, cached) and for the layout kernel alone
+(`get_dispatch_layout`), the GPU's µs per call with the host far ahead: the stream is held by a
+sleep kernel while `--queued-calls` calls are queued behind it, and CUDA events time the calls
+from the second to the last. No host time and no launch gap a busy queue hides: what the
+kernels of one call cost back to back.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ def main() -> None:
     parser.add_argument("--host-calls", type=int, default=200)
     parser.add_argument("--timeline", action="store_true", help="one call's timeline instead")
     parser.add_argument("--timeline-calls", type=int, default=40)
+    parser.add_argument("--queued", action="store_true",
+                        help="GPU µs per call with the host ahead instead")
+    parser.add_argument("--queued-calls", type=int, default=30)
     parser.add_argument("--check-hidden", default="7168,2880,4096",
                         help="hidden sizes of --check, comma-separated")
     args = parser.parse_args()
@@ -64,6 +73,11 @@ def main() -> None:
     bound = num_tokens * num_topk
     if args.timeline:
         timeline(buf, x, idx, weights, num_experts, specs, args.timeline_calls)
+        buf.destroy()
+        dist.destroy_process_group()
+        return
+    if args.queued:
+        queued(buf, x, idx, weights, num_experts, specs, args.queued_calls)
         buf.destroy()
         dist.destroy_process_group()
         return
@@ -150,6 +164,36 @@ def host_times(buf, x, idx, weights, num_experts: int, specs, calls: int) -> Non
     if on_gpu:
         _, fp8 = specs[1] if len(specs) > 1 else specs[0]
         print(profile_host(buf, x, idx, weights, num_experts, calls, fp8=fp8, lines=25))
+
+
+def queued(buf, x, idx, weights, num_experts: int, specs, calls: int) -> None:
+    """Prints the GPU's µs per call of the layout kernel alone and, per format, of the nosync
+    and cached dispatch, `calls` calls queued behind a sleep kernel (the host far ahead)."""
+    from megatron_deepep.bench.run import host_profile_calls
+
+    runs = [("layout", lambda: buf.get_dispatch_layout(idx, num_experts))]
+    for name, fp8 in specs:
+        fns = host_profile_calls(buf, x, idx, weights, num_experts, fp8)
+        runs += [(f"{name} {mode}", fns[mode]) for mode in ("nosync", "cached")]
+    for label, fn in runs:
+        for _ in range(3):
+            fn()
+        if DEVICE != "cuda":
+            print(f"fp8_profile queued: {label}: n/a (CPU)", flush=True)
+            continue
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        _synchronize()
+        # ~25 ms at 2 GHz, far longer than queueing the calls; each call's outputs are freed
+        # at once, so the caching allocator hands the next call the same blocks (no cudaMalloc).
+        torch.cuda._sleep(50_000_000)
+        for i in range(calls):
+            fn()
+            if i == 0:
+                events[0].record()
+        events[1].record()
+        _synchronize()
+        per_call = events[0].elapsed_time(events[1]) * 1e3 / (calls - 1)
+        print(f"fp8_profile queued: {label}: GPU {per_call:.1f} µs/call", flush=True)
 
 
 def timeline(buf, x, idx, weights, num_experts: int, specs, calls: int) -> None:
