@@ -288,14 +288,11 @@ __device__ __forceinline__ LocalEntry load_local_entry(const IdxT* topk_idx,
     return entry;
 }
 
-// Lane k's row of entry k (-1: none), from the token's slot_rows (`my_rows`) when kCached; else
-// from its expert's row start and its position, written to `my_rows` with its weight.
-template <int kTopk, bool kCached>
+// Lane k's row of entry k (-1: none) in a fresh dispatch: from its expert's row start and its
+// position, written to the token's slot_rows (`my_rows`) with its weight.
 __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_rows,
                                                const int* expert_row_start, int num_local,
                                                int max_rows, float* recv_weights, int lane) {
-    if (lane >= kTopk) return -1;
-    if (kCached) return my_rows[lane];
     int row = -1;
     if (entry.id >= 0 && entry.id < num_local) {  // a bad id (recorded by layout) gets no row
         row = expert_row_start[entry.id] + entry.pos;
@@ -305,6 +302,37 @@ __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_
     if (row >= 0) recv_weights[row] = entry.weight;
     return row;
 }
+
+// A cached dispatch's rows: lane k < kTopk's row of entry k from slot_rows, through the token's
+// slot, two dependent loads per token. They run ahead of the warp's tokens (the slot two
+// tokens ahead, the rows one), so that neither waits in front of a token's writes.
+template <int kTopk>
+struct CachedRowsAhead {
+    const int* token_slot_in_rank;
+    const int* slot_rows;
+    int num_tokens, stride, lane;
+    int slot, row, next_slot;  // the current token's slot and row; the next token's slot
+
+    __device__ int slot_of(int n) const { return n < num_tokens ? token_slot_in_rank[n] : -1; }
+    __device__ int row_of(int s) const {
+        return s >= 0 && lane < kTopk ? slot_rows[(i64)s * kTopk + lane] : -1;
+    }
+    // Before the warp's first token `n`: its slot and rows (waited for once) and the next slot.
+    __device__ void start(int n) {
+        slot = slot_of(n);
+        next_slot = slot_of(n + stride);
+        row = row_of(slot);
+    }
+    // At token `n` (whose slot and row `slot` and `row` hold now): the next token's rows and
+    // the slot after it go out; returns token n's (slot, row).
+    __device__ int2 advance(int n) {
+        const int2 current = make_int2(slot, row);
+        row = row_of(next_slot);
+        slot = next_slot;
+        next_slot = slot_of(n + 2 * stride);
+        return current;
+    }
+};
 
 // EP = 1: each token row read from x once and written to its expert-major rows; no staging and
 // no protocol (no regions are touched). The same recv_x, recv_weights and slot_rows as
@@ -397,11 +425,15 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                                             scale_bytes, max_rows, num_recv_tokens_per_expert,
                                             expert_row_start, lane);
 
+    CachedRowsAhead<kTopk> cached_rows{token_slot_in_rank, slot_rows, num_tokens, num_warps,
+                                       lane};
+    if (kCached) cached_rows.start(warp);
     for (int n = warp; n < num_tokens; n += num_warps) {
         if (kPreload && (n != warp || !kPreloadBeforeWait))
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
-        const int slot = token_slot_in_rank[n];
+        const int2 cached_slot_row = kCached ? cached_rows.advance(n) : make_int2(-1, -1);
+        const int slot = kCached ? cached_slot_row.x : token_slot_in_rank[n];
         const LocalEntry entry = load_local_entry<kTopk, kCached>(topk_idx, topk_weights,
                                                                   pos_in_expert, n, lane);
         if (quant_stage != nullptr && n != staged_token) {
@@ -411,9 +443,12 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                                            hidden, quant_stage, amax_epsilon, lane);
         }
         if (slot < 0) continue;  // no expert on this rank: no rows, no slot
-        const int row_lane = local_entry_row<kTopk, kCached>(
-            entry, slot_rows + (i64)slot * kTopk, expert_row_start, num_local, max_rows,
-            recv_weights, lane);
+        const int row_lane =
+            kCached ? cached_slot_row.y
+                    : (lane < kTopk ? local_entry_row(entry, slot_rows + (i64)slot * kTopk,
+                                                      expert_row_start, num_local, max_rows,
+                                                      recv_weights, lane)
+                                    : -1);
         if (kPreload) {
             const bool staged = kPreloadBeforeWait && n == warp;
             if (staged) cp_async_wait_all();
