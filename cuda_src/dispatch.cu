@@ -304,29 +304,32 @@ __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_
 }
 
 // A cached dispatch's rows: lane k < kTopk's row of entry k from slot_rows, through the token's
-// slot, two dependent loads per token. They run ahead of the warp's tokens (the slot two
-// tokens ahead, the rows one), so that neither waits in front of a token's writes.
+// slot, two dependent loads per token. A warp loads its tokens' slots a token ahead and each
+// token's rows while the token before it is written, so that past its first token neither
+// load waits in front of a token's writes.
 template <int kTopk>
 struct CachedRowsAhead {
+    static constexpr int kUnloaded = -2;  // `row` before the warp's first token's rows are out
     const int* token_slot_in_rank;
     const int* slot_rows;
     int num_tokens, stride, lane;
-    int slot, row, next_slot;  // the current token's slot and row; the next token's slot
+    int slot, row, next_slot;  // the current token's slot and lane row, the next token's slot
 
     __device__ int slot_of(int n) const { return n < num_tokens ? token_slot_in_rank[n] : -1; }
     __device__ int row_of(int s) const {
         return s >= 0 && lane < kTopk ? slot_rows[(i64)s * kTopk + lane] : -1;
     }
-    // Before the warp's first token `n`: its slot and rows (waited for once) and the next slot.
+    // Before the warp's first token `n`: its slot and the next token's go out.
     __device__ void start(int n) {
         slot = slot_of(n);
         next_slot = slot_of(n + stride);
-        row = row_of(slot);
+        row = kUnloaded;
     }
-    // At token `n` (whose slot and row `slot` and `row` hold now): the next token's rows and
-    // the slot after it go out; returns token n's (slot, row).
-    __device__ int2 advance(int n) {
-        const int2 current = make_int2(slot, row);
+    // Once token `n` (slot `slot`) is read: its lane row (loaded now for the warp's first
+    // token, else while the token before it was written); then the next token's rows and the
+    // slot after it go out.
+    __device__ int take_row_and_advance(int n) {
+        const int current = row == kUnloaded ? row_of(slot) : row;
         row = row_of(next_slot);
         slot = next_slot;
         next_slot = slot_of(n + 2 * stride);
@@ -432,8 +435,7 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
         if (kPreload && (n != warp || !kPreloadBeforeWait))
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
-        const int2 cached_slot_row = kCached ? cached_rows.advance(n) : make_int2(-1, -1);
-        const int slot = kCached ? cached_slot_row.x : token_slot_in_rank[n];
+        const int slot = kCached ? cached_rows.slot : token_slot_in_rank[n];
         const LocalEntry entry = load_local_entry<kTopk, kCached>(topk_idx, topk_weights,
                                                                   pos_in_expert, n, lane);
         if (quant_stage != nullptr && n != staged_token) {
@@ -442,9 +444,10 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
                                            hidden, quant_stage, amax_epsilon, lane);
         }
+        const int cached_row = kCached ? cached_rows.take_row_and_advance(n) : -1;
         if (slot < 0) continue;  // no expert on this rank: no rows, no slot
         const int row_lane =
-            kCached ? cached_slot_row.y
+            kCached ? cached_row
                     : (lane < kTopk ? local_entry_row(entry, slot_rows + (i64)slot * kTopk,
                                                       expert_row_start, num_local, max_rows,
                                                       recv_weights, lane)
