@@ -304,16 +304,19 @@ __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_
 }
 
 // A cached dispatch's rows: lane k < kTopk's row of entry k from slot_rows, through the token's
-// slot, two dependent loads per token. A warp loads its tokens' slots a token ahead and each
-// token's rows while the token before it is written, so that past its first token neither
-// load waits in front of a token's writes.
+// slot, two dependent loads per token. Past a warp's first token, they run a token ahead: the
+// next token's rows and the slot after it go out before the warp reads a token's row, so that
+// neither waits in front of a token's writes. The first token loads its rows once its row is
+// read (the slots it needs are then in), as the rows were loaded before.
 template <int kTopk>
 struct CachedRowsAhead {
-    static constexpr int kUnloaded = -2;  // `row` before the warp's first token's rows are out
     const int* token_slot_in_rank;
     const int* slot_rows;
     int num_tokens, stride, lane;
-    int slot, row, next_slot;  // the current token's slot and lane row, the next token's slot
+    int slot, row;              // the current token's slot and (past the first) lane row
+    int next_slot, next_row;    // the next token's
+    int after_slot;             // the token's after that
+    bool is_first;
 
     __device__ int slot_of(int n) const { return n < num_tokens ? token_slot_in_rank[n] : -1; }
     __device__ int row_of(int s) const {
@@ -323,16 +326,27 @@ struct CachedRowsAhead {
     __device__ void start(int n) {
         slot = slot_of(n);
         next_slot = slot_of(n + stride);
-        row = kUnloaded;
+        row = next_row = after_slot = -1;
+        is_first = true;
     }
-    // Once token `n` (slot `slot`) is read: its lane row (loaded now for the warp's first
-    // token, else while the token before it was written); then the next token's rows and the
-    // slot after it go out.
-    __device__ int take_row_and_advance(int n) {
-        const int current = row == kUnloaded ? row_of(slot) : row;
-        row = row_of(next_slot);
+    // Before token `n`'s row is read: past the first token, the loads a token ahead.
+    __device__ void before_read(int n) {
+        if (is_first) return;
+        next_row = row_of(next_slot);
+        after_slot = slot_of(n + 2 * stride);
+    }
+    // Once token `n`'s row is read: its lane row; then on to the next token.
+    __device__ int take_row(int n) {
+        int current = row;
+        if (is_first) {
+            current = row_of(slot);
+            next_row = row_of(next_slot);
+            after_slot = slot_of(n + 2 * stride);
+            is_first = false;
+        }
         slot = next_slot;
-        next_slot = slot_of(n + 2 * stride);
+        row = next_row;
+        next_slot = after_slot;
         return current;
     }
 };
@@ -436,6 +450,7 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
         const int slot = kCached ? cached_rows.slot : token_slot_in_rank[n];
+        if (kCached) cached_rows.before_read(n);
         const LocalEntry entry = load_local_entry<kTopk, kCached>(topk_idx, topk_weights,
                                                                   pos_in_expert, n, lane);
         if (quant_stage != nullptr && n != staged_token) {
@@ -444,7 +459,7 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
                                            hidden, quant_stage, amax_epsilon, lane);
         }
-        const int cached_row = kCached ? cached_rows.take_row_and_advance(n) : -1;
+        const int cached_row = kCached ? cached_rows.take_row(n) : -1;
         if (slot < 0) continue;  // no expert on this rank: no rows, no slot
         const int row_lane =
             kCached ? cached_row
