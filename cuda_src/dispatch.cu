@@ -315,7 +315,7 @@ struct CachedRowsAhead {
     int num_tokens, stride, lane;
     int slot, row;              // the current token's slot and (past the first) lane row
     int next_slot, next_row;    // the next token's
-    int after_slot;             // the token's after that
+    int after_slot;             // the slot of the token after the next
     bool is_first;
 
     __device__ int slot_of(int n) const { return n < num_tokens ? token_slot_in_rank[n] : -1; }
