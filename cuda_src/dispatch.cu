@@ -288,14 +288,11 @@ __device__ __forceinline__ LocalEntry load_local_entry(const IdxT* topk_idx,
     return entry;
 }
 
-// Lane k's row of entry k (-1: none), from the token's slot_rows (`my_rows`) when kCached; else
-// from its expert's row start and its position, written to `my_rows` with its weight.
-template <int kTopk, bool kCached>
+// Lane k's row of entry k (-1: none) in a fresh dispatch: from its expert's row start and its
+// position, written to the token's slot_rows (`my_rows`) with its weight.
 __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_rows,
                                                const int* expert_row_start, int num_local,
                                                int max_rows, float* recv_weights, int lane) {
-    if (lane >= kTopk) return -1;
-    if (kCached) return my_rows[lane];
     int row = -1;
     if (entry.id >= 0 && entry.id < num_local) {  // a bad id (recorded by layout) gets no row
         row = expert_row_start[entry.id] + entry.pos;
@@ -305,6 +302,54 @@ __device__ __forceinline__ int local_entry_row(const LocalEntry& entry, int* my_
     if (row >= 0) recv_weights[row] = entry.weight;
     return row;
 }
+
+// A cached dispatch's rows: lane k < kTopk's row of entry k from slot_rows, through the token's
+// slot, two dependent loads per token. Past a warp's first token, they run a token ahead: the
+// next token's rows and the slot after it go out before the warp reads a token's row, so that
+// neither waits in front of a token's writes. The first token loads its rows once its row is
+// read (the slots it needs are then in), as the rows were loaded before.
+template <int kTopk>
+struct CachedRowsAhead {
+    const int* token_slot_in_rank;
+    const int* slot_rows;
+    int num_tokens, stride, lane;
+    int slot, row;              // the current token's slot and (past the first) lane row
+    int next_slot, next_row;    // the next token's
+    int after_slot;             // the slot of the token after the next
+    bool is_first;
+
+    __device__ int slot_of(int n) const { return n < num_tokens ? token_slot_in_rank[n] : -1; }
+    __device__ int row_of(int s) const {
+        return s >= 0 && lane < kTopk ? slot_rows[(i64)s * kTopk + lane] : -1;
+    }
+    // Before the warp's first token `n`: its slot and the next token's go out.
+    __device__ void start(int n) {
+        slot = slot_of(n);
+        next_slot = slot_of(n + stride);
+        row = next_row = after_slot = -1;
+        is_first = true;
+    }
+    // Before token `n`'s row is read: past the first token, the loads a token ahead.
+    __device__ void before_read(int n) {
+        if (is_first) return;
+        next_row = row_of(next_slot);
+        after_slot = slot_of(n + 2 * stride);
+    }
+    // Once token `n`'s row is read: its lane row; then on to the next token.
+    __device__ int take_row(int n) {
+        int current = row;
+        if (is_first) {
+            current = row_of(slot);
+            next_row = row_of(next_slot);
+            after_slot = slot_of(n + 2 * stride);
+            is_first = false;
+        }
+        slot = next_slot;
+        row = next_row;
+        next_slot = after_slot;
+        return current;
+    }
+};
 
 // EP = 1: each token row read from x once and written to its expert-major rows; no staging and
 // no protocol (no regions are touched). The same recv_x, recv_weights and slot_rows as
@@ -397,11 +442,15 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
                                             scale_bytes, max_rows, num_recv_tokens_per_expert,
                                             expert_row_start, lane);
 
+    CachedRowsAhead<kTopk> cached_rows{token_slot_in_rank, slot_rows, num_tokens, num_warps,
+                                       lane};
+    if (kCached) cached_rows.start(warp);
     for (int n = warp; n < num_tokens; n += num_warps) {
         if (kPreload && (n != warp || !kPreloadBeforeWait))
             load_chunk<false>(reinterpret_cast<const int4*>(x + n * in_row_bytes), 0,
                               hidden / 8, lane, first);
-        const int slot = token_slot_in_rank[n];
+        const int slot = kCached ? cached_rows.slot : token_slot_in_rank[n];
+        if (kCached) cached_rows.before_read(n);
         const LocalEntry entry = load_local_entry<kTopk, kCached>(topk_idx, topk_weights,
                                                                   pos_in_expert, n, lane);
         if (quant_stage != nullptr && n != staged_token) {
@@ -410,10 +459,14 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + n * in_row_bytes),
                                            hidden, quant_stage, amax_epsilon, lane);
         }
+        const int cached_row = kCached ? cached_rows.take_row(n) : -1;
         if (slot < 0) continue;  // no expert on this rank: no rows, no slot
-        const int row_lane = local_entry_row<kTopk, kCached>(
-            entry, slot_rows + (i64)slot * kTopk, expert_row_start, num_local, max_rows,
-            recv_weights, lane);
+        const int row_lane =
+            kCached ? cached_row
+                    : (lane < kTopk ? local_entry_row(entry, slot_rows + (i64)slot * kTopk,
+                                                      expert_row_start, num_local, max_rows,
+                                                      recv_weights, lane)
+                                    : -1);
         if (kPreload) {
             const bool staged = kPreloadBeforeWait && n == warp;
             if (staged) cp_async_wait_all();

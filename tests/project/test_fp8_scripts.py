@@ -1,5 +1,6 @@
 """CPU tier: the FP8 measurement scripts of `dev/gpu/` (fp8.sh, tier_round.sh) plan what their
-header says in a dry run, fp8_profile.py's timeline splits a call's host stamps right,
+header says in a dry run, fp8_profile.py's timeline splits a call's host stamps right and its
+queued mode times each call it lists,
 host_breakdown.py's timers wrap and restore each kind of target, and bench_rounds.py tables
 alternating rounds."""
 
@@ -82,6 +83,40 @@ def test_timeline_without_a_wait_reports_the_call_only(capsys):
     load_dev_gpu_script("fp8_profile")._print_timeline("fp8 nosync", stamps, float("nan"))
     out = capsys.readouterr().out
     assert "host per call 50.0, between calls 10.0 µs" in out and "wait" not in out
+
+
+class _CountingBuffer:
+    """The calls `fp8_profile.queued` makes, counted by kind (dispatch: by mode)."""
+
+    num_ranks = 1
+
+    def __init__(self):
+        self.calls = {}
+
+    def _count(self, key):
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def get_dispatch_layout(self, idx, num_experts):
+        self._count("layout")
+
+    def dispatch(self, x, idx=None, w=None, *, num_experts=None, num_max_recv_rows=None,
+                 handle=None, fp8=None):
+        mode = "cached" if handle is not None else "nosync" if num_max_recv_rows else "sync"
+        self._count(f"{'bf16' if fp8 is None else fp8} {mode}")
+        return None, None, "handle", None
+
+
+def test_queued_times_the_layout_and_each_format_and_mode(capsys):
+    """On the CPU the queued mode runs each call's warm-up and says it has no GPU time; the
+    labels are the layout, then nosync and cached per format, bf16 first."""
+    buf = _CountingBuffer()
+    load_dev_gpu_script("fp8_profile").queued(buf, torch.zeros(2, 8), torch.zeros(2, 1), None, 4,
+                                                [("bf16", None), ("mx", "mx")], calls=30)
+    labels = [line.split(": ")[1] for line in capsys.readouterr().out.splitlines()]
+    assert labels == ["layout", "bf16 nosync", "bf16 cached", "mx nosync", "mx cached"]
+    # Three warm-up calls each; the one sync call per format makes the cached call's handle.
+    assert buf.calls == {"layout": 3, "bf16 sync": 1, "bf16 nosync": 3, "bf16 cached": 3,
+                         "mx sync": 1, "mx nosync": 3, "mx cached": 3}
 
 
 def _after_and_before_plans(before_dir, piece, **env):
