@@ -5,8 +5,13 @@
 rounds is the figure and every round's value is printed beside it. FP8 rows also get their ratio
 to bf16's row of the same SM budget and mode (least against least).
 
+The same for alternating `fp8_profile.py --queued` runs (the `queued` piece), given their logs
+instead: each line "fp8_profile queued: 132 SMs blockwise_1x128 nosync: GPU 115.8 µs/call" is
+one call's GPU time with the calls queued; the table has each call's least µs per side.
+
 Usage:
     python dev/gpu/bench_rounds.py after=OUT/round1_after/bench.json before=... after=...
+    python dev/gpu/bench_rounds.py after=OUT/fp8_queued1_after.log before=... after=...
 """
 
 from __future__ import annotations
@@ -22,14 +27,23 @@ from typing import Dict, List, Tuple
 _OURS = re.compile(r"^ours (\d+) SMs (?:fp8 \S+ )?(\w+)$")
 
 
-def collect(pairs: List[Tuple[str, str]]) -> Dict[str, Dict[str, List[float]]]:
-    """{variant: {side: [dispatch µs per round]}} from (side, bench.json path) pairs."""
-    table: Dict[str, Dict[str, List[float]]] = collections.defaultdict(
-        lambda: collections.defaultdict(list))
+Rounds = Dict[str, List[float]]  # {side: [µs per round]}
+
+
+def _existing(pairs: List[Tuple[str, str]]):
+    """The (side, path) pairs whose file exists; a note on stderr for each other one (a round
+    its budget skipped, or one that failed)."""
     for side, path in pairs:
-        if not os.path.exists(path):  # a round its budget skipped, or one that failed
+        if os.path.exists(path):
+            yield side, path
+        else:
             sys.stderr.write(f"bench_rounds.py: no {path}; left out\n")
-            continue
+
+
+def collect(pairs: List[Tuple[str, str]]) -> Dict[str, Rounds]:
+    """{variant: {side: [dispatch µs per round]}} from (side, bench.json path) pairs."""
+    table: Dict[str, Rounds] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for side, path in _existing(pairs):
         with open(path) as f:
             rows = json.load(f)
         for entry in rows:
@@ -40,7 +54,18 @@ def collect(pairs: List[Tuple[str, str]]) -> Dict[str, Dict[str, List[float]]]:
     return table
 
 
-def render(table: Dict[str, Dict[str, List[float]]], sides: List[str]) -> str:
+def _cell(values, base) -> str:
+    """One side's cell: the least of `values` (µs per round), its ratio to the least of `base`
+    (bf16's rounds) when given, then every round; "-" without rounds."""
+    if not values:
+        return "-"
+    cell = f"{min(values):.1f}"
+    if base:
+        cell += f" ({min(values) / min(base):.2f})"
+    return cell + " [" + " ".join(f"{v:.1f}" for v in values) + "]"
+
+
+def render(table: Dict[str, Rounds], sides: List[str]) -> str:
     """A markdown table: per variant and side, the least µs, its ratio to bf16 (FP8 rows) and
     every round's µs."""
     def bf16_of(variant: str) -> str:
@@ -50,18 +75,38 @@ def render(table: Dict[str, Dict[str, List[float]]], sides: List[str]) -> str:
 
     lines = ["| variant | " + " | ".join(sides) + " |", "|---|" + "---:|" * len(sides)]
     for variant, by_side in table.items():
-        cells = []
-        for side in sides:
-            values = by_side.get(side)
-            if not values:
-                cells.append("-")
-                continue
-            cell = f"{min(values):.1f}"
-            base = table.get(bf16_of(variant), {}).get(side)
-            if " fp8 " in variant and base:
-                cell += f" ({min(values) / min(base):.2f})"
-            cells.append(cell + " [" + " ".join(f"{v:.1f}" for v in values) + "]")
+        bf16 = table.get(bf16_of(variant), {}) if " fp8 " in variant else {}
+        cells = [_cell(by_side.get(side), bf16.get(side)) for side in sides]
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+_QUEUED = re.compile(r"^fp8_profile queued: (\d+ SMs) (.+): GPU ([\d.]+) µs/call$")
+
+
+def collect_queued(pairs: List[Tuple[str, str]]) -> Dict[Tuple[str, str], Rounds]:
+    """{(SMs, call): {side: [µs per round]}} from (side, `--queued` log path) pairs."""
+    table: Dict[Tuple[str, str], Rounds] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
+    for side, path in _existing(pairs):
+        with open(path) as f:
+            for line in f:
+                match = _QUEUED.match(line.strip())
+                if match:
+                    sms, call, us = match.groups()
+                    table[(sms, call)][side].append(float(us))
+    return table
+
+
+def render_queued(table: Dict[Tuple[str, str], Rounds], sides: List[str]) -> str:
+    """A markdown table: per SM budget and call, each side's least µs (with its ratio to
+    bf16's call of the same mode for the other formats) and every round's µs."""
+    lines = ["| SMs | call | " + " | ".join(sides) + " |", "|---|---|" + "---:|" * len(sides)]
+    for (sms, call), by_side in table.items():
+        name, _, mode = call.rpartition(" ")
+        bf16 = table.get((sms, f"bf16 {mode}"), {}) if name not in ("bf16", "") else {}
+        cells = [_cell(by_side.get(side), bf16.get(side)) for side in sides]
+        lines.append(f"| {sms} | {call} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -77,6 +122,11 @@ def main(argv: List[str]) -> int:
         sys.stderr.write(__doc__)
         return 2
     sides = list(dict.fromkeys(side for side, _ in pairs))
+    if all(path.endswith(".log") for _, path in pairs):
+        sys.stdout.write("GPU µs per call, calls queued, least of the rounds (FP8 / bf16 of the "
+                         "same SMs and mode) [each round]\n"
+                         + render_queued(collect_queued(pairs), sides) + "\n")
+        return 0
     sys.stdout.write("least µs of the rounds (FP8 / bf16 of the same SMs and mode) "
                      "[each round]\n" + render(collect(pairs), sides) + "\n")
     return 0

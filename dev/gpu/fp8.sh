@@ -40,7 +40,13 @@
 #           BEFORE_DIR older than the FP8 kernel tables prints bf16's only), then
 #           dev/gpu/bench_rounds.py's table of each row's least µs per side (ROUND_TIMEOUT, 100
 #           each)
-# Logs land in $OUT (the device tool's folder) or .bench_out/fp8.
+#   queued  ROUNDS alternating rounds of dev/gpu/fp8_profile.py --queued, after then before, at
+#           each of NUM_SMS: the GPU's µs per call of the layout kernel and of each format's
+#           no-sync and cached dispatch with the calls queued (no host time), then
+#           bench_rounds.py's table of each call's least µs per side (QUEUED_TIMEOUT, 60 each)
+# Logs land in .bench_out/fp8, or, under the device tool ($OUT set), in a scratch folder packed
+# at exit into $OUT/fp8_logs.tgz beside copies of the summary and the tables (the tool returns
+# at most eight files).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 if [ $# -ne 2 ] || [ ! -d "$1" ] || [ ! -d "$2/megatron_deepep" ]; then
@@ -51,7 +57,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 WHEELS_DIR=$(cd "$1" && pwd)
 BEFORE=$(cd "$2" && pwd)
-LOGS=${OUT:-.bench_out/fp8}
+if [ -n "${OUT:-}" ] && ! dry; then
+  LOGS=$(mktemp -d)
+  # Every log in one archive; the summary and the tables also as files of their own.
+  trap 'tar czf "$OUT/fp8_logs.tgz" -C "$LOGS" . && cp "$LOGS"/fp8_summary.txt "$LOGS"/*.md \
+    "$OUT"/ 2>/dev/null' EXIT
+else
+  LOGS=.bench_out/fp8
+fi
 mkdir -p "$LOGS"
 BUDGET_S=${BUDGET:-570}
 PIECES=${PIECES:-check tests after before ncu host layer tests2}
@@ -182,8 +195,25 @@ te-deepep-fp8-experts}" \
       done
       if dry; then echo "dry run: rounds table: python3 dev/gpu/bench_rounds.py ${round_files[*]}"
       else python3 dev/gpu/bench_rounds.py "${round_files[@]}" | tee "$LOGS/fp8_rounds.md"; fi ;;
+    queued)
+      dry || precompile_before
+      queued_logs=()
+      for i in $(seq "${ROUNDS:-2}"); do
+        for side in after before; do
+          [ $side = after ] && path=$HERE_PATH || path=$BEFORE_PATH
+          for sms in ${NUM_SMS//,/ }; do
+            log=fp8_queued${i}_${side}_$sms.log
+            piece "queued $i $side $sms" "${QUEUED_TIMEOUT:-60}" "$log" \
+              env PYTHONPATH="$path" python3 dev/gpu/fp8_profile.py --queued --fp8 "$FORMATS" \
+              --num-sms "$sms"
+            queued_logs+=("$side=$LOGS/$log")
+          done
+        done
+      done
+      if dry; then echo "dry run: queued table: python3 dev/gpu/bench_rounds.py ${queued_logs[*]}"
+      else python3 dev/gpu/bench_rounds.py "${queued_logs[@]}" | tee "$LOGS/fp8_queued.md"; fi ;;
     *) echo "fp8.sh: unknown piece '$name' (check tests after before ncu host timeline breakdown" \
-         "layer tests2 rounds)"
+         "layer tests2 rounds queued)"
        exit 2 ;;
   esac
 done

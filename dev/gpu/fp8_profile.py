@@ -77,7 +77,8 @@ def main() -> None:
         dist.destroy_process_group()
         return
     if args.queued:
-        queued(buf, x, idx, weights, num_experts, specs, args.queued_calls)
+        queued(buf, x, idx, weights, num_experts, specs, args.queued_calls,
+               label_prefix=f"{args.num_sms} SMs ")
         buf.destroy()
         dist.destroy_process_group()
         return
@@ -166,15 +167,17 @@ def host_times(buf, x, idx, weights, num_experts: int, specs, calls: int) -> Non
         print(profile_host(buf, x, idx, weights, num_experts, calls, fp8=fp8, lines=25))
 
 
-def queued(buf, x, idx, weights, num_experts: int, specs, calls: int) -> None:
+def queued(buf, x, idx, weights, num_experts: int, specs, calls: int,
+           label_prefix: str = "") -> None:
     """Prints the GPU's µs per call of the layout kernel alone and, per format, of the nosync
-    and cached dispatch, `calls` calls queued behind a sleep kernel (the host far ahead)."""
+    and cached dispatch, `calls` calls queued behind a sleep kernel (the host far ahead); each
+    label starts with `label_prefix` (the script's: "132 SMs ")."""
     from megatron_deepep.bench.run import host_profile_calls
 
-    runs = [("layout", lambda: buf.get_dispatch_layout(idx, num_experts))]
+    runs = [(label_prefix + "layout", lambda: buf.get_dispatch_layout(idx, num_experts))]
     for name, fp8 in specs:
         fns = host_profile_calls(buf, x, idx, weights, num_experts, fp8)
-        runs += [(f"{name} {mode}", fns[mode]) for mode in ("nosync", "cached")]
+        runs += [(f"{label_prefix}{name} {mode}", fns[mode]) for mode in ("nosync", "cached")]
     for label, fn in runs:
         for _ in range(3):
             fn()

@@ -1,8 +1,7 @@
 """CPU tier: the FP8 measurement scripts of `dev/gpu/` (fp8.sh, tier_round.sh) plan what their
 header says in a dry run, fp8_profile.py's timeline splits a call's host stamps right and its
-queued mode times each call it lists,
-host_breakdown.py's timers wrap and restore each kind of target, and bench_rounds.py tables
-alternating rounds."""
+queued mode times each call it lists, host_breakdown.py's timers wrap and restore each kind of
+target, and bench_rounds.py tables alternating rounds of the bench and of its queued mode."""
 
 from __future__ import annotations
 
@@ -213,3 +212,41 @@ def test_bench_rounds_takes_each_sides_least_and_the_fp8_ratio(tmp_path, capsys)
     assert "| 64,128,8,2 ours 24 SMs sync | 375.0 [400.0 375.0] | 380.0 [380.0] |" in out.out
     assert "alltoall" not in out.out and "left out" in out.err
     assert rounds.main(["no-equals-sign"]) == 2
+
+
+def test_fp8_queued_piece_runs_each_side_at_each_sm_budget_and_tables_them(before_dir):
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="queued", ROUNDS="2", NUM_SMS="24,132")
+    assert rc == 0, out
+    runs = [line for line in out.splitlines()
+            if line.startswith("dry run: queued ") and "table:" not in line]
+    assert [line.split("(")[0].split()[-3:] for line in runs] == [
+        [str(i), side, sms] for i in (1, 2) for side in ("after", "before")
+        for sms in ("24", "132")]
+    assert all("fp8_profile.py --queued" in line for line in runs)
+    assert all((before_dir[1] in line) == (" before " in line) for line in runs)
+    table = next(line for line in out.splitlines() if "queued table:" in line)
+    assert table.count("after=") == table.count("before=") == 4
+    assert "fp8_queued2_before_132.log" in table
+
+
+def test_bench_rounds_tables_queued_logs_with_the_fp8_ratio(tmp_path, capsys):
+    rounds = load_dev_gpu_script("bench_rounds")
+    logs = []
+    for name, (layout, bf16, fp8) in {"a1": (9.1, 375.0, 240.0), "b1": (9.3, 380.0, 260.0),
+                                      "a2": (9.4, 376.0, 232.5)}.items():
+        path = tmp_path / f"{name}.log"
+        path.write_text(f"fp8_profile queued: 24 SMs layout: GPU {layout} µs/call\n"
+                        f"fp8_profile queued: 24 SMs bf16 nosync: GPU {bf16} µs/call\n"
+                        "some other line\n"
+                        f"fp8_profile queued: 24 SMs mx nosync: GPU {fp8} µs/call\n")
+        logs.append(str(path))
+    args = [f"after={logs[0]}", f"before={logs[1]}", f"after={logs[2]}",
+            f"before={tmp_path / 'b2.log'}"]  # a round that never wrote its log
+    assert rounds.main(args) == 0
+    out = capsys.readouterr()
+    assert "| SMs | call | after | before |" in out.out
+    assert "| 24 SMs | layout | 9.1 [9.1 9.4] | 9.3 [9.3] |" in out.out
+    # FP8's least over bf16's least of the same side and mode: 232.5 / 375 and 260 / 380.
+    assert "| 24 SMs | mx nosync | 232.5 (0.62) [240.0 232.5] | 260.0 (0.68) [260.0] |" in out.out
+    assert "| 24 SMs | bf16 nosync | 375.0 [375.0 376.0] | 380.0 [380.0] |" in out.out
+    assert "left out" in out.err
