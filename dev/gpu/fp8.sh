@@ -27,9 +27,10 @@
 #   timeline  dev/gpu/fp8_profile.py --timeline at NUM_SMS's last value: the host's work per
 #           sync and nosync call (before, in and after the wait) beside the GPU's µs per call,
 #           bf16 and the first format (HOST_TIMEOUT, 60)
-#   breakdown  dev/gpu/host_breakdown.py, after then before (BREAKDOWN_SIDES), at NUM_SMS's last value: each
-#           function's host µs per call (sync, nosync, cached; bf16 and the first format) and
-#           the raw cost of the CUDA entry points a call makes (HOST_TIMEOUT, 60 each)
+#   breakdown  dev/gpu/host_breakdown.py, after then before (BREAKDOWN_SIDES), at NUM_SMS's
+#           last value: each function's host µs per call (sync, nosync, cached; bf16 and the
+#           first format) and the raw cost of the CUDA entry points a call makes (HOST_TIMEOUT,
+#           60 each)
 #   layer   python -m megatron_deepep.bench.layer --te: table B's TE blockwise-FP8 layer rows,
 #           alltoall with TE's fused permute beside ours with FP8 dispatch and FP8 experts
 #           (LAYER_TIMEOUT, 150; LAYER_VARIANTS picks the variants, LAYER_ARGS is passed on,
@@ -44,6 +45,8 @@
 #           each of NUM_SMS: the GPU's µs per call of the layout kernel and of each format's
 #           no-sync and cached dispatch with the calls queued (no host time), then
 #           bench_rounds.py's table of each call's least µs per side (QUEUED_TIMEOUT, 60 each)
+# MORE_SIDES="NAME=DIR ..." adds packages laid out as BEFORE_DIR to rounds and queued, run
+# between after and before in each round (two trials and their base in one call).
 # Logs land in .bench_out/fp8, or, under the device tool ($OUT set), in a scratch folder packed
 # at exit into $OUT/fp8_logs.tgz beside copies of the summary and the tables (the tool returns
 # at most eight files).
@@ -106,10 +109,27 @@ print('torch', torch.__version__, '| megatron-core', m.__version__, '| TE', te._
 fi
 HERE_PATH=$PWD:${PYTHONPATH:-}
 BEFORE_PATH=$BEFORE:${PYTHONPATH:-}
-# BEFORE_DIR's kernels into the kernel cache (-j nproc) before its timed pieces.
+# MORE_SIDES="NAME=DIR ...": more packages for the rounds and queued pieces, run between after
+# and before in each round (e.g. a second trial beside this tree).
+declare -A SIDE_PATH=([after]=$HERE_PATH [before]=$BEFORE_PATH)
+ROUND_SIDES=(after)
+for pair in ${MORE_SIDES:-}; do
+  name=${pair%%=*} dir=${pair#*=}
+  if [ "$name" = "$pair" ] || [ ! -d "$dir/megatron_deepep" ]; then
+    echo "fp8.sh: MORE_SIDES wants NAME=DIR with DIR/megatron_deepep, got '$pair'"; exit 2
+  fi
+  SIDE_PATH[$name]=$(cd "$dir" && pwd):${PYTHONPATH:-}
+  ROUND_SIDES+=("$name")
+done
+ROUND_SIDES+=(before)
+# The kernels of BEFORE_DIR and MORE_SIDES into the kernel cache (-j nproc) before their timed
+# pieces.
 precompile_before() {
-  env PYTHONPATH="$BEFORE_PATH" python3 -m megatron_deepep.tools.precompile --topk 8 \
-    --index-dtype int64 --fp8 ${FORMATS//,/ } --bench -j "$(nproc)" -q
+  local side
+  for side in "${ROUND_SIDES[@]:1}"; do
+    env PYTHONPATH="${SIDE_PATH[$side]}" python3 -m megatron_deepep.tools.precompile --topk 8 \
+      --index-dtype int64 --fp8 ${FORMATS//,/ } --bench -j "$(nproc)" -q
+  done
 }
 NCU_KERNELS="regex:dispatch_local|layout_kernel"
 NCU_ARGS=(--clock-control none --kernel-name "$NCU_KERNELS" --section SpeedOfLight
@@ -184,11 +204,10 @@ te-deepep-fp8-experts}" \
       dry || precompile_before
       round_files=()
       for i in $(seq "${ROUNDS:-2}"); do
-        for side in after before; do
-          [ $side = after ] && path=$HERE_PATH || path=$BEFORE_PATH
+        for side in "${ROUND_SIDES[@]}"; do
           piece "round $i $side" "${ROUND_TIMEOUT:-100}" fp8_round${i}_$side.log \
-            env PYTHONPATH="$path" python3 -m megatron_deepep.bench --shapes "$SHAPE" \
-            --num-sms "$NUM_SMS" --fp8 "$FORMATS" --no-megatron --profile \
+            env PYTHONPATH="${SIDE_PATH[$side]}" python3 -m megatron_deepep.bench \
+            --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" --no-megatron --profile \
             --out "$LOGS/round${i}_$side"
           round_files+=("$side=$LOGS/round${i}_$side/bench.json")
         done
@@ -199,13 +218,12 @@ te-deepep-fp8-experts}" \
       dry || precompile_before
       queued_logs=()
       for i in $(seq "${ROUNDS:-2}"); do
-        for side in after before; do
-          [ $side = after ] && path=$HERE_PATH || path=$BEFORE_PATH
+        for side in "${ROUND_SIDES[@]}"; do
           for sms in ${NUM_SMS//,/ }; do
             log=fp8_queued${i}_${side}_$sms.log
             piece "queued $i $side $sms" "${QUEUED_TIMEOUT:-60}" "$log" \
-              env PYTHONPATH="$path" python3 dev/gpu/fp8_profile.py --queued --fp8 "$FORMATS" \
-              --num-sms "$sms"
+              env PYTHONPATH="${SIDE_PATH[$side]}" python3 dev/gpu/fp8_profile.py --queued \
+              --fp8 "$FORMATS" --num-sms "$sms"
             queued_logs+=("$side=$LOGS/$log")
           done
         done

@@ -250,3 +250,18 @@ def test_bench_rounds_tables_queued_logs_with_the_fp8_ratio(tmp_path, capsys):
     assert "| 24 SMs | mx nosync | 232.5 (0.62) [240.0 232.5] | 260.0 (0.68) [260.0] |" in out.out
     assert "| 24 SMs | bf16 nosync | 375.0 [375.0 376.0] | 380.0 [380.0] |" in out.out
     assert "left out" in out.err
+
+
+def test_more_sides_run_between_after_and_before(before_dir, tmp_path):
+    (tmp_path / "mid" / "megatron_deepep").mkdir(parents=True)
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="queued rounds", ROUNDS="1",
+                       NUM_SMS="132", MORE_SIDES=f"mid={tmp_path / 'mid'}")
+    assert rc == 0, out
+    for kind in ("queued", "round"):
+        runs = [line for line in out.splitlines()
+                if line.startswith(f"dry run: {kind} 1 ") and "table:" not in line]
+        assert [line.split()[4] for line in runs] == ["after", "mid", "before"], out
+        assert str(tmp_path / "mid") in runs[1]
+    assert all("mid=" in line for line in out.splitlines() if "table:" in line)
+    rc, out = _dry_run("fp8.sh", *before_dir, PIECES="rounds", MORE_SIDES="no-dir")
+    assert rc == 2 and "MORE_SIDES wants NAME=DIR" in out
