@@ -124,7 +124,7 @@ done
 ROUND_SIDES+=(before)
 # The kernels of BEFORE_DIR and MORE_SIDES into the kernel cache (-j nproc) before their timed
 # pieces.
-precompile_before() {
+precompile_other_sides() {
   local side
   for side in "${ROUND_SIDES[@]:1}"; do
     env PYTHONPATH="${SIDE_PATH[$side]}" python3 -m megatron_deepep.tools.precompile --topk 8 \
@@ -158,7 +158,7 @@ for name in $PIECES; do
         python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
         --out "$LOGS/after" ${AFTER_ARGS:-} ;;
     before)
-      dry || precompile_before
+      dry || precompile_other_sides
       piece before "${BEFORE_TIMEOUT:-120}" fp8_bench_before.log env PYTHONPATH="$BEFORE_PATH" \
         python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
         --no-megatron --out "$LOGS/before" ;;
@@ -189,10 +189,12 @@ for name in $PIECES; do
       dry || grep -h "fp8_profile timeline:" "$LOGS/fp8_timeline.log" ;;
     breakdown)
       for side in ${BREAKDOWN_SIDES:-after before}; do
-        [ $side = after ] && path=$HERE_PATH || path=$BEFORE_PATH
+        if [ -z "${SIDE_PATH[$side]:-}" ]; then
+          SUMMARY+=("breakdown $side: no such side (after, before or MORE_SIDES)"); continue
+        fi
         piece "breakdown $side" "${HOST_TIMEOUT:-60}" fp8_breakdown_$side.log \
-          env PYTHONPATH="$path" python3 dev/gpu/host_breakdown.py --fp8 "${FORMATS%%,*}" \
-          --num-sms "${NUM_SMS##*,}"
+          env PYTHONPATH="${SIDE_PATH[$side]}" python3 dev/gpu/host_breakdown.py \
+          --fp8 "${FORMATS%%,*}" --num-sms "${NUM_SMS##*,}"
       done ;;
     layer)
       piece layer "${LAYER_TIMEOUT:-150}" fp8_layer.log env PYTHONPATH="$HERE_PATH" \
@@ -201,7 +203,7 @@ for name in $PIECES; do
 te-deepep-fp8-experts}" \
         --iters 20 --out "$LOGS/fp8_layer.json" ${LAYER_ARGS:-} ;;
     rounds)
-      dry || precompile_before
+      dry || precompile_other_sides
       round_files=()
       for i in $(seq "${ROUNDS:-2}"); do
         for side in "${ROUND_SIDES[@]}"; do
@@ -215,7 +217,7 @@ te-deepep-fp8-experts}" \
       if dry; then echo "dry run: rounds table: python3 dev/gpu/bench_rounds.py ${round_files[*]}"
       else python3 dev/gpu/bench_rounds.py "${round_files[@]}" | tee "$LOGS/fp8_rounds.md"; fi ;;
     queued)
-      dry || precompile_before
+      dry || precompile_other_sides
       queued_logs=()
       for i in $(seq "${ROUNDS:-2}"); do
         for side in "${ROUND_SIDES[@]}"; do
