@@ -58,6 +58,7 @@ if [ $# -ne 2 ] || [ ! -d "$1" ] || [ ! -d "$2/megatron_deepep" ]; then
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 WHEELS_DIR=$(cd "$1" && pwd)
 BEFORE=$(cd "$2" && pwd)
 if [ -n "${OUT:-}" ] && ! dry; then
@@ -75,7 +76,6 @@ export MDEEP_CACHE_DIR=${MDEEP_CACHE_DIR:-$PWD/.bench_out/fp8_kernel_cache}
 SHAPE=4096,7168,256,8
 FORMATS=${FORMATS:-blockwise_1x128,mxfp8_1x32,blockwise_1x128_fp32_scales}
 NUM_SMS=${NUM_SMS:-24,132}
-dry() { [ "${DRY_RUN:-0}" = 1 ]; }
 source dev/gpu/time_limit.sh  # run LIMIT LOG command...: never past BUDGET_S
 
 # piece NAME LIMIT LOG command...: time_limit.sh's `run` unless the budget is short of half the
