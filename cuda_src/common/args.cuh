@@ -233,6 +233,15 @@ struct FanOutArgs {
     int num_rows, num_int4, fan_out;
 };
 
+// ceiling.cu: fan_out_fp8_bytes.
+struct FanOutBytesArgs {
+    const int4* src;
+    const int* dst_rows;
+    int4* dst;
+    int4* dst_scales;
+    int num_rows, num_int4, fan_out, scale_int4;
+};
+
 // ceiling.cu: fan_in_sum.
 struct FanInArgs {
     const int4* src;

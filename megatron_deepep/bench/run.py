@@ -17,9 +17,11 @@ Variants: "sync" (exact output size, one host wait), "nosync" (a caller-given ro
 synchronization), "cached" (a handle replayed, as combine's backward does). Calls are timed
 back to back with CUDA events; host µs/call is measured apart.
 Ceilings (bare kernels of `cuda_src/bench/ceiling.cu`, same run): the write-only rate, and at EP=1
-the
-expand's traffic (each row read once, written K times) and the combine's (K rows summed into
-one), with none of our bookkeeping.
+the expand's traffic (each row read once, written K times) and the combine's (K rows summed into
+one), with none of our bookkeeping. At EP=1 also, per SM budget, the expand's traffic with one
+512-thread block per SM (as our expand runs), bf16 rows and FP8-sized rows (one byte per element
+plus the first `--fp8` format's scale bytes, no arithmetic): the store path's floor at that
+budget, and its FP8 / bf16 ratio, printed beside each FP8 row's.
 
 At EP > 1 a second table follows (`bench_peers.py` defines every figure): per rank and per
 direction, the NVLink bytes and GB/s of our dispatch and combine, beside NCCL's
@@ -148,6 +150,38 @@ def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor):
     if not torch.equal(out, expected):
         raise RuntimeError("fan_out_copy wrote wrong rows: its ceiling is not valid")
     return us, out, dst_rows
+
+
+def sm_fan_out_us(x: torch.Tensor, dst_rows: torch.Tensor, num_topk: int, num_sms: int,
+                  scale_bytes: int) -> Dict[str, float]:
+    """The expand's traffic at an SM budget: `fan_out_copy` and `fan_out_fp8_bytes`
+    (ceiling.cu) with `num_sms` blocks of 512 threads, each row of `x [N, H]` bf16 written to
+    its K rows `dst_rows [N * K]`, as bf16 and as one byte per element plus `scale_bytes` per
+    row (rounded up to 16). Both outputs are checked (a wrong copy is no ceiling).
+
+    Returns:
+        `{"bf16_us": µs, "fp8_bytes_us": µs}`.
+    """
+    num_tokens, hidden = x.shape
+    num_rows = num_tokens * num_topk
+    token_of_row = torch.empty_like(dst_rows).scatter_(
+        0, dst_rows.long(), torch.arange(num_tokens, dtype=torch.int32, device=x.device)
+        .repeat_interleave(num_topk)).long()
+    out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
+    bf16_us = time_cuda(lambda: ceiling_ops.fan_out_copy(x, dst_rows, out, num_topk, num_sms),
+                        iters=20)
+    if not torch.equal(out, x.index_select(0, token_of_row)):
+        raise RuntimeError("fan_out_copy wrote wrong rows: its ceiling is not valid")
+    del out
+    out = torch.empty(num_rows, hidden, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(num_rows, -(-scale_bytes // 16) * 16, dtype=torch.uint8,
+                         device=x.device)
+    fp8_us = time_cuda(lambda: ceiling_ops.fan_out_fp8_bytes(x, dst_rows, out, scales,
+                                                             num_topk, num_sms), iters=20)
+    high_bytes = x.view(torch.uint8).view(num_tokens, hidden, 2)[..., 1]
+    if not torch.equal(out, high_bytes.index_select(0, token_of_row)):
+        raise RuntimeError("fan_out_fp8_bytes wrote wrong rows: its ceiling is not valid")
+    return {"bf16_us": bf16_us, "fp8_bytes_us": fp8_us}
 
 
 def fan_in_us(rows: torch.Tensor, src_rows: torch.Tensor) -> float:
@@ -399,6 +433,10 @@ def run(shapes, num_sms_list: List[int], out_dir: str, with_megatron: bool,
             if num_topk == 8:  # fan_in_sum is built for K = 8
                 entry["fan_in_sum_us"] = fan_in_us(expanded, dst_rows.view(num_tokens, 8))
             del expanded
+            scale_bytes = fp8_specs[0].fmt.scale_bytes_per_token(hidden) if fp8_specs else 0
+            entry["sm_fan_out"] = {
+                str(num_sms): sm_fan_out_us(xs[0], dst_rows, num_topk, num_sms, scale_bytes)
+                for num_sms in num_sms_list}
         for spec in fp8_specs:  # read bf16 x once, write e4m3 rows and their scales
             fp8_bytes = num_tokens * hidden * 2 + num_rows * spec.fmt.bytes_per_token(hidden)
             entry[f"fp8_{spec.fmt.name}"] = {
@@ -450,6 +488,16 @@ def _cell(num_bytes: float, floor_us: float, us, refused: bool = False) -> str:
     return f"{us:.1f} | {num_bytes / us / 1e3:.0f} | {floor_us / us:.2f}"
 
 
+def _ratio(sm_fan_out: dict) -> float:
+    return sm_fan_out["fp8_bytes_us"] / sm_fan_out["bf16_us"]
+
+
+def _sm_fan_out_ratio(entry: dict, key: str) -> str:
+    """"; bare fan-out xR" for an "ours S SMs fp8 ..." row when the entry holds S's ceiling."""
+    sm = entry.get("sm_fan_out", {}).get(key.split(" ")[1])
+    return f"; bare fan-out x{_ratio(sm):.2f}" if sm else ""
+
+
 def row_refusal(entry: dict) -> Optional[str]:
     """Why a bench row gets no GB/s (`transport.bandwidth_refusal` of the transport it records
     having run), or None; rows of files written before the bench recorded it are shown."""
@@ -483,7 +531,8 @@ def print_table(rows: List[dict]) -> None:
                 base = bf16_sync.get(key.split(" SMs")[0] + mode)
                 if base:
                     extra = (f" [wire bytes x{fp8['wire_byte_ratio']:.3f}, time "
-                             f"x{res['dispatch_us'] / base:.2f} of bf16]")
+                             f"x{res['dispatch_us'] / base:.2f} of bf16"
+                             f"{_sm_fan_out_ratio(e, key)}]")
             lines.append(
                 f"{shape} | {e['ep']} | {key}{extra} | "
                 f"{_cell(num_bytes, floor, res['dispatch_us'], bool(refusal))} | "
@@ -497,6 +546,10 @@ def print_table(rows: List[dict]) -> None:
                         f"{e['fan_out_copy_us']:.1f} µs" if "fan_out_copy_us" in e else "")
                      + (f"; combine's traffic (read K, write 1; fan_in_sum): "
                         f"{e['fan_in_sum_us']:.1f} µs" if "fan_in_sum_us" in e else ""))
+        for num_sms, sm in e.get("sm_fan_out", {}).items():
+            lines.append(f"{shape} | bare fan-out at {num_sms} SMs (one 512-thread block per "
+                         f"SM): bf16 rows {sm['bf16_us']:.1f} µs, FP8-sized rows "
+                         f"{sm['fp8_bytes_us']:.1f} µs (x{_ratio(sm):.2f})")
     lines += bench_peers.format_table(rows)  # EP > 1 only: nothing at EP = 1
     sys.stdout.write("\n".join(lines) + "\n")
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from megatron_deepep.kernels.jit import NvrtcUnavailable  # noqa: F401 (callers above ops catch it)
 from megatron_deepep.ops.bench.ceiling import (  # noqa: F401
-    FanInArgs, FanOutArgs, FillArgs, PeerCopyArgs)
+    FanInArgs, FanOutArgs, FanOutBytesArgs, FillArgs, PeerCopyArgs)
 from megatron_deepep.ops.bench.internode_leg import LegArgs  # noqa: F401
 from megatron_deepep.ops.bench.quantize import QuantizeArgs  # noqa: F401
 from megatron_deepep.ops.combine import (  # noqa: F401
@@ -65,6 +65,7 @@ KERNEL_ARGS = {
     ("fp8.cu", "dequantize_mxfp8"): DequantizeArgs,
     ("fp8_columnwise.cu", "columnwise_from_rowwise"): ColumnwiseArgs,
     ("bench/ceiling.cu", "fill_kernel"): FillArgs, ("bench/ceiling.cu", "fan_out_copy"): FanOutArgs,
+    ("bench/ceiling.cu", "fan_out_fp8_bytes"): FanOutBytesArgs,
     ("bench/ceiling.cu", "fan_in_sum"): FanInArgs, ("bench/ceiling.cu", "peer_copy"): PeerCopyArgs,
     ("bench/internode_leg.cu", "internode_leg_send"): LegArgs,
     ("bench/internode_leg.cu", "internode_leg_wait"): LegArgs,

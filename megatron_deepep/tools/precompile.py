@@ -37,8 +37,8 @@ INDEX_TYPES = {"int64": "long long", "int32": "int"}
 FP8_OUTPUTS = {"fp8": "false", "bf16": "true"}  # the kernels' kDequant argument
 # The benchmark- and test-only kernels (cuda_src/bench/), built only with --bench: the ceilings,
 # and the standalone quantize as ops.bench.quantize.quantize_rows launches it by default.
-BENCH_KERNELS = ([("bench/ceiling.cu", e) for e in ("fill_kernel", "fan_out_copy", "fan_in_sum",
-                                                   "peer_copy")]
+BENCH_KERNELS = ([("bench/ceiling.cu", e) for e in ("fill_kernel", "fan_out_copy",
+                                                   "fan_out_fp8_bytes", "fan_in_sum", "peer_copy")]
                  + [("bench/quantize.cu", e) for e in ("quantize_blockwise<8, false>",
                                                       "quantize_blockwise<8, true>",
                                                       "quantize_mxfp8<8>")])

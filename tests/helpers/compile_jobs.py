@@ -39,7 +39,7 @@ WIDE_ROW_DTYPES = ("fp16", "fp32")
 FP8_KERNELS = [f"{k}<{w}>" for k in ("dequantize_blockwise", "dequantize_mxfp8") for w in (4, 8)]
 QUANTIZE_KERNELS = ([f"quantize_blockwise<{w}, {p}>" for w in (4, 8) for p in ("false", "true")]
                     + [f"quantize_mxfp8<{w}>" for w in (4, 8)])
-CEILING_KERNELS = ["fill_kernel", "fan_out_copy", "fan_in_sum", "peer_copy"]
+CEILING_KERNELS = ["fill_kernel", "fan_out_copy", "fan_out_fp8_bytes", "fan_in_sum", "peer_copy"]
 COLUMNWISE_KERNELS = [f"columnwise_from_rowwise<{p}>" for p in ("true", "false")]
 WORKERS = 2
 

@@ -279,6 +279,9 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
     ceiling.fill(dst, 3)
     ceiling.fan_out_copy(src, rows, dst, 8, 2)
     ceiling.fan_in_sum(dst, rows.view(4, 8), src, 2)
+    fp8_rows = torch.zeros(32, 64, dtype=torch.uint8)
+    fp8_scales = torch.zeros(32, 32, dtype=torch.uint8)
+    ceiling.fan_out_fp8_bytes(src, rows, fp8_rows, fp8_scales, 8, 24)
     slots = torch.zeros(3, 64, dtype=torch.uint8)
     bases = torch.zeros(3, dtype=torch.int64)
     ceiling.peer_copy(slots, bases, 1, 24)
@@ -291,6 +294,9 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
     assert by_name["fan_out_copy"][2] == dict(src=src.data_ptr(), dst_rows=rows.data_ptr(),
                                               dst=dst.data_ptr(), num_rows=4, num_int4=8,
                                               fan_out=8)
+    assert by_name["fan_out_fp8_bytes"] == (24, 512, dict(
+        src=src.data_ptr(), dst_rows=rows.data_ptr(), dst=fp8_rows.data_ptr(),
+        dst_scales=fp8_scales.data_ptr(), num_rows=4, num_int4=8, fan_out=8, scale_int4=2))
     assert by_name["fan_in_sum"][2] == dict(src=dst.data_ptr(), src_rows=rows.data_ptr(),
                                             dst=src.data_ptr(), num_rows=4, num_int4=8)
     assert by_name["peer_copy"] == (24, ceiling.PEER_COPY_THREADS, dict(
@@ -300,6 +306,18 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
     assert mxfp8["x"] == src.data_ptr() and mxfp8["num_tokens"] == 4
     assert mxfp8["hidden"] == 64 and mxfp8["q"] != 0 and mxfp8["scales"] != 0
     assert by_name["dequantize_blockwise"][2]["num_tokens"] == 4
+
+
+def test_fp8_bytes_fan_out_names_what_it_refuses():
+    rows = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="src must be bf16 with a multiple of 16 columns"):
+        ceiling.fan_out_fp8_bytes(torch.zeros(1, 24, dtype=torch.bfloat16), rows,
+                                  torch.zeros(8, 24, dtype=torch.uint8),
+                                  torch.zeros(8, 16, dtype=torch.uint8), 8, 1)
+    with pytest.raises(ValueError, match=r"dst_scales' row \(8 bytes\)"):
+        ceiling.fan_out_fp8_bytes(torch.zeros(1, 32, dtype=torch.bfloat16), rows,
+                                  torch.zeros(8, 32, dtype=torch.uint8),
+                                  torch.zeros(8, 8, dtype=torch.uint8), 8, 1)
 
 
 def test_columnwise_wrapper_fills_every_field(recorder, monkeypatch):

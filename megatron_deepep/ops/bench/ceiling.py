@@ -22,6 +22,12 @@ class FanOutArgs(KernelArgs):
                 ("num_int4", I32), ("fan_out", I32)]
 
 
+class FanOutBytesArgs(KernelArgs):
+    c_name = "mdeep::FanOutBytesArgs"
+    _fields_ = [("src", Ptr), ("dst_rows", Ptr), ("dst", Ptr), ("dst_scales", Ptr),
+                ("num_rows", I32), ("num_int4", I32), ("fan_out", I32), ("scale_int4", I32)]
+
+
 class FanInArgs(KernelArgs):
     c_name = "mdeep::FanInArgs"
     _fields_ = [("src", Ptr), ("src_rows", Ptr), ("dst", Ptr), ("num_rows", I32),
@@ -53,6 +59,26 @@ def fan_out_copy(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tensor, f
                            num_int4=src.shape[1] * src.element_size() // 16, fan_out=fan_out)
     jit.get_kernel("bench/ceiling.cu", "fan_out_copy").launch(num_blocks, 512, args,
                                                               launch_stream())
+
+
+def fan_out_fp8_bytes(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tensor,
+                      dst_scales: torch.Tensor, fan_out: int, num_blocks: int) -> None:
+    """`fan_out_fp8_bytes`: row n of `src [N, H]` bf16 written, as its elements' high bytes, to
+    rows `dst_rows[n * fan_out + k]` of `dst [M, H]` uint8 (int32, -1 skips), and 16-byte words
+    to the same rows of `dst_scales [M, S]` uint8 (S a multiple of 16): the FP8 expand's bytes
+    without its arithmetic. `num_blocks` blocks of 512 threads; H a multiple of 16."""
+    if src.dtype != torch.bfloat16 or src.shape[1] % 16:
+        raise ValueError(f"fan_out_fp8_bytes: src must be bf16 with a multiple of 16 columns, "
+                         f"got {src.dtype} {tuple(src.shape)}")
+    if dst_scales.shape[1] % 16:
+        raise ValueError(f"fan_out_fp8_bytes: dst_scales' row ({dst_scales.shape[1]} bytes) "
+                         "must be a multiple of 16 bytes")
+    args = FanOutBytesArgs.fill(src=src.data_ptr(), dst_rows=dst_rows.data_ptr(),
+                                dst=dst.data_ptr(), dst_scales=dst_scales.data_ptr(),
+                                num_rows=src.shape[0], num_int4=src.shape[1] * 2 // 16,
+                                fan_out=fan_out, scale_int4=dst_scales.shape[1] // 16)
+    jit.get_kernel("bench/ceiling.cu", "fan_out_fp8_bytes").launch(num_blocks, 512, args,
+                                                                   launch_stream())
 
 
 def fan_in_sum(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
