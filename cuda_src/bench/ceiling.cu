@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(256) fill_kernel(const __grid_constant__ FillA
         st_v4(dst + i, value);
 }
 
-__global__ void __launch_bounds__(512) fan_out_copy(const __grid_constant__ FanOutArgs args) {
+__global__ void __launch_bounds__(1024) fan_out_copy(const __grid_constant__ FanOutArgs args) {
     const int4* const src = args.src;
     const int* const dst_rows = args.dst_rows;
     int4* const dst = args.dst;
@@ -73,7 +73,7 @@ __device__ __forceinline__ int4 high_bytes(const int4 a, const int4 b) {
                      __byte_perm(b.x, b.y, 0x7531), __byte_perm(b.z, b.w, 0x7531));
 }
 
-__global__ void __launch_bounds__(512) fan_out_fp8_bytes(
+__global__ void __launch_bounds__(1024) fan_out_fp8_bytes(
     const __grid_constant__ FanOutBytesArgs args) {
     const int4* const src = args.src;
     const int* const dst_rows = args.dst_rows;

@@ -18,10 +18,11 @@ synchronization), "cached" (a handle replayed, as combine's backward does). Call
 back to back with CUDA events; host µs/call is measured apart.
 Ceilings (bare kernels of `cuda_src/bench/ceiling.cu`, same run): the write-only rate, and at EP=1
 the expand's traffic (each row read once, written K times) and the combine's (K rows summed into
-one), with none of our bookkeeping. At EP=1 also, per SM budget, the expand's traffic with one
-512-thread block per SM (as our expand runs), bf16 rows and FP8-sized rows (one byte per element
-plus the first `--fp8` format's scale bytes, no arithmetic): the store path's floor at that
-budget, and its FP8 / bf16 ratio, printed beside each FP8 row's.
+one), with none of our bookkeeping. At EP=1 also, per SM budget, the expand's traffic with one block
+per SM (as our expand runs) of 512 and of 1024 threads, bf16 rows and FP8-sized rows (one byte per
+element plus the first `--fp8` format's scale bytes, no arithmetic): the store path's floor at
+that budget (the faster block size of each), and its FP8 / bf16 ratio, printed beside each FP8
+row's.
 
 At EP > 1 a second table follows (`bench_peers.py` defines every figure): per rank and per
 direction, the NVLink bytes and GB/s of our dispatch and combine, beside NCCL's
@@ -155,33 +156,42 @@ def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor):
 def sm_fan_out_us(x: torch.Tensor, dst_rows: torch.Tensor, num_topk: int, num_sms: int,
                   scale_bytes: int) -> Dict[str, float]:
     """The expand's traffic at an SM budget: `fan_out_copy` and `fan_out_fp8_bytes`
-    (ceiling.cu) with `num_sms` blocks of 512 threads, each row of `x [N, H]` bf16 written to
-    its K rows `dst_rows [N * K]`, as bf16 and as one byte per element plus `scale_bytes` per
-    row (rounded up to 16). Both outputs are checked (a wrong copy is no ceiling).
+    (ceiling.cu) with `num_sms` blocks of 512 and of 1024 threads, each row of `x [N, H]` bf16
+    written to its K rows `dst_rows [N * K]`, as bf16 and as one byte per element plus
+    `scale_bytes` per row (rounded up to 16). Both outputs are checked (a wrong copy is no
+    ceiling).
 
     Returns:
-        `{"bf16_us": µs, "fp8_bytes_us": µs}`.
+        `{"bf16_us": µs, "fp8_bytes_us": µs}` (the faster block size of each), and the same
+        per block size as `"bf16_us_<threads>"`, `"fp8_bytes_us_<threads>"`.
     """
     num_tokens, hidden = x.shape
     num_rows = num_tokens * num_topk
     token_of_row = torch.empty_like(dst_rows).scatter_(
         0, dst_rows.long(), torch.arange(num_tokens, dtype=torch.int32, device=x.device)
         .repeat_interleave(num_topk)).long()
+    res = {}
     out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
-    bf16_us = time_cuda(lambda: ceiling_ops.fan_out_copy(x, dst_rows, out, num_topk, num_sms),
-                        iters=20)
-    if not torch.equal(out, x.index_select(0, token_of_row)):
-        raise RuntimeError("fan_out_copy wrote wrong rows: its ceiling is not valid")
+    for threads in (512, 1024):
+        out.zero_()
+        res[f"bf16_us_{threads}"] = time_cuda(lambda: ceiling_ops.fan_out_copy(
+            x, dst_rows, out, num_topk, num_sms, threads), iters=20)
+        if not torch.equal(out, x.index_select(0, token_of_row)):
+            raise RuntimeError("fan_out_copy wrote wrong rows: its ceiling is not valid")
     del out
     out = torch.empty(num_rows, hidden, dtype=torch.uint8, device=x.device)
     scales = torch.empty(num_rows, -(-scale_bytes // 16) * 16, dtype=torch.uint8,
                          device=x.device)
-    fp8_us = time_cuda(lambda: ceiling_ops.fan_out_fp8_bytes(x, dst_rows, out, scales,
-                                                             num_topk, num_sms), iters=20)
     high_bytes = x.view(torch.uint8).view(num_tokens, hidden, 2)[..., 1]
-    if not torch.equal(out, high_bytes.index_select(0, token_of_row)):
-        raise RuntimeError("fan_out_fp8_bytes wrote wrong rows: its ceiling is not valid")
-    return {"bf16_us": bf16_us, "fp8_bytes_us": fp8_us}
+    for threads in (512, 1024):
+        out.zero_()
+        res[f"fp8_bytes_us_{threads}"] = time_cuda(lambda: ceiling_ops.fan_out_fp8_bytes(
+            x, dst_rows, out, scales, num_topk, num_sms, threads), iters=20)
+        if not torch.equal(out, high_bytes.index_select(0, token_of_row)):
+            raise RuntimeError("fan_out_fp8_bytes wrote wrong rows: its ceiling is not valid")
+    res["bf16_us"] = min(res["bf16_us_512"], res["bf16_us_1024"])
+    res["fp8_bytes_us"] = min(res["fp8_bytes_us_512"], res["fp8_bytes_us_1024"])
+    return res
 
 
 def fan_in_us(rows: torch.Tensor, src_rows: torch.Tensor) -> float:
@@ -495,6 +505,11 @@ def _ratio(sm_fan_out: dict) -> float:
     return sm_fan_out["fp8_bytes_us"] / sm_fan_out["bf16_us"]
 
 
+def _per_block_size(sm_fan_out: dict, key: str) -> str:
+    return " / ".join(f"{sm_fan_out[f'{key}_{t}']:.1f}" if f"{key}_{t}" in sm_fan_out else "-"
+                      for t in (512, 1024)) + " µs"
+
+
 def _sm_fan_out_ratio(entry: dict, key: str) -> str:
     """"; bare fan-out xR" for an "ours S SMs fp8 ..." row when the entry holds S's ceiling."""
     sm = entry.get("sm_fan_out", {}).get(key.split(" ")[1])
@@ -550,9 +565,9 @@ def print_table(rows: List[dict]) -> None:
                      + (f"; combine's traffic (read K, write 1; fan_in_sum): "
                         f"{e['fan_in_sum_us']:.1f} µs" if "fan_in_sum_us" in e else ""))
         for num_sms, sm in e.get("sm_fan_out", {}).items():
-            lines.append(f"{shape} | bare fan-out at {num_sms} SMs (one 512-thread block per "
-                         f"SM): bf16 rows {sm['bf16_us']:.1f} µs, FP8-sized rows "
-                         f"{sm['fp8_bytes_us']:.1f} µs (x{_ratio(sm):.2f})")
+            lines.append(f"{shape} | bare fan-out at {num_sms} SMs (one block per SM, 512 / 1024 "
+                         f"threads): bf16 rows {_per_block_size(sm, 'bf16_us')}, FP8-sized rows "
+                         f"{_per_block_size(sm, 'fp8_bytes_us')} (best x{_ratio(sm):.2f})")
     lines += bench_peers.format_table(rows)  # EP > 1 only: nothing at EP = 1
     sys.stdout.write("\n".join(lines) + "\n")
 

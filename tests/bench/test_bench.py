@@ -143,14 +143,16 @@ def test_fp8_rows_carry_the_bare_fan_out_ratio_of_their_sm_budget(capsys):
         "dispatch_us": 62.0, "num_recv_rows": 64, "fp8": "blockwise_1x128"}
     entry["fp8_blockwise_1x128"] = {"dispatch_bytes": 1.1e6, "floor_us": 27.5,
                                     "wire_byte_ratio": 0.516}
-    entry["sm_fan_out"] = {"24": {"bf16_us": 90.0, "fp8_bytes_us": 54.0},
+    entry["sm_fan_out"] = {"24": {"bf16_us": 90.0, "fp8_bytes_us": 54.0, "bf16_us_512": 95.0,
+                                  "bf16_us_1024": 90.0, "fp8_bytes_us_512": 54.0,
+                                  "fp8_bytes_us_1024": 56.0},
                            "132": {"bf16_us": 40.0, "fp8_bytes_us": 30.0}}
     bench.print_table([entry])
     out = capsys.readouterr().out
     assert "[wire bytes x0.516, time x0.62 of bf16; bare fan-out x0.60]" in out
-    assert ("bare fan-out at 24 SMs (one 512-thread block per SM): bf16 rows 90.0 µs, "
-            "FP8-sized rows 54.0 µs (x0.60)") in out
-    assert "bare fan-out at 132 SMs" in out and "(x0.75)" in out
+    assert ("bare fan-out at 24 SMs (one block per SM, 512 / 1024 threads): bf16 rows 95.0 / "
+            "90.0 µs, FP8-sized rows 54.0 / 56.0 µs (best x0.60)") in out
+    assert "bare fan-out at 132 SMs" in out and "- / - µs" in out and "(best x0.75)" in out
 
 
 @contextlib.contextmanager

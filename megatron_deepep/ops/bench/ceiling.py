@@ -51,22 +51,24 @@ def fill(dst: torch.Tensor, num_blocks: int) -> None:
 
 
 def fan_out_copy(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tensor, fan_out: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, num_threads: int = 512) -> None:
     """`fan_out_copy`: row n of `src [N, H]` written to rows `dst_rows[n * fan_out + k]` of
-    `dst` (int32, -1 skips), `num_blocks` blocks of 512 threads."""
+    `dst` (int32, -1 skips), `num_blocks` blocks of `num_threads` (at most 1024) threads."""
     args = FanOutArgs.fill(src=src.data_ptr(), dst_rows=dst_rows.data_ptr(),
                            dst=dst.data_ptr(), num_rows=src.shape[0],
                            num_int4=src.shape[1] * src.element_size() // 16, fan_out=fan_out)
-    jit.get_kernel("bench/ceiling.cu", "fan_out_copy").launch(num_blocks, 512, args,
+    jit.get_kernel("bench/ceiling.cu", "fan_out_copy").launch(num_blocks, num_threads, args,
                                                               launch_stream())
 
 
 def fan_out_fp8_bytes(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tensor,
-                      dst_scales: torch.Tensor, fan_out: int, num_blocks: int) -> None:
+                      dst_scales: torch.Tensor, fan_out: int, num_blocks: int,
+                      num_threads: int = 512) -> None:
     """`fan_out_fp8_bytes`: row n of `src [N, H]` bf16 written, as its elements' high bytes, to
     rows `dst_rows[n * fan_out + k]` of `dst [M, H]` uint8 (int32, -1 skips), and 16-byte words
     to the same rows of `dst_scales [M, S]` uint8 (S a multiple of 16): the FP8 expand's bytes
-    without its arithmetic. `num_blocks` blocks of 512 threads; H a multiple of 16."""
+    without its arithmetic. `num_blocks` blocks of `num_threads` (at most 1024) threads; H a
+    multiple of 16."""
     if src.dtype != torch.bfloat16 or src.shape[1] % 16:
         raise ValueError(f"fan_out_fp8_bytes: src must be bf16 with a multiple of 16 columns, "
                          f"got {src.dtype} {tuple(src.shape)}")
@@ -77,7 +79,7 @@ def fan_out_fp8_bytes(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tens
                                 dst=dst.data_ptr(), dst_scales=dst_scales.data_ptr(),
                                 num_rows=src.shape[0], num_int4=src.shape[1] * 2 // 16,
                                 fan_out=fan_out, scale_int4=dst_scales.shape[1] // 16)
-    jit.get_kernel("bench/ceiling.cu", "fan_out_fp8_bytes").launch(num_blocks, 512, args,
+    jit.get_kernel("bench/ceiling.cu", "fan_out_fp8_bytes").launch(num_blocks, num_threads, args,
                                                                    launch_stream())
 
 
