@@ -8,7 +8,9 @@
 //   fan_out_fp8_bytes: the FP8 expand's traffic without its arithmetic: each bf16 row read once
 //     and written to `fan_out` rows as one byte per element (its high byte: no amax, no
 //     scaling) plus `scale_int4` 16-byte words of scales per row, by the same loop shape as
-//     fan_out_copy. At a given block count it is the store path's floor for FP8 rows.
+//     fan_out_copy; `narrow_stores` picks 8-byte stores from coalesced loads over 16-byte
+//     stores from loads with a 32-byte lane stride. At a given block count the faster is the
+//     store path's floor for FP8 rows.
 //   fan_in_sum: the EP=1 combine's traffic: for each of N output rows, its `fan_in` rows of
 //     `src` (given by `src_rows`) summed in fp32 and written once in bf16.
 //   peer_copy: at EP > 1, the NVLink traffic alone: every rank writes a slot of bytes into each
@@ -67,62 +69,66 @@ __global__ void __launch_bounds__(1024) fan_out_copy(const __grid_constant__ Fan
     }
 }
 
-// The high bytes of two int4 of bf16 (16 elements) as one int4.
-__device__ __forceinline__ int4 high_bytes(const int4 a, const int4 b) {
-    return make_int4(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531),
-                     __byte_perm(b.x, b.y, 0x7531), __byte_perm(b.z, b.w, 0x7531));
+// The high bytes of the eight bf16 in `a`, as one int2.
+__device__ __forceinline__ int2 high_bytes(const int4 a) {
+    return make_int2(__byte_perm(a.x, a.y, 0x7531), __byte_perm(a.z, a.w, 0x7531));
 }
 
-__global__ void __launch_bounds__(1024) fan_out_fp8_bytes(
-    const __grid_constant__ FanOutBytesArgs args) {
-    const int4* const src = args.src;
-    const int* const dst_rows = args.dst_rows;
-    int4* const dst = args.dst;
-    int4* const dst_scales = args.dst_scales;
+// Source word j of a lane's 8 in the chunk at `base` (256 source words per chunk). Wide: lane
+// l holds words 2(32u + l) and 2(32u + l) + 1 for u < 4, so one 16-byte store per output word,
+// from loads with a 32-byte lane stride. Narrow: word 32j + l, loads coalesced, 8-byte stores.
+template <bool kNarrow>
+__device__ __forceinline__ int source_word(int base, int j, int lane) {
+    return kNarrow ? base + j * 32 + lane : base + 2 * ((j / 2) * 32 + lane) + (j & 1);
+}
+
+template <bool kNarrow>
+__device__ __forceinline__ void fan_out_fp8_rows(const FanOutBytesArgs& args) {
     const int num_rows = args.num_rows, num_int4 = args.num_int4, fan_out = args.fan_out;
-    const int num_out_int4 = num_int4 / 2, scale_int4 = args.scale_int4;
-    constexpr int kUnroll = 4;  // 8 loads of 16 bytes in flight per lane, as fan_out_copy
+    const int scale_int4 = args.scale_int4;
+    constexpr int kWords = 8;  // source words of 16 bytes in flight per lane, as fan_out_copy
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    int2* const dst = reinterpret_cast<int2*>(args.dst);  // output word i: source word i's bytes
     for (int n = warp; n < num_rows; n += num_warps) {
-        const int4* const row = src + (i64)n * num_int4;
-        int4 v[2 * kUnroll];
+        const int4* const row = args.src + (i64)n * num_int4;
+        int4 v[kWords];
+        const int my_row = lane < fan_out ? args.dst_rows[(i64)n * fan_out + lane] : -1;
+        for (int base = 0; base < num_int4; base += 32 * kWords) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int o = u * 32 + lane;  // output int4 o comes from source int4s 2o, 2o + 1
-            if (o < num_out_int4) {
-                v[2 * u] = ld_nc_v4(row + 2 * o);
-                v[2 * u + 1] = ld_nc_v4(row + 2 * o + 1);
-            }
-        }
-        const int my_row = lane < fan_out ? dst_rows[(i64)n * fan_out + lane] : -1;
-        for (int base = 0; base < num_out_int4; base += 32 * kUnroll) {
-            if (base > 0) {
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int o = base + u * 32 + lane;
-                    if (o < num_out_int4) {
-                        v[2 * u] = ld_nc_v4(row + 2 * o);
-                        v[2 * u + 1] = ld_nc_v4(row + 2 * o + 1);
-                    }
-                }
+            for (int j = 0; j < kWords; ++j) {
+                const int i = source_word<kNarrow>(base, j, lane);
+                if (i < num_int4) v[j] = ld_nc_v4(row + i);
             }
             for (int k = 0; k < fan_out; ++k) {
                 const int out_row = __shfl_sync(0xffffffffu, my_row, k);
                 if (out_row < 0) continue;
+                int2* const out = dst + (i64)out_row * num_int4;
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int o = base + u * 32 + lane;
-                    if (o < num_out_int4)
-                        st_v4(dst + (i64)out_row * num_out_int4 + o,
-                              high_bytes(v[2 * u], v[2 * u + 1]));
+                for (int j = 0; j < kWords; j += kNarrow ? 1 : 2) {
+                    const int i = source_word<kNarrow>(base, j, lane);
+                    if (i >= num_int4) continue;
+                    if (kNarrow) {
+                        *reinterpret_cast<int2*>(out + i) = high_bytes(v[j]);
+                    } else {
+                        const int2 lo = high_bytes(v[j]), hi = high_bytes(v[j + 1]);
+                        st_v4(reinterpret_cast<int4*>(out + i), make_int4(lo.x, lo.y, hi.x, hi.y));
+                    }
                 }
                 if (base == 0 && lane < scale_int4)
-                    st_v4(dst_scales + (i64)out_row * scale_int4 + lane, v[0]);
+                    st_v4(args.dst_scales + (i64)out_row * scale_int4 + lane, v[0]);
             }
         }
     }
+}
+
+__global__ void __launch_bounds__(1024) fan_out_fp8_bytes(
+    const __grid_constant__ FanOutBytesArgs args) {
+    if (args.narrow_stores)
+        fan_out_fp8_rows<true>(args);
+    else
+        fan_out_fp8_rows<false>(args);
 }
 
 __global__ void __launch_bounds__(512) fan_in_sum(const __grid_constant__ FanInArgs args) {

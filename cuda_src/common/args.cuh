@@ -239,7 +239,7 @@ struct FanOutBytesArgs {
     const int* dst_rows;
     int4* dst;
     int4* dst_scales;
-    int num_rows, num_int4, fan_out, scale_int4;
+    int num_rows, num_int4, fan_out, scale_int4, narrow_stores;
 };
 
 // ceiling.cu: fan_in_sum.

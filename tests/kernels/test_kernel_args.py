@@ -296,7 +296,8 @@ def test_ceiling_and_fp8_wrappers_fill_every_field(recorder, monkeypatch):
                                               fan_out=8)
     assert by_name["fan_out_fp8_bytes"] == (24, 512, dict(
         src=src.data_ptr(), dst_rows=rows.data_ptr(), dst=fp8_rows.data_ptr(),
-        dst_scales=fp8_scales.data_ptr(), num_rows=4, num_int4=8, fan_out=8, scale_int4=2))
+        dst_scales=fp8_scales.data_ptr(), num_rows=4, num_int4=8, fan_out=8, scale_int4=2,
+        narrow_stores=0))
     assert by_name["fan_in_sum"][2] == dict(src=dst.data_ptr(), src_rows=rows.data_ptr(),
                                             dst=src.data_ptr(), num_rows=4, num_int4=8)
     assert by_name["peer_copy"] == (24, ceiling.PEER_COPY_THREADS, dict(

@@ -25,7 +25,8 @@ class FanOutArgs(KernelArgs):
 class FanOutBytesArgs(KernelArgs):
     c_name = "mdeep::FanOutBytesArgs"
     _fields_ = [("src", Ptr), ("dst_rows", Ptr), ("dst", Ptr), ("dst_scales", Ptr),
-                ("num_rows", I32), ("num_int4", I32), ("fan_out", I32), ("scale_int4", I32)]
+                ("num_rows", I32), ("num_int4", I32), ("fan_out", I32), ("scale_int4", I32),
+                ("narrow_stores", I32)]
 
 
 class FanInArgs(KernelArgs):
@@ -63,12 +64,13 @@ def fan_out_copy(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tensor, f
 
 def fan_out_fp8_bytes(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tensor,
                       dst_scales: torch.Tensor, fan_out: int, num_blocks: int,
-                      num_threads: int = 512) -> None:
+                      num_threads: int = 512, narrow_stores: bool = False) -> None:
     """`fan_out_fp8_bytes`: row n of `src [N, H]` bf16 written, as its elements' high bytes, to
     rows `dst_rows[n * fan_out + k]` of `dst [M, H]` uint8 (int32, -1 skips), and 16-byte words
     to the same rows of `dst_scales [M, S]` uint8 (S a multiple of 16): the FP8 expand's bytes
     without its arithmetic. `num_blocks` blocks of `num_threads` (at most 1024) threads; H a
-    multiple of 16."""
+    multiple of 16. `narrow_stores`: 8-byte stores from coalesced loads, else 16-byte stores
+    from loads with a 32-byte lane stride."""
     if src.dtype != torch.bfloat16 or src.shape[1] % 16:
         raise ValueError(f"fan_out_fp8_bytes: src must be bf16 with a multiple of 16 columns, "
                          f"got {src.dtype} {tuple(src.shape)}")
@@ -78,7 +80,8 @@ def fan_out_fp8_bytes(src: torch.Tensor, dst_rows: torch.Tensor, dst: torch.Tens
     args = FanOutBytesArgs.fill(src=src.data_ptr(), dst_rows=dst_rows.data_ptr(),
                                 dst=dst.data_ptr(), dst_scales=dst_scales.data_ptr(),
                                 num_rows=src.shape[0], num_int4=src.shape[1] * 2 // 16,
-                                fan_out=fan_out, scale_int4=dst_scales.shape[1] // 16)
+                                fan_out=fan_out, scale_int4=dst_scales.shape[1] // 16,
+                                narrow_stores=int(narrow_stores))
     jit.get_kernel("bench/ceiling.cu", "fan_out_fp8_bytes").launch(num_blocks, num_threads, args,
                                                                    launch_stream())
 
