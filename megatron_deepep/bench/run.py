@@ -166,8 +166,8 @@ def sm_fan_out_us(x: torch.Tensor, dst_rows: torch.Tensor, num_topk: int, num_sm
 
     Returns:
         `{"bf16_us": µs, "fp8_bytes_us": µs}` (the faster block size of each), the same per
-        block size as `"bf16_us_<threads>"`, `"fp8_bytes_us_<threads>"`, and the 8-byte
-        stores' own as `"fp8_bytes_us_<threads>_narrow"`.
+        block size as `"bf16_us_<threads>"`, `"fp8_bytes_us_<threads>"`, and each store
+        pattern's own as `"fp8_bytes_us_<threads>_wide"` and `"..._narrow"`.
     """
     num_tokens, hidden = x.shape
     num_rows = num_tokens * num_topk
@@ -195,7 +195,7 @@ def sm_fan_out_us(x: torch.Tensor, dst_rows: torch.Tensor, num_topk: int, num_sm
             if not torch.equal(out, high_bytes.index_select(0, token_of_row)):
                 raise RuntimeError("fan_out_fp8_bytes wrote wrong rows: its ceiling is not valid")
             key = f"fp8_bytes_us_{threads}"
-            res[key + ("_narrow" if narrow else "")] = us
+            res[key + ("_narrow" if narrow else "_wide")] = us
             res[key] = min(res.get(key, us), us)
     res["bf16_us"] = min(res["bf16_us_512"], res["bf16_us_1024"])
     res["fp8_bytes_us"] = min(res["fp8_bytes_us_512"], res["fp8_bytes_us_1024"])
