@@ -45,6 +45,8 @@
 #           each of NUM_SMS: the GPU's µs per call of the layout kernel and of each format's
 #           no-sync and cached dispatch with the calls queued (no host time), then
 #           bench_rounds.py's table of each call's least µs per side (QUEUED_TIMEOUT, 60 each)
+# Each side's modules run as `python3 -P -m` under that side's PYTHONPATH: plain `-m` puts the
+# working directory first on sys.path, so every side would import this tree's package.
 # MORE_SIDES="NAME=DIR ..." adds packages laid out as BEFORE_DIR to rounds and queued, run
 # between after and before in each round (two trials and their base in one call).
 # Logs land in .bench_out/fp8, or, under the device tool ($OUT set), in a scratch folder packed
@@ -127,7 +129,7 @@ ROUND_SIDES+=(before)
 precompile_other_sides() {
   local side
   for side in "${ROUND_SIDES[@]:1}"; do
-    env PYTHONPATH="${SIDE_PATH[$side]}" python3 -m megatron_deepep.tools.precompile --topk 8 \
+    env PYTHONPATH="${SIDE_PATH[$side]}" python3 -P -m megatron_deepep.tools.precompile --topk 8 \
       --index-dtype int64 --fp8 ${FORMATS//,/ } --bench -j "$(nproc)" -q
   done
 }
@@ -141,7 +143,7 @@ for name in $PIECES; do
   case $name in
     check)
       piece check "${CHECK_TIMEOUT:-90}" fp8_check.log env PYTHONPATH="$HERE_PATH" bash -c \
-        "python3 -m megatron_deepep.tools.precompile --topk 8 --index-dtype int64 --fp8 \
+        "python3 -P -m megatron_deepep.tools.precompile --topk 8 --index-dtype int64 --fp8 \
         ${FORMATS//,/ } --bench -j $(nproc) -q \
         && python3 dev/gpu/fp8_profile.py --check --fp8 $FORMATS"
       dry || grep -E "precompile:|check " "$LOGS/fp8_check.log" ;;
@@ -155,12 +157,12 @@ for name in $PIECES; do
         tests/gpu/test_fp8_dispatch_gpu.py ;;
     after)
       piece after "${AFTER_TIMEOUT:-170}" fp8_bench_after.log env PYTHONPATH="$HERE_PATH" \
-        python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
+        python3 -P -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
         --out "$LOGS/after" ${AFTER_ARGS:-} ;;
     before)
       dry || precompile_other_sides
       piece before "${BEFORE_TIMEOUT:-120}" fp8_bench_before.log env PYTHONPATH="$BEFORE_PATH" \
-        python3 -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
+        python3 -P -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
         --no-megatron --out "$LOGS/before" ;;
     ncu)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
@@ -198,7 +200,7 @@ for name in $PIECES; do
       done ;;
     layer)
       piece layer "${LAYER_TIMEOUT:-150}" fp8_layer.log env PYTHONPATH="$HERE_PATH" \
-        python3 -m megatron_deepep.bench.layer --te --variants \
+        python3 -P -m megatron_deepep.bench.layer --te --variants \
         "${LAYER_VARIANTS:-te-alltoall-fused,te-alltoall,te-deepep-bf16,te-deepep-fp8-dequant,\
 te-deepep-fp8-experts}" \
         --iters 20 --out "$LOGS/fp8_layer.json" ${LAYER_ARGS:-} ;;
@@ -208,7 +210,7 @@ te-deepep-fp8-experts}" \
       for i in $(seq "${ROUNDS:-2}"); do
         for side in "${ROUND_SIDES[@]}"; do
           piece "round $i $side" "${ROUND_TIMEOUT:-100}" fp8_round${i}_$side.log \
-            env PYTHONPATH="${SIDE_PATH[$side]}" python3 -m megatron_deepep.bench \
+            env PYTHONPATH="${SIDE_PATH[$side]}" python3 -P -m megatron_deepep.bench \
             --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" --no-megatron --profile \
             --out "$LOGS/round${i}_$side"
           round_files+=("$side=$LOGS/round${i}_$side/bench.json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,10 +182,27 @@ def test_fp8_rounds_piece_alternates_sides_and_tables_them(before_dir):
     runs = [line for line in out.splitlines() if line.startswith("dry run: round ")]
     assert [line.split("(")[0].split()[-2:] for line in runs] == [
         ["1", "after"], ["1", "before"], ["2", "after"], ["2", "before"]]
-    assert all("megatron_deepep.bench" in line and "--profile" in line for line in runs)
+    assert all("python3 -P -m megatron_deepep.bench" in line and "--profile" in line
+               for line in runs)
     assert before_dir[1] in runs[1] and before_dir[1] not in runs[0]
     table = next(line for line in out.splitlines() if "rounds table:" in line)
     assert table.count("after=") == table.count("before=") == 2
+
+
+def test_a_side_module_runs_from_its_own_package(tmp_path):
+    """Why fp8.sh runs each side's modules with `python3 -P -m`: plain `-m` puts the working
+    directory (here the repository) first on sys.path, ahead of the side's PYTHONPATH."""
+    side = tmp_path / "megatron_deepep"
+    side.mkdir()
+    (side / "__init__.py").write_text("")
+    (side / "whereami.py").write_text("print(__file__)")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run([sys.executable, "-P", "-m", "megatron_deepep.whereami"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith(str(tmp_path)), done.stderr
+    shadowed = subprocess.run([sys.executable, "-m", "megatron_deepep.whereami"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=60)
+    assert shadowed.returncode != 0  # the repository's package, which has no such module
 
 
 def _bench_json(path, sync_us, fp8_us):
