@@ -394,16 +394,24 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
     const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
     extern __shared__ int4 dispatch_stage[];
 
-    // FP8 rows quantized here (bf16 input, FP8 output): each warp quantizes a token row into
-    // its shared-memory stage once, then writes the stage to the token's rows with 16-byte
-    // stores. A fresh dispatch quantizes each warp's first token before the wait for the layout
-    // kernel: the read of x and the arithmetic overlap the layout, as bf16's preload does.
+    // FP8 rows quantized here (bf16 input, FP8 output), as the host's shared memory says:
+    // - a row stage per warp: each warp quantizes a token row into it once, then writes the
+    //   stage to the token's rows with 16-byte stores. A fresh dispatch quantizes each warp's
+    //   first token before the wait for the layout kernel: the read of x and the arithmetic
+    //   overlap the layout, as bf16's preload does;
+    // - a scale stage per warp: each warp quantizes in registers and writes each chunk to the
+    //   token's rows at once (quantize_row_to_lane_rows; less shared-memory traffic per row).
     u8* quant_stage = nullptr;
+    u8* scale_stage = nullptr;
     int staged_token = -1;
     if (kFp8Out && x_scales == nullptr) {
         const int stride = fp8::stage_stride<kFmt>(hidden);
+        const int scale_stride = fp8::scale_stage_stride<kFmt>(hidden);
         if (dynamic_smem_bytes() >= (u32)stride * (blockDim.x / 32))
             quant_stage = reinterpret_cast<u8*>(dispatch_stage) + (threadIdx.x >> 5) * stride;
+        else if (dynamic_smem_bytes() >= (u32)scale_stride * (blockDim.x / 32))
+            scale_stage =
+                reinterpret_cast<u8*>(dispatch_stage) + (threadIdx.x >> 5) * scale_stride;
     }
     if (!kCached && quant_stage != nullptr && warp < num_tokens) {
         fp8::stage_quantized_row<kFmt>(reinterpret_cast<const int4*>(x + warp * in_row_bytes),
@@ -479,6 +487,12 @@ __global__ void __launch_bounds__(DispatchLocalThreads<kFmt>::value) dispatch_lo
             __syncwarp();  // the stage is complete before any lane reads another lane's part
             fp8::write_staged_row<kFmt, kTopk>(quant_stage, hidden, recv_x, recv_scales,
                                                row_lane, lane);
+            continue;
+        }
+        if (scale_stage != nullptr) {
+            fp8::quantize_row_to_lane_rows<kFmt, kTopk>(
+                reinterpret_cast<const int4*>(x + n * in_row_bytes), hidden, recv_x, recv_scales,
+                row_lane, scale_stage, amax_epsilon, lane);
             continue;
         }
         u8* dst[kTopk];

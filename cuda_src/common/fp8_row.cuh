@@ -91,6 +91,16 @@ __device__ __forceinline__ float block_amax(const int4& raw) {
     return group_max<Wire<kFmt>::kBlockLanes>(lane_amax);
 }
 
+// One lane's 8 bf16 values (`raw`) times `mult`, as 8 e4m3 bytes (little-endian).
+__device__ __forceinline__ uint2 quantize_e4m3x8(const int4& raw, float mult) {
+    float v[8];
+    unpack_bf16x8(raw, v);
+    uint2 q;
+    q.x = f32x4_to_e4m3x4(v[0] * mult, v[1] * mult, v[2] * mult, v[3] * mult);
+    q.y = f32x4_to_e4m3x4(v[4] * mult, v[5] * mult, v[6] * mult, v[7] * mult);
+    return q;
+}
+
 // Quantizes one lane's 8 bf16 values (`raw`, vector `i` of the row) with its block's `mult`
 // and writes them to each destination: the e4m3 bytes and, from the block's first lane, the
 // scale (`e8m0` for MXFP8, else `factor`); with kDequant, the dequantized bf16 values.
@@ -100,11 +110,7 @@ __device__ __forceinline__ void write_quantized_vec(const int4& raw, int i, floa
                                                     u8* const* dst_scales, int num_dst,
                                                     int lane) {
     using W = Wire<kFmt>;
-    float v[8];
-    unpack_bf16x8(raw, v);
-    uint2 q;
-    q.x = f32x4_to_e4m3x4(v[0] * mult, v[1] * mult, v[2] * mult, v[3] * mult);
-    q.y = f32x4_to_e4m3x4(v[4] * mult, v[5] * mult, v[6] * mult, v[7] * mult);
+    const uint2 q = quantize_e4m3x8(raw, mult);
     if (kDequant) {
         const int4 out = dequant_e4m3x8(q, factor);
 #pragma unroll
@@ -188,6 +194,32 @@ __device__ __forceinline__ void stage_quantized_row(const int4* x, int hidden, u
     quantize_row<kFmt, 1, false>(x, hidden, data, scales, 1, amax_epsilon, lane);
 }
 
+// Writes a row's staged scales (`src_scales`, scale_row_bytes of them, in shared memory) to the
+// rows `rows` (-1: none) of `recv_scales`: 4-byte words where every row's scales start 4-byte
+// aligned, else bytes.
+template <int kFmt, int kTopk>
+__device__ __forceinline__ void write_staged_scales(const u8* src_scales, int hidden,
+                                                    u8* recv_scales, const int (&rows)[kTopk],
+                                                    int lane) {
+    const int scale_bytes = scale_row_bytes<kFmt>(hidden);
+    if (scale_bytes % 4 == 0) {
+        for (int i = lane; i < scale_bytes / 4; i += 32) {
+            const u32 w = reinterpret_cast<const u32*>(src_scales)[i];
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k)
+                if (rows[k] >= 0)
+                    reinterpret_cast<u32*>(recv_scales + (i64)rows[k] * scale_bytes)[i] = w;
+        }
+    } else {
+        for (int i = lane; i < scale_bytes; i += 32) {
+            const u8 b = src_scales[i];
+#pragma unroll
+            for (int k = 0; k < kTopk; ++k)
+                if (rows[k] >= 0) recv_scales[(i64)rows[k] * scale_bytes + i] = b;
+        }
+    }
+}
+
 // Writes a staged quantized row (stage_quantized_row) to the rows of `recv_x` and
 // `recv_scales` that lanes 0..kTopk-1 name in `row_lane` (-1: none): 16-byte words for the
 // data, 4-byte words (or bytes) for the scales. Row addresses come by shuffle, so no pointer
@@ -195,7 +227,6 @@ __device__ __forceinline__ void stage_quantized_row(const int4* x, int hidden, u
 template <int kFmt, int kTopk>
 __device__ __forceinline__ void write_staged_row(const u8* stage, int hidden, u8* recv_x,
                                                  u8* recv_scales, int row_lane, int lane) {
-    const int scale_bytes = scale_row_bytes<kFmt>(hidden);
     int rows[kTopk];
 #pragma unroll
     for (int k = 0; k < kTopk; ++k) rows[k] = __shfl_sync(0xffffffffu, row_lane, k);
@@ -219,23 +250,75 @@ __device__ __forceinline__ void write_staged_row(const u8* stage, int hidden, u8
             }
         }
     }
-    const u8* src_scales = stage + hidden;
-    if (scale_bytes % 4 == 0) {  // every row's scales start 4-byte aligned
-        for (int i = lane; i < scale_bytes / 4; i += 32) {
-            const u32 w = reinterpret_cast<const u32*>(src_scales)[i];
+    write_staged_scales<kFmt, kTopk>(stage + hidden, hidden, recv_scales, rows, lane);
+}
+
+// Bytes of one warp's scale stage (quantize_row_to_lane_rows): a row's scales, whole 16-byte
+// words. megatron_deepep/ops/dispatch.py computes the same.
+template <int kFmt>
+__device__ __forceinline__ int scale_stage_stride(int hidden) {
+    return (scale_row_bytes<kFmt>(hidden) + 15) / 16 * 16;
+}
+
+// Quantizes the bf16 row `x` in registers and writes it to the rows of `recv_x` that lanes
+// 0..kTopk-1 name in `row_lane` (-1: none): each chunk's e4m3 vectors straight from the lanes
+// (8-byte stores, coalesced), its scales into the warp's `scale_stage` (shared memory), written
+// to every row at the end. The same bytes as stage_quantized_row then write_staged_row, with no
+// row-sized stage: the shared-memory traffic is the scales', not the row's twice.
+template <int kFmt, int kTopk>
+__device__ __forceinline__ void quantize_row_to_lane_rows(const int4* x, int hidden, u8* recv_x,
+                                                          u8* recv_scales, int row_lane,
+                                                          u8* scale_stage, float amax_epsilon,
+                                                          int lane) {
+    using W = Wire<kFmt>;
+    int rows[kTopk];
 #pragma unroll
-            for (int k = 0; k < kTopk; ++k)
-                if (rows[k] >= 0)
-                    reinterpret_cast<u32*>(recv_scales + (i64)rows[k] * scale_bytes)[i] = w;
+    for (int k = 0; k < kTopk; ++k) rows[k] = __shfl_sync(0xffffffffu, row_lane, k);
+    const int num_vec = hidden / 8;
+    const bool owns_scale = lane % W::kBlockLanes == 0;
+    for (int base = 0; base < num_vec; base += 32 * kRowUnroll) {
+        int4 raw[kRowUnroll];
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            raw[u] = i < num_vec ? ld_nc_v4(x + i) : make_int4(0, 0, 0, 0);
         }
-    } else {
-        for (int i = lane; i < scale_bytes; i += 32) {
-            const u8 b = src_scales[i];
+        uint2 q[kRowUnroll];
+        if constexpr (W::kMx) {
 #pragma unroll
-            for (int k = 0; k < kTopk; ++k)
-                if (rows[k] >= 0) recv_scales[(i64)rows[k] * scale_bytes + i] = b;
+            for (int u = 0; u < kRowUnroll; ++u) {
+                const int i = base + u * 32 + lane;
+                const u8 e8m0 = mxfp8_scale_from_amax(block_amax<kFmt>(raw[u]));
+                q[u] = quantize_e4m3x8(raw[u], e8m0_quant_multiplier(e8m0));
+                if (owns_scale && i < num_vec) scale_stage[i * 8 / W::kBlock] = e8m0;
+            }
+        } else {
+            float amax[kRowUnroll], mult[kRowUnroll], factor[kRowUnroll];
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; ++u) amax[u] = block_amax<kFmt>(raw[u]);
+            blockwise_scales<kFmt, kRowUnroll>(amax, amax_epsilon, lane, mult, factor);
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; ++u) {
+                const int i = base + u * 32 + lane;
+                q[u] = quantize_e4m3x8(raw[u], mult[u]);
+                if (owns_scale && i < num_vec)
+                    reinterpret_cast<float*>(scale_stage)[i * 8 / W::kBlock] = factor[u];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kTopk; ++k) {
+            if (rows[k] < 0) continue;
+            uint2* const dst = reinterpret_cast<uint2*>(recv_x + (i64)rows[k] * hidden);
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < num_vec) dst[i] = q[u];
+            }
         }
     }
+    __syncwarp();  // the scale stage is complete before any lane reads another lane's scales
+    write_staged_scales<kFmt, kTopk>(scale_stage, hidden, recv_scales, rows, lane);
+    __syncwarp();  // every lane has read the stage before the next row writes it
 }
 
 // Copies a row's scales (`hidden` columns' worth) to each destination.

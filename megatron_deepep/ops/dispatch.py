@@ -128,7 +128,7 @@ def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
     if fmt == 0:
         stage_bytes = 0 if cached else _dispatch_stage_bytes(x.shape[1], threads)
     else:
-        stage_bytes = _quantize_stage_bytes(x.shape[1], threads, fp8, x_scales)
+        stage_bytes = _quantize_stage_bytes(x.shape[1], threads, fp8, x_scales, num_sms)
     a = recv.address
     args = DispatchLocalArgs.fill(
         recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
@@ -166,13 +166,20 @@ def local_quantizes_rows(fp8, x_scales) -> bool:
     return fp8 is not None and x_scales is None and not fp8.dequantize
 
 
-def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales) -> int:
+# From this SM budget up, the quantizing EP = 1 expand stages whole rows (trial: never).
+ROW_STAGE_MIN_SMS = 1 << 30
+
+
+def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales, num_sms: int = 132) -> int:
     """Bytes an FP8 dispatch_local stages per block when it quantizes (`local_quantizes_rows`):
-    each warp's row of `hidden` e4m3 bytes, then its scales from the next 16-byte boundary
-    (fp8_row.cuh's stage_stride). 0 (the unstaged path) when the rows come pre-quantized or
-    bf16, or when the stages exceed DISPATCH_STAGE_MAX_BYTES."""
+    from ROW_STAGE_MIN_SMS up, each warp's row of `hidden` e4m3 bytes, then its scales from the
+    next 16-byte boundary (fp8_row.cuh's stage_stride), where DISPATCH_STAGE_MAX_BYTES holds
+    them; else each warp's scales alone (scale_stage_stride: the warps quantize in registers).
+    0 (nothing staged) when the rows come pre-quantized or bf16."""
     if not local_quantizes_rows(fp8, x_scales):
         return 0
-    stride = hidden + -(-fp8.fmt.scale_bytes_per_token(hidden) // 16) * 16
-    total = threads // 32 * stride
-    return total if total <= DISPATCH_STAGE_MAX_BYTES else 0
+    scale_stride = -(-fp8.fmt.scale_bytes_per_token(hidden) // 16) * 16
+    warps = threads // 32
+    if num_sms >= ROW_STAGE_MIN_SMS and warps * (hidden + scale_stride) <= DISPATCH_STAGE_MAX_BYTES:
+        return warps * (hidden + scale_stride)
+    return warps * scale_stride
