@@ -166,8 +166,12 @@ def local_quantizes_rows(fp8, x_scales) -> bool:
     return fp8 is not None and x_scales is None and not fp8.dequantize
 
 
-# From this SM budget up, the quantizing EP = 1 expand stages whole rows (trial: never).
-ROW_STAGE_MIN_SMS = 1 << 30
+# From this SM budget up, the quantizing EP = 1 expand stages whole rows in shared memory (its
+# warps quantize their first token before the layout kernel ends); below it they quantize in
+# registers, which takes the row's trip through shared memory off each SM's load/store path,
+# the limit at small budgets (benchmarks/h100_2026-12-06_fp8_round7.md: 0.55 of bf16 at 24 SMs
+# against the row stage's 0.62; at 132 SMs the row stage's 115 µs against 127).
+ROW_STAGE_MIN_SMS = 64
 
 
 def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales, num_sms: int = 132) -> int:
@@ -180,6 +184,7 @@ def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales, num_sms: int
         return 0
     scale_stride = -(-fp8.fmt.scale_bytes_per_token(hidden) // 16) * 16
     warps = threads // 32
-    if num_sms >= ROW_STAGE_MIN_SMS and warps * (hidden + scale_stride) <= DISPATCH_STAGE_MAX_BYTES:
-        return warps * (hidden + scale_stride)
+    row_stages = warps * (hidden + scale_stride)
+    if num_sms >= ROW_STAGE_MIN_SMS and row_stages <= DISPATCH_STAGE_MAX_BYTES:
+        return row_stages
     return warps * scale_stride

@@ -255,26 +255,34 @@ def test_dispatch_stage_bytes(hidden, words_per_lane):
     ("blockwise_1x128", 2880, 2880 + 96), ("mxfp8_1x32", 2880, 2880 + 96),
     ("blockwise_1x128_fp32_scales", 4096, 4096 + 128)])
 def test_fp8_quantize_stage_bytes(fmt, hidden, stride):
-    """One stage per warp: the e4m3 row, then its scales from the next 16-byte boundary."""
+    """From ROW_STAGE_MIN_SMS up, one row stage per warp: the e4m3 row, then its scales from
+    the next 16-byte boundary; below it (or past the 224 KB cap), the scales alone."""
     from megatron_deepep.fp8.dispatch import Fp8Dispatch
     keep, deq = Fp8Dispatch.named(fmt, "fp8"), Fp8Dispatch.named(fmt, "bf16")
     stage = ops.dispatch._quantize_stage_bytes
-    assert stage(hidden, 512, keep, None) == 16 * stride
-    assert stage(hidden, 512, keep, torch.empty(1)) == 0  # pre-quantized rows: nothing staged
-    assert stage(hidden, 512, deq, None) == 0  # the dequantizing expand stages nothing
-    assert stage(16384, 512, keep, None) == 0  # 16 x 16.9 KB exceeds the 224 KB cap
+    many, few = ops.dispatch.ROW_STAGE_MIN_SMS, ops.dispatch.ROW_STAGE_MIN_SMS - 1
+    assert stage(hidden, 512, keep, None, many) == 16 * stride
+    assert stage(hidden, 512, keep, None, few) == 16 * (stride - hidden)
+    for num_sms in (few, many):
+        assert stage(hidden, 512, keep, torch.empty(1), num_sms) == 0  # pre-quantized rows
+        assert stage(hidden, 512, deq, None, num_sms) == 0  # the dequantizing expand
+    # 16 x 16.9 KB exceeds the 224 KB cap: the scale stages (16 x 512 bytes) instead.
+    assert stage(16384, 512, keep, None, many) == 16 * 512
 
 
-def test_ep1_fp8_expand_stages_quantized_rows(recorder):
+@pytest.mark.parametrize("num_sms, stage_bytes", [(132, 7168 + 224), (24, 224)])
+def test_ep1_fp8_expand_stages_by_sm_budget(recorder, num_sms, stage_bytes):
+    """Fresh and cached alike, 16 warps: at 132 SMs each stages a 7168-byte e4m3 row and its
+    56 fp32 scales; at 24 SMs the scales alone (the warps quantize in registers)."""
     from megatron_deepep.fp8.dispatch import Fp8Dispatch
     t = _transport(recorder, 1, 64, 7168, 8, lambda: 0)
+    t.num_sms = num_sms
     x, idx, w = _inputs(64, 7168, 32, 8)
     fp8 = Fp8Dispatch.named("blockwise", "fp8")
     _, _, handle = t.dispatch(x, idx, w, 32, num_max_recv_rows=512, fp8=fp8)
     t.cached_dispatch(x, handle, fp8=fp8)
     expand, cached = recorder.events[1][1], recorder.events[2][1]
-    # Fresh and cached alike: 16 warps, each a 7168-byte e4m3 row and 56 fp32 scales.
-    assert expand["shared_mem"] == cached["shared_mem"] == 16 * (7168 + 224)
+    assert expand["shared_mem"] == cached["shared_mem"] == 16 * stage_bytes
     assert expand["programmatic"]
 
 
