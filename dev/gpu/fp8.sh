@@ -157,13 +157,13 @@ for name in $PIECES; do
         tests/gpu/test_fp8_dispatch_gpu.py ;;
     after)
       piece after "${AFTER_TIMEOUT:-170}" fp8_bench_after.log env PYTHONPATH="$HERE_PATH" \
-        python3 -P -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
-        --out "$LOGS/after" ${AFTER_ARGS:-} ;;
+        python3 -P -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" \
+        --fp8 "$FORMATS" --out "$LOGS/after" ${AFTER_ARGS:-} ;;
     before)
       dry || precompile_other_sides
       piece before "${BEFORE_TIMEOUT:-120}" fp8_bench_before.log env PYTHONPATH="$BEFORE_PATH" \
-        python3 -P -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" --fp8 "$FORMATS" \
-        --no-megatron --out "$LOGS/before" ;;
+        python3 -P -m megatron_deepep.bench --shapes "$SHAPE" --num-sms "$NUM_SMS" \
+        --fp8 "$FORMATS" --no-megatron --out "$LOGS/before" ;;
     ncu)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
         2>/dev/null | head -n 1)

@@ -174,7 +174,7 @@ def local_quantizes_rows(fp8, x_scales) -> bool:
 ROW_STAGE_MIN_SMS = 64
 
 
-def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales, num_sms: int = 132) -> int:
+def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales, num_sms: int) -> int:
     """Bytes an FP8 dispatch_local stages per block when it quantizes (`local_quantizes_rows`):
     from ROW_STAGE_MIN_SMS up, each warp's row of `hidden` e4m3 bytes, then its scales from the
     next 16-byte boundary (fp8_row.cuh's stage_stride), where DISPATCH_STAGE_MAX_BYTES holds

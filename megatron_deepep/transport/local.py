@@ -105,9 +105,10 @@ class LocalTransport(Transport):
         rows_before_wait = (self._rows_before_wait(num_tokens, num_topk, num_experts,
                                                    expert_alignment) if is_sync else None)
         # Who publishes the receive layout to the host: nobody without a host wait; the expand
-        # when it starts before the wait, unless it quantizes into FP8 rows (each warp quantizes
-        # a row before its wait for the layout, which would hold the host's wait back); else the
-        # kernel that derives the receive layout.
+        # when it starts before the wait, unless it quantizes into FP8 rows (with row stages each
+        # warp quantizes a row before its wait for the layout, which would hold the host's wait
+        # back; the register path below ROW_STAGE_MIN_SMS keeps this choice too, unmeasured
+        # against the other); else the kernel that derives the receive layout.
         host_info = self.status.host_info_ptr if is_sync else 0
         expand_publishes = (layout is None and rows_before_wait is not None
                             and not ops.local_quantizes_rows(fp8, x_scales))
