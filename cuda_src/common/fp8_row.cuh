@@ -264,7 +264,9 @@ __device__ __forceinline__ int scale_stage_stride(int hidden) {
 // 0..kTopk-1 name in `row_lane` (-1: none): each chunk's e4m3 vectors straight from the lanes
 // (8-byte stores, coalesced), its scales into the warp's `scale_stage` (shared memory), written
 // to every row at the end. The same bytes as stage_quantized_row then write_staged_row, with no
-// row-sized stage: the shared-memory traffic is the scales', not the row's twice.
+// row-sized stage: the shared-memory traffic is the scales', not the row's twice. Its chunk loop
+// repeats quantize_row's: one helper for both, taking a lambda per vector, made ptxas spill
+// (28-52 bytes) in dispatch_local.
 template <int kFmt, int kTopk>
 __device__ __forceinline__ void quantize_row_to_lane_rows(const int4* x, int hidden, u8* recv_x,
                                                           u8* recv_scales, int row_lane,
