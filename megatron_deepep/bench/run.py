@@ -131,6 +131,15 @@ def expert_major_rows(topk_idx: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def token_of_rows(dst_rows: torch.Tensor, num_topk: int) -> torch.Tensor:
+    """`[N * K]` int64: the token each output row of `dst_rows [N * K]` (row of entry (n, k))
+    comes from, so `x.index_select(0, token_of_rows(...))` is a fan-out's expected output."""
+    num_tokens = dst_rows.shape[0] // num_topk
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=dst_rows.device)
+    return torch.empty(dst_rows.shape[0], dtype=torch.int64, device=dst_rows.device).scatter_(
+        0, dst_rows.long(), tokens.repeat_interleave(num_topk))
+
+
 def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor):
     """µs of `fan_out_copy` (ceiling.cu): each row of `x [N, H]` read once and written to its K
     expert-major rows of an `[N * K, H]` output, the EP=1 expand's traffic and nothing else.
@@ -144,11 +153,7 @@ def fan_out_us(x: torch.Tensor, topk_idx: torch.Tensor):
     out = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
     grid = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
     us = time_cuda(lambda: ceiling_ops.fan_out_copy(x, dst_rows, out, num_topk, grid), iters=20)
-    token_of_row = torch.empty_like(dst_rows).scatter_(
-        0, dst_rows.long(), torch.arange(num_tokens, dtype=torch.int32, device=x.device)
-        .repeat_interleave(num_topk))
-    expected = x.index_select(0, token_of_row)  # out's rows, in order
-    if not torch.equal(out, expected):
+    if not torch.equal(out, x.index_select(0, token_of_rows(dst_rows, num_topk))):
         raise RuntimeError("fan_out_copy wrote wrong rows: its ceiling is not valid")
     return us, out, dst_rows
 
@@ -171,28 +176,27 @@ def sm_fan_out_us(x: torch.Tensor, dst_rows: torch.Tensor, num_topk: int, num_sm
     """
     num_tokens, hidden = x.shape
     num_rows = num_tokens * num_topk
-    token_of_row = torch.empty_like(dst_rows).scatter_(
-        0, dst_rows.long(), torch.arange(num_tokens, dtype=torch.int32, device=x.device)
-        .repeat_interleave(num_topk)).long()
+    token_of_row = token_of_rows(dst_rows, num_topk)
     res = {}
     out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
+    expected = x.index_select(0, token_of_row)
     for threads in (512, 1024):
         out.zero_()
         res[f"bf16_us_{threads}"] = time_cuda(lambda: ceiling_ops.fan_out_copy(
             x, dst_rows, out, num_topk, num_sms, threads), iters=20)
-        if not torch.equal(out, x.index_select(0, token_of_row)):
+        if not torch.equal(out, expected):
             raise RuntimeError("fan_out_copy wrote wrong rows: its ceiling is not valid")
-    del out
+    del out, expected
     out = torch.empty(num_rows, hidden, dtype=torch.uint8, device=x.device)
     scales = torch.empty(num_rows, -(-scale_bytes // 16) * 16, dtype=torch.uint8,
                          device=x.device)
-    high_bytes = x.view(torch.uint8).view(num_tokens, hidden, 2)[..., 1]
+    expected = x.view(torch.uint8).view(num_tokens, hidden, 2)[..., 1].index_select(0, token_of_row)
     for threads in (512, 1024):
         for narrow in (False, True):
             out.zero_()
             us = time_cuda(lambda: ceiling_ops.fan_out_fp8_bytes(
                 x, dst_rows, out, scales, num_topk, num_sms, threads, narrow), iters=20)
-            if not torch.equal(out, high_bytes.index_select(0, token_of_row)):
+            if not torch.equal(out, expected):
                 raise RuntimeError("fan_out_fp8_bytes wrote wrong rows: its ceiling is not valid")
             key = f"fp8_bytes_us_{threads}"
             res[key + ("_narrow" if narrow else "_wide")] = us

@@ -29,6 +29,15 @@ def test_expert_major_rows_match_the_layout(num_tokens, num_experts, num_topk):
                                                               dtype=torch.int32))
 
 
+def test_token_of_rows_gives_a_fan_outs_expected_output():
+    topk_idx = torch.rand(37, 16, generator=torch.Generator().manual_seed(3)).topk(4).indices
+    dst_rows = bench.expert_major_rows(topk_idx)
+    x = torch.randn(37, 8)
+    out = torch.empty(37 * 4, 8)
+    out[dst_rows.long()] = x.repeat_interleave(4, dim=0)  # row of entry (n, k) <- x[n]
+    assert torch.equal(out, x.index_select(0, bench.token_of_rows(dst_rows, 4)))
+
+
 @pytest.mark.parametrize("text, expected", [("2x2", (2, 2)), ("3X1", (3, 1)), ("32x8", (32, 8))])
 def test_nodes_parse(text, expected):
     assert bench.parse_nodes(text) == expected
