@@ -693,19 +693,74 @@ def pool_rounds(per_round, warmup_steps):
     return losses, times
 
 
+class ChildRendezvous:
+    """A fresh TCP store per child launch, served by rank 0's parent, which binds it to a free port
+    before any child starts (a fixed port above MASTER_PORT could be taken by another process by
+    then: "address already in use" in one child, a failed run).
+
+    The parents share the port through torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE), or,
+    under another launcher, through a store rank 0's parent serves on MASTER_PORT. Every child
+    connects as a client (TORCHELASTIC_USE_AGENT_STORE=True tells `env://` to).
+    """
+
+    def __init__(self, timeout_s: float = 600.0):
+        import datetime
+
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.parents = None
+        if self.world_size > 1:
+            on_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            self.parents = dist.TCPStore(self.host, int(os.environ["MASTER_PORT"]),
+                                         self.world_size,
+                                         is_master=self.rank == 0 and not on_agent_store,
+                                         timeout=self.timeout)
+        self.server = None
+
+    def open(self, launch: int) -> dict:
+        """Starts (rank 0) or looks up launch `launch`'s store; returns the child's environment."""
+        key = f"mdeep_compare/child_port/{launch}"
+        if self.rank == 0:
+            self.server = dist.TCPStore(self.host, 0, self.world_size, is_master=True,
+                                        timeout=self.timeout, wait_for_workers=False)
+            port = self.server.port
+            if self.parents is not None:
+                self.parents.set(key, str(port))
+        else:
+            port = int(self.parents.get(key))
+        return {"MASTER_ADDR": self.host, "MASTER_PORT": str(port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+    def close(self, launch: int, child_failed: bool) -> None:
+        """Stops launch `launch`'s store once every rank's child has ended (at once where rank
+        0's child failed: torchrun then ends the others)."""
+        key = f"mdeep_compare/ended/{launch}"
+        if self.parents is not None:
+            ended = int(self.parents.add(key, 1))
+            deadline = time.monotonic() + self.timeout.total_seconds()
+            while self.rank == 0 and not child_failed and ended < self.world_size:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"launch {launch}: {self.world_size - ended} rank(s)' "
+                                     f"children still running after {self.timeout}")
+                time.sleep(0.05)
+                ended = int(self.parents.add(key, 0))
+        self.server = None
+
+
 def train_in_fresh_processes(args, argv, runs=None):
     """Runs each dispatcher in a child process of every rank, `args.rounds` times in
     `round_orders`; returns {run: (losses, times)} pooled by `pool_rounds`.
 
     Under torchrun every rank starts its child for one run of one round at once; the children
-    meet on their own port above MASTER_PORT, so no two runs share a rendezvous. Rank 0's child
-    serves that store itself: torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) listens on
-    MASTER_PORT only. Rounds after the first record no metrics (the first round's are the run's).
+    meet on a fresh store per launch (`ChildRendezvous`), so no two runs share a rendezvous.
+    Rounds after the first record no metrics (the first round's are the run's).
     """
     import subprocess
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    base_port = int(os.environ.get("MASTER_PORT", "29533"))
+    rendezvous = ChildRendezvous()
     runs = run_names(args) if runs is None else runs
     per_run = {name: [] for name in runs}
     # Our options go before `--` (what follows it are the model's Megatron flags).
@@ -714,13 +769,13 @@ def train_in_fresh_processes(args, argv, runs=None):
     for round_index, order in enumerate(round_orders(runs, args.rounds)):
         for name in order:
             launch += 1
-            env = dict(os.environ, MASTER_PORT=str(base_port + launch))
-            env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+            env = dict(os.environ, **rendezvous.open(launch))
             if round_index:
                 env["MDEEP_METRICS"] = "0"
             cmd = [sys.executable, os.path.abspath(__file__), *argv[:split], "--only-run", name,
                    "--round", str(round_index), *argv[split:]]
             done = subprocess.run(cmd, env=env)
+            rendezvous.close(launch, child_failed=done.returncode != 0)
             if done.returncode != 0:
                 raise SystemExit(f"run {name!r} failed (exit {done.returncode}): {' '.join(cmd)}")
             if int(os.environ.get("RANK", "0")) == 0:

@@ -22,3 +22,16 @@ def load_dev_script(name: str):
 def load_dev_gpu_script(name: str):
     """The script `dev/gpu/<name>.py` as a module."""
     return load_dev_script(f"gpu/{name}")
+
+
+def process_failure(done, tail: int = 3000) -> str:
+    """What a failed subprocess said, for an assertion message: stdout's tail, the first
+    Python traceback in stderr (a child's own error, which torchrun's closing report would push
+    out of a bare tail) and stderr's tail."""
+    stderr = done.stderr or ""
+    first = stderr.find("Traceback (most recent call last)")
+    traceback = stderr[first:first + tail] if first >= 0 else ""
+    return "\n".join(part for part in (
+        "stdout: " + (done.stdout or "")[-tail:],
+        "first traceback: " + traceback if traceback else "",
+        "stderr: " + stderr[-tail:]) if part)

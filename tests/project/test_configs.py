@@ -14,11 +14,13 @@ asserted).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import types
@@ -28,7 +30,7 @@ import pytest
 from megatron_deepep.tools import sweep
 from megatron_deepep.megatron.options import DeepEPOptions, check_config
 from tests.project.test_pretrain_example import build_in_child, launcher_flags, needs_training
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, process_failure
 
 ROOT = REPO_ROOT
 CONFIGS = os.path.join(ROOT, "examples", "configs")
@@ -363,7 +365,7 @@ def test_deepseek_proxy_moe_layers_train_on_cpu(tmp_path):
                            str(tmp_path / "metrics")], env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and lines, process_failure(done)
     report = json.loads(lines[-1][len("REPORT "):])
     assert report["unused"] == [], report["unused"]  # every proxy flag reached the config
     assert report["experts"] == "GroupedMMExperts", report["note"]
@@ -448,6 +450,26 @@ esac
     assert "--plot-only" in done.stderr
 
 
+def port_with_neighbours_held(count: int):
+    """A free port P, with listening sockets held on P+1 .. P+count (the caller closes them)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        held = []
+        try:
+            for neighbour in range(port + 1, port + 1 + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", neighbour))
+                sock.listen()
+            return port, held
+        except OSError:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no free port with {count} free ports above it")
+
+
 def test_deepseek_cpu_proxy_trains_its_routing_and_writes_the_report(tmp_path):
     """The DeepSeek-V3 proxy's flags through compare_dispatchers.py --cpu (what the template
     runs without a GPU): says what it trains and drops, writes every metrics field, and the
@@ -459,12 +481,18 @@ def test_deepseek_cpu_proxy_trains_its_routing_and_writes_the_report(tmp_path):
                MDEEP_COMM_SHARE_WARN="0",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     metrics_dir = tmp_path / "metrics"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         os.path.join(ROOT, "examples", "compare_dispatchers.py"), "--cpu", "--steps", "3",
-         "--out", str(tmp_path), "--metrics-dir", str(metrics_dir), "--name", "deepseek_v3",
-         "--", *flags], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The ports just above MASTER_PORT are taken: the children meet on free ones regardless.
+    master_port, held = port_with_neighbours_held(3)
+    with contextlib.ExitStack() as stack:
+        for sock in held:
+            stack.enter_context(sock)
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+             "2", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+             os.path.join(ROOT, "examples", "compare_dispatchers.py"), "--cpu", "--steps", "3",
+             "--out", str(tmp_path), "--metrics-dir", str(metrics_dir), "--name",
+             "deepseek_v3", "--", *flags], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, process_failure(done)
     out = done.stdout
     assert ("deepseek_v3: 4 MoE layers, hidden 256, 256 experts, top-8, sigmoid scores, expert "
             "bias, a token's experts in 4 of 8 groups, seq_aux_loss, a shared expert") in out

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, process_failure
 
 ROOT = REPO_ROOT
 
@@ -152,7 +152,7 @@ def test_cpu_demo_trains_deepep_beside_alltoall_with_the_same_losses(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          os.path.join(ROOT, "examples", "compare_dispatchers.py"), "--cpu", "--steps", "4",
          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, process_failure(done)
     table = done.stdout[done.stdout.index("LM loss per step"):].splitlines()
     assert table[1].split() == ["step", "deepep", "alltoall", "|diff|"]
     rows = [ln.split() for ln in table[2:6]]

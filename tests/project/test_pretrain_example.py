@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, process_failure
 
 ROOT = REPO_ROOT
 
@@ -119,7 +119,7 @@ def build_in_child(flags: list, port: int) -> dict:
                            json.dumps(flags)], env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and lines, process_failure(done)
     return json.loads(lines[-1][len("REPORT "):])
 
 
