@@ -326,7 +326,9 @@ def test_example_profile_tables_written(tmp_path):
 
 
 def test_example_runs_each_dispatcher_in_a_fresh_process(tmp_path, monkeypatch):
-    """Each run gets its own child process and rendezvous port; the parent reads their files."""
+    """Each run gets its own child process and a rendezvous store already listening on a port
+    of its own (not MASTER_PORT's neighbours); the parent reads the children's files."""
+    import socket
     import subprocess
 
     example = _example()
@@ -339,14 +341,17 @@ def test_example_runs_each_dispatcher_in_a_fresh_process(tmp_path, monkeypatch):
     def fake_run(cmd, env):
         name = cmd[cmd.index("--only-run") + 1]
         seen.append((name, env["MASTER_PORT"], cmd[2:cmd.index("--only-run")]))
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # every child is a client
+        with socket.socket() as probe, pytest.raises(OSError):
+            probe.bind(("", int(env["MASTER_PORT"])))  # the store holds its port
         with open(example._run_file(args, name), "w") as f:
             json.dump({"losses": [float(len(seen))] * 3, "times": [0.01] * 3}, f)
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     results = example.train_in_fresh_processes(args, argv)
-    assert [(name, port) for name, port, _ in seen] == [("deepep", "30001"),
-                                                        ("alltoall", "30002")]
+    assert [name for name, _, _ in seen] == ["deepep", "alltoall"]
+    assert len({port for _, port, _ in seen}) == 2
     assert all(rest == argv for _, _, rest in seen)
     assert results == {"deepep": ([1.0] * 3, [0.01] * 3), "alltoall": ([2.0] * 3, [0.01] * 3)}
 
