@@ -259,6 +259,13 @@ _TABLE = (
     Knob("JIT_LINEINFO", "bool", False, "0", "compile with `-lineinfo` (profilers)", "jit",
          read_by=_KERNELS),
     Knob("JIT_NO_CACHE", "bool", False, "0", "always recompile", "jit", read_by=_KERNELS),
+    # 48: a model, each path's µs as max(a / SMs, its HBM floor) fitted to the two budgets
+    # measured (benchmarks/h100_2026-12-06_fp8_round7.md: 24 and 132 SMs), puts the crossover
+    # at 44-46 SMs; the register path's knee is 39, the row stage's 49-51.
+    Knob("FP8_ROW_STAGE_MIN_SMS", "int", 48, "48", "the quantizing EP = 1 FP8 expand stages "
+         "each row in shared memory from this SM budget up (HBM the limit) and quantizes in "
+         "registers below it (each SM's load/store path the limit); `0`: the row stage at "
+         "every budget", "jit", read_by=_KERNELS, low=0),
     Knob("PDL", "bool", True, "1", "programmatic dependent launch: the EP = 1 expand starts "
          "while the layout kernel ends (`0`: after it)", "jit", read_by=_KERNELS),
 )

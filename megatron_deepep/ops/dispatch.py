@@ -3,10 +3,12 @@ regions, expand them into the expert-major `recv_x`."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
+from megatron_deepep import knobs
 from megatron_deepep.arena import Arena
 from megatron_deepep.kernels import jit
 from megatron_deepep.kernels.jit import F32, I32, U32, U64, KernelArgs, Ptr
@@ -166,18 +168,20 @@ def local_quantizes_rows(fp8, x_scales) -> bool:
     return fp8 is not None and x_scales is None and not fp8.dequantize
 
 
-# From this SM budget up, the quantizing EP = 1 expand stages whole rows in shared memory (its
-# warps quantize their first token before the layout kernel ends); below it they quantize in
-# registers, which takes the row's trip through shared memory off each SM's load/store path,
-# the limit at small budgets (benchmarks/h100_2026-12-06_fp8_round7.md: 0.55 of bf16 at 24 SMs
-# against the row stage's 0.62; at 132 SMs the row stage's 115 µs against 127).
-ROW_STAGE_MIN_SMS = 64
+@functools.lru_cache(maxsize=None)
+def row_stage_min_sms() -> int:
+    """The SM budget from which the quantizing EP = 1 expand stages whole rows in shared memory
+    (its warps quantize their first token before the layout kernel ends); below it they
+    quantize in registers, which takes the row's trip through shared memory off each SM's
+    load/store path, the limit at small budgets. MDEEP_FP8_ROW_STAGE_MIN_SMS sets it, read once
+    per process (its default and why: `knobs.py`)."""
+    return knobs.get("FP8_ROW_STAGE_MIN_SMS")
 
 
 def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales, num_sms: int) -> int:
     """Bytes an FP8 dispatch_local stages per block when it quantizes (`local_quantizes_rows`):
-    from ROW_STAGE_MIN_SMS up, each warp's row of `hidden` e4m3 bytes, then its scales from the
-    next 16-byte boundary (fp8_row.cuh's stage_stride), where DISPATCH_STAGE_MAX_BYTES holds
+    from `row_stage_min_sms()` up, each warp's row of `hidden` e4m3 bytes, then its scales from
+    the next 16-byte boundary (fp8_row.cuh's stage_stride), where DISPATCH_STAGE_MAX_BYTES holds
     them; else each warp's scales alone (scale_stage_stride: the warps quantize in registers).
     0 (nothing staged) when the rows come pre-quantized or bf16."""
     if not local_quantizes_rows(fp8, x_scales):
@@ -185,6 +189,6 @@ def _quantize_stage_bytes(hidden: int, threads: int, fp8, x_scales, num_sms: int
     scale_stride = -(-fp8.fmt.scale_bytes_per_token(hidden) // 16) * 16
     warps = threads // 32
     row_stages = warps * (hidden + scale_stride)
-    if num_sms >= ROW_STAGE_MIN_SMS and row_stages <= DISPATCH_STAGE_MAX_BYTES:
+    if num_sms >= row_stage_min_sms() and row_stages <= DISPATCH_STAGE_MAX_BYTES:
         return row_stages
     return warps * scale_stride

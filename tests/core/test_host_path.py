@@ -255,12 +255,12 @@ def test_dispatch_stage_bytes(hidden, words_per_lane):
     ("blockwise_1x128", 2880, 2880 + 96), ("mxfp8_1x32", 2880, 2880 + 96),
     ("blockwise_1x128_fp32_scales", 4096, 4096 + 128)])
 def test_fp8_quantize_stage_bytes(fmt, hidden, stride):
-    """From ROW_STAGE_MIN_SMS up, one row stage per warp: the e4m3 row, then its scales from
+    """From row_stage_min_sms() up, one row stage per warp: the e4m3 row, then its scales from
     the next 16-byte boundary; below it (or past the 224 KB cap), the scales alone."""
     from megatron_deepep.fp8.dispatch import Fp8Dispatch
     keep, deq = Fp8Dispatch.named(fmt, "fp8"), Fp8Dispatch.named(fmt, "bf16")
     stage = ops.dispatch._quantize_stage_bytes
-    many, few = ops.dispatch.ROW_STAGE_MIN_SMS, ops.dispatch.ROW_STAGE_MIN_SMS - 1
+    many, few = ops.dispatch.row_stage_min_sms(), ops.dispatch.row_stage_min_sms() - 1
     assert stage(hidden, 512, keep, None, many) == 16 * stride
     assert stage(hidden, 512, keep, None, few) == 16 * (stride - hidden)
     for num_sms in (few, many):
@@ -268,6 +268,30 @@ def test_fp8_quantize_stage_bytes(fmt, hidden, stride):
         assert stage(hidden, 512, deq, None, num_sms) == 0  # the dequantizing expand
     # 16 x 16.9 KB exceeds the 224 KB cap: the scale stages (16 x 512 bytes) instead.
     assert stage(16384, 512, keep, None, many) == 16 * 512
+
+
+def test_fp8_row_stage_budget_is_a_knob(monkeypatch):
+    """MDEEP_FP8_ROW_STAGE_MIN_SMS moves the SM budget of the row stage (0: every budget; a
+    huge one: none) and a bad value is refused naming the variable."""
+    from megatron_deepep.fp8.dispatch import Fp8Dispatch
+    keep = Fp8Dispatch.named("blockwise", "fp8")
+    stage = ops.dispatch._quantize_stage_bytes
+    cache = ops.dispatch.row_stage_min_sms.cache_clear
+    try:
+        monkeypatch.setenv("MDEEP_FP8_ROW_STAGE_MIN_SMS", "0")
+        cache()
+        assert stage(7168, 512, keep, None, 1) == 16 * (7168 + 224)
+        monkeypatch.setenv("MDEEP_FP8_ROW_STAGE_MIN_SMS", "100000")
+        cache()
+        assert stage(7168, 512, keep, None, 132) == 16 * 224
+        monkeypatch.setenv("MDEEP_FP8_ROW_STAGE_MIN_SMS", "-1")
+        cache()
+        with pytest.raises(ValueError, match="MDEEP_FP8_ROW_STAGE_MIN_SMS='-1'"):
+            stage(7168, 512, keep, None, 132)
+    finally:
+        monkeypatch.delenv("MDEEP_FP8_ROW_STAGE_MIN_SMS")
+        cache()
+    assert ops.dispatch.row_stage_min_sms() == 48
 
 
 @pytest.mark.parametrize("num_sms, stage_bytes", [(132, 7168 + 224), (24, 224)])
