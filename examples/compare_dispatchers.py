@@ -735,17 +735,23 @@ class ChildRendezvous:
 
     def close(self, launch: int, child_failed: bool) -> None:
         """Stops launch `launch`'s store once every rank's child has ended (at once where rank
-        0's child failed: torchrun then ends the others)."""
-        key = f"mdeep_compare/ended/{launch}"
+        0's child failed: torchrun then ends the others).
+
+        Raises:
+            SystemExit: naming the ranks whose children still run after the timeout.
+        """
         if self.parents is not None:
-            ended = int(self.parents.add(key, 1))
+            self.parents.set(f"mdeep_compare/ended/{launch}/{self.rank}", "1")
             deadline = time.monotonic() + self.timeout.total_seconds()
-            while self.rank == 0 and not child_failed and ended < self.world_size:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"launch {launch}: {self.world_size - ended} rank(s)' "
-                                     f"children still running after {self.timeout}")
-                time.sleep(0.05)
-                ended = int(self.parents.add(key, 0))
+            running = list(range(1, self.world_size)) if self.rank == 0 and not child_failed \
+                else []
+            while running:
+                running = [r for r in running
+                           if not self.parents.check([f"mdeep_compare/ended/{launch}/{r}"])]
+                if running and time.monotonic() > deadline:
+                    raise SystemExit(f"launch {launch}: the children of rank(s) {running} still "
+                                     f"run after {self.timeout}")
+                time.sleep(0.05 if running else 0)
         self.server = None
 
 

@@ -325,6 +325,31 @@ def test_example_profile_tables_written(tmp_path):
     assert "<lambda>" in text and "cumulative" in text
 
 
+def test_example_child_rendezvous_names_the_ranks_still_running(monkeypatch):
+    """Rank 0's parent keeps a launch's store until every rank's child has ended, and past the
+    timeout says whose children still run instead of waiting on."""
+    import datetime
+
+    import torch.distributed as dist
+
+    example = _example()
+    parents = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(parents.port))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    rendezvous = example.ChildRendezvous(timeout_s=0.3)
+    env = rendezvous.open(1)
+    assert parents.get("mdeep_compare/child_port/1").decode() == env["MASTER_PORT"]
+    parents.set("mdeep_compare/ended/1/2", "1")  # rank 2's child ended, rank 1's did not
+    with pytest.raises(SystemExit, match=r"launch 1: the children of rank\(s\) \[1\] still"):
+        rendezvous.close(1, child_failed=False)
+    rendezvous.close(1, child_failed=True)  # rank 0's child failed: no wait
+    parents.set("mdeep_compare/ended/1/1", "1")
+    rendezvous.close(1, child_failed=False)
+
+
 def test_example_runs_each_dispatcher_in_a_fresh_process(tmp_path, monkeypatch):
     """Each run gets its own child process and a rendezvous store already listening on a port
     of its own (not MASTER_PORT's neighbours); the parent reads the children's files."""
