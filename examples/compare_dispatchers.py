@@ -748,10 +748,12 @@ class ChildRendezvous:
             while running:
                 running = [r for r in running
                            if not self.parents.check([f"mdeep_compare/ended/{launch}/{r}"])]
-                if running and time.monotonic() > deadline:
+                if not running:
+                    break
+                if time.monotonic() > deadline:
                     raise SystemExit(f"launch {launch}: the children of rank(s) {running} still "
                                      f"run after {self.timeout}")
-                time.sleep(0.05 if running else 0)
+                time.sleep(0.05)
         self.server = None
 
 

@@ -8,38 +8,41 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MDEEP_CACHE_DIR=$PWD/.bench_out/kc PYTHONPATH=$PWD
-O=${OUT:-/tmp/out}/w; mkdir -p "$O"; T0=$SECONDS
+# Everything under /tmp/w; $OUT gets its tables and one archive (few files come back).
+O=/tmp/w; mkdir -p "$O"; T0=$SECONDS
+trap 'cp $O/*.md "${OUT:-/tmp}"/ 2>/dev/null; tar czf "${OUT:-/tmp}"/all.tgz -C /tmp w' EXIT
 x() { if [ "${DRY_RUN:-0}" = 1 ]; then echo "+ $*"; else eval "$@"; fi; }
 knob() { case $1 in row) echo 0;; reg) echo 1000000;; after) echo "";; esac; }
+P="python3 dev/gpu/fp8_profile.py"; F=blockwise_1x128,mxfp8_1x32; K=MDEEP_FP8_ROW_STAGE_MIN_SMS
 x "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $O/versions.txt"
 x "python3 -m megatron_deepep.tools.precompile --topk 8 --index-dtype int64 --fp8 blockwise_1x128 \
 mxfp8_1x32 blockwise_1x128_fp32_scales --bench -j 16 -q 2>&1 | tail -1"
 echo "precompiled at $((SECONDS-T0)) s"
 for side in row reg; do for S in 24 132; do
-  x "MDEEP_FP8_ROW_STAGE_MIN_SMS=$(knob $side) timeout 90 python3 dev/gpu/fp8_profile.py --check \
---num-sms $S --fp8 blockwise_1x128,mxfp8_1x32,blockwise_1x128_fp32_scales > $O/check_${side}_$S.log 2>&1"
+  x "$K=$(knob $side) timeout 90 $P --check --num-sms $S --fp8 $F,blockwise_1x128_fp32_scales \
+> $O/check_${side}_$S.log 2>&1"
   echo "check $side $S SMs: $(grep -c bit-exact $O/check_${side}_$S.log 2>/dev/null) bit-exact"
 done; done
 budgets() { if [ "$1" = 1 ]; then echo 24 32 40 48 56 64 132; else echo 32 40 48 56 64; fi; }
 for r in 1 2; do for S in $(budgets $r); do for side in row reg; do
-  x "MDEEP_FP8_ROW_STAGE_MIN_SMS=$(knob $side) timeout 45 python3 dev/gpu/fp8_profile.py --queued \
---fp8 blockwise_1x128,mxfp8_1x32 --num-sms $S 2>&1 | grep -E 'queued|Error|error' >> $O/queued_${side}$r.log"
+  x "$K=$(knob $side) timeout 45 $P --queued --fp8 $F --num-sms $S 2>&1 \
+| grep -E 'queued|Error|error' >> $O/queued_${side}$r.log"
 done; done; echo "queued round $r at $((SECONDS-T0)) s"; done
-x "python3 dev/gpu/bench_rounds.py row=$O/queued_row1.log reg=$O/queued_reg1.log row=$O/queued_row2.log \
-reg=$O/queued_reg2.log > $O/queued_table.md 2>&1; cat $O/queued_table.md"
+x "python3 dev/gpu/bench_rounds.py row=$O/queued_row1.log reg=$O/queued_reg1.log \
+row=$O/queued_row2.log reg=$O/queued_reg2.log > $O/queued_table.md 2>&1; cat $O/queued_table.md"
 for side in after row; do
-  x "MDEEP_FP8_ROW_STAGE_MIN_SMS=$(knob $side) timeout 120 python3 -m megatron_deepep.bench --shapes \
-4096,7168,256,8 --num-sms 24,48,132 --fp8 blockwise_1x128,mxfp8_1x32 --no-megatron \
---out $O/bench_$side > $O/bench_$side.log 2>&1"
+  x "$K=$(knob $side) timeout 120 python3 -m megatron_deepep.bench --shapes 4096,7168,256,8 \
+--num-sms 24,48,132 --fp8 $F --no-megatron --out $O/bench_$side > $O/bench_$side.log 2>&1"
   echo "bench $side at $((SECONDS-T0)) s"
 done
 x "python3 dev/gpu/bench_rounds.py after=$O/bench_after/bench.json row=$O/bench_row/bench.json \
 > $O/bench_rounds.md 2>&1; cut -c1-160 $O/bench_rounds.md; rm -f $O/bench_*/bench.png"
+G=tests/gpu
 left=$(( 420 - (SECONDS - T0) ))
-x "MDEEP_TEST_PROCS=1 timeout $left python3 -m pytest -m gpu -q -rs tests/gpu/test_fp8_dispatch_gpu.py \
-tests/gpu/test_fp8_gpu.py tests/gpu/test_layout_gpu.py tests/gpu/test_hazards_gpu.py > $O/tests1.log 2>&1; \
+x "MDEEP_TEST_PROCS=1 timeout $left python3 -m pytest -m gpu -q -rs $G/test_fp8_dispatch_gpu.py \
+$G/test_fp8_gpu.py $G/test_layout_gpu.py $G/test_hazards_gpu.py > $O/tests1.log 2>&1; \
 tail -3 $O/tests1.log"
 left=$(( 550 - (SECONDS - T0) ))
-x "MDEEP_TEST_PROCS=2 timeout $left python3 -m pytest -m gpu -q -rs tests/gpu/test_fp8_dispatch_gpu.py \
+x "MDEEP_TEST_PROCS=2 timeout $left python3 -m pytest -m gpu -q -rs $G/test_fp8_dispatch_gpu.py \
 > $O/tests2.log 2>&1; tail -3 $O/tests2.log"
 echo "done at $((SECONDS-T0)) s"
