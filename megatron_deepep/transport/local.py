@@ -107,8 +107,8 @@ class LocalTransport(Transport):
         # Who publishes the receive layout to the host: nobody without a host wait; the expand
         # when it starts before the wait, unless it quantizes into FP8 rows (with row stages each
         # warp quantizes a row before its wait for the layout, which would hold the host's wait
-        # back; the register path below ops.row_stage_min_sms() keeps this choice too, unmeasured
-        # against the other); else the kernel that derives the receive layout.
+        # back; the register path, below ops.dispatch.row_stage_min_sms(), keeps this choice
+        # too, unmeasured against the other); else the kernel that derives the receive layout.
         host_info = self.status.host_info_ptr if is_sync else 0
         expand_publishes = (layout is None and rows_before_wait is not None
                             and not ops.local_quantizes_rows(fp8, x_scales))

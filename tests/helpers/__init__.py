@@ -3,6 +3,7 @@ the background compile jobs, the graph normaliser, the harness's own knobs, the 
 a loader for the scripts of `dev/`."""
 
 import importlib.util
+import logging
 import os
 
 #: The repository's root (the checkout the tests run from).
@@ -35,3 +36,15 @@ def process_failure(done, tail: int = 3000) -> str:
         "stdout: " + (done.stdout or "")[-tail:],
         "first traceback: " + traceback if traceback else "",
         "stderr: " + stderr[-tail:]) if part)
+
+
+class WarningCapture(logging.Handler):
+    """The messages of WARNING and above that a logger hands this handler (after the logger's
+    filters): add it to the logger itself, since a library may stop its loggers' propagation."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())

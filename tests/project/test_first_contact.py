@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from tests.helpers import WarningCapture
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 QUICKSTART = os.path.join(EXAMPLES, "buffer_quickstart.py")
@@ -98,24 +100,13 @@ def test_a_mistyped_megatron_flag_is_one_line_with_the_flag_it_meant():
     assert script.index('"$HERE/megatron_flags.py"') < script.index("torch.distributed.run")
 
 
-class _Collect(logging.Handler):
-    """The messages a logger hands its own handlers (after its filters)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_known_noise_of_other_libraries_is_dropped():
     from megatron_deepep import logs
 
     logs.quiet_known_noise()
     logs.quiet_known_noise()  # idempotent
     # A handler on each logger itself: torch's logging may stop its loggers' propagation.
-    collect = _Collect()
+    collect = WarningCapture()
     for name, prefix in logs.KNOWN_NOISE.items():
         log = logging.getLogger(name)
         assert len(log.filters) == 1

@@ -10,6 +10,7 @@ import os
 import torch.distributed as dist
 
 from megatron_deepep.transport.devices import check_one_gpu_per_rank, shared_gpus
+from tests.helpers import WarningCapture
 from tests.helpers.distributed import run_distributed
 
 
@@ -18,15 +19,6 @@ def test_shared_gpus_groups_ranks_by_host_and_bus_id():
     assert shared_gpus([("a", "0000:01:00.0"), ("b", "0000:01:00.0")]) == []  # two hosts
     assert shared_gpus([("a", "x"), ("a", "y"), ("a", "x"), ("b", "x"), ("b", "x")]) == [
         [0, 2], [3, 4]]
-
-
-class _Capture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 # Per case: each rank's (host, bus id), whether sharing is declared (argument, knob), and the
@@ -44,7 +36,7 @@ CASES = {
 def _check_case(rank, world_size, name):
     places, declared, knob, named = CASES[name]
     os.environ["MDEEP_SHARED_GPU"] = knob
-    capture = _Capture()
+    capture = WarningCapture()
     logger = logging.getLogger("megatron_deepep.transport.devices")
     logger.addHandler(capture)
     host, bus_id = places[rank]
