@@ -13,6 +13,7 @@
 // into bf16 rows; otherwise recv_x holds e4m3 rows and recv_scales their scales.
 #include "common/args.cuh"
 #include "common/fp8_row.cuh"
+#include "common/fused.cuh"
 #include "common/recv_rows.cuh"
 #include "common/protocol.cuh"
 
@@ -67,6 +68,26 @@ __device__ __forceinline__ void write_row(const u8* src, const u8* src_scales, i
     }
 }
 
+// Writes token n's slot record into peer r's dispatch metadata [rank][slot]: lane k < kTopk
+// its entry k (the peer-local expert, or -1 where entry k is not on r), lane 0 the token.
+template <int kTopk, typename IdxT>
+__device__ __forceinline__ void write_slot_meta(u64 peer_base, const Regions& rg, int rank,
+                                                int slot, int r, int n, const IdxT* topk_idx,
+                                                const float* topk_weights,
+                                                const int* pos_in_expert, int num_local,
+                                                int lane) {
+    SlotMeta<kTopk>* m = reinterpret_cast<SlotMeta<kTopk>*>(
+        slot_ptr(peer_base, rg.dispatch_meta, rg.meta_stride, rg.max_tokens, rank, slot));
+    if (lane < kTopk) {
+        const i64 id = (i64)topk_idx[(i64)n * kTopk + lane];
+        const bool here = id >= 0 && id / num_local == r;
+        m->local_expert[lane] = here ? (int)(id - (i64)r * num_local) : -1;
+        m->pos[lane] = here ? pos_in_expert[(i64)n * kTopk + lane] : -1;
+        m->weight[lane] = topk_weights[(i64)n * kTopk + lane];
+    }
+    if (lane == 0) m->token = n;
+}
+
 template <int kTopk, bool kCached, typename IdxT, int kFmt>
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
     const __grid_constant__ DispatchSendArgs<IdxT> args) {
@@ -106,20 +127,9 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
                     peer_bases[r], rg.dispatch_rows, rg.row_stride, rg.max_tokens, rank, slot));
                 dst_scales[num_dst] = dst[num_dst] + hidden;  // wire row: data, then scales
                 ++num_dst;
-                if (!kCached && lane <= kTopk) {
-                    SlotMeta<kTopk>* m = reinterpret_cast<SlotMeta<kTopk>*>(slot_ptr(
-                        peer_bases[r], rg.dispatch_meta, rg.meta_stride, rg.max_tokens, rank,
-                        slot));
-                    if (lane == kTopk) {
-                        m->token = n;
-                    } else {
-                        const i64 id = (i64)topk_idx[(i64)n * kTopk + lane];
-                        const bool here = id >= 0 && id / num_local == r;
-                        m->local_expert[lane] = here ? (int)(id - (i64)r * num_local) : -1;
-                        m->pos[lane] = here ? pos_in_expert[(i64)n * kTopk + lane] : -1;
-                        m->weight[lane] = topk_weights[(i64)n * kTopk + lane];
-                    }
-                }
+                if (!kCached)
+                    write_slot_meta<kTopk>(peer_bases[r], rg, rank, slot, r, n, topk_idx,
+                                           topk_weights, pos_in_expert, num_local, lane);
             }
             if (num_dst > 0)
                 write_row<kFmt, false, kMaxRanks, false>(
@@ -128,6 +138,19 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
         }
     }
     release_peers_when_done<&Meta::dispatch_done>(peer_bases, rg, 0, rank, num_ranks, epoch, err);
+}
+
+// Whether a peer's slot record (local expert e, position pos) lies in the segment source s
+// fills inside expert e: e < num_local and 0 <= pos < the tokens s sends to e (notify's counts).
+__device__ __forceinline__ bool peer_entry_in_segment(int e, int pos, int s, int num_ranks,
+                                                      int num_local,
+                                                      const int* src_expert_offset,
+                                                      const int* num_recv_tokens_per_expert) {
+    if (e >= num_local || pos < 0) return false;
+    const int start = src_expert_offset[s * num_local + e];
+    const int end = s + 1 < num_ranks ? src_expert_offset[(s + 1) * num_local + e]
+                                      : num_recv_tokens_per_expert[e];
+    return pos < end - start;
 }
 
 template <int kTopk, bool kCached, typename IdxT, int kFmt, bool kDequant>
@@ -220,6 +243,16 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
                     for (int k = 0; k < kTopk; ++k) {
                         e[k] = m->local_expert[k];
                         pos[k] = m->pos[k];
+                        // A record outside its expert's segment from source s: refused
+                        // (recorded once, by lane 0), never written over other rows.
+                        if (e[k] >= 0 && !peer_entry_in_segment(
+                                e[k], pos[k], s, num_ranks, num_local, src_expert_offset,
+                                num_recv_tokens_per_expert)) {
+                            if (lane == 0)
+                                record_error(err, kErrBadPeerRow, rank, s, kPhaseDispatchRecv, k,
+                                             num_local, (i64)e[k] * (1ll << 32) + pos[k]);
+                            e[k] = -1;
+                        }
                     }
                     if (lane < kTopk) weight = m->weight[lane];
                 }
@@ -263,6 +296,231 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
     }
     release_peers_when_done<&Meta::dispatch_consumed>(peer_bases, rg, 1, rank, num_ranks, epoch,
                                                       err);
+}
+
+// Tokens a warp sends per claim: one system-scope fence publishes the batch's slots, one flag
+// per (token, destination rank) in lane b * num_ranks + r (kSendBatch * kMaxRanks <= 32).
+constexpr int kSendBatch = 4;
+static_assert(kSendBatch * kMaxRanks <= 32, "a lane per (token, rank) flag of a batch");
+
+// The expert-major rows of one token's entries on this rank (lane k < kTopk: entry k's row, or
+// -1), from the layout (fresh: written to `my_rows` with the weights) or from `my_rows`.
+template <int kTopk, bool kCached, typename IdxT>
+__device__ __forceinline__ int self_entry_row(const IdxT* topk_idx, const float* topk_weights,
+                                              const int* pos_in_expert, int n, int rank,
+                                              int num_local, const int* expert_row_start,
+                                              const int* self_offset, int max_rows,
+                                              int* my_rows, float* recv_weights, int lane) {
+    if (lane >= kTopk) return -1;
+    if (kCached) return my_rows[lane];
+    const i64 id = (i64)topk_idx[(i64)n * kTopk + lane];
+    int row = -1;
+    if (id >= 0 && id / num_local == rank) {
+        const int e = (int)(id - (i64)rank * num_local);
+        row = expert_row_start[e] + self_offset[e] + pos_in_expert[(i64)n * kTopk + lane];
+        if (row >= max_rows) row = -1;  // overflow: reported by notify
+    }
+    my_rows[lane] = row;
+    if (row >= 0) recv_weights[row] = topk_weights[(i64)n * kTopk + lane];
+    return row;
+}
+
+// The rows of a peer's staged slot (lane k < kTopk: entry k's row, or -1): from its slot record
+// (fresh: checked against its source's segment, written to `my_rows` with the weights) or from
+// `my_rows` (cached).
+template <int kTopk, bool kCached>
+__device__ __forceinline__ int peer_entry_row(const volatile SlotMeta<kTopk>* m, int s,
+                                              int rank, int num_ranks, int num_local,
+                                              const int* expert_row_start,
+                                              const int* src_expert_offset,
+                                              const int* num_recv_tokens_per_expert, int max_rows,
+                                              int* my_rows, float* recv_weights,
+                                              const ErrorState& err, int lane) {
+    if (lane >= kTopk) return -1;
+    if (kCached) return my_rows[lane];
+    const int e = m->local_expert[lane], pos = m->pos[lane];
+    int row = -1;
+    if (e >= 0) {
+        if (peer_entry_in_segment(e, pos, s, num_ranks, num_local, src_expert_offset,
+                                  num_recv_tokens_per_expert)) {
+            row = expert_row_start[e] + src_expert_offset[s * num_local + e] + pos;
+            if (row >= max_rows) row = -1;  // overflow: reported by notify
+        } else {
+            record_error(err, kErrBadPeerRow, rank, s, kPhaseDispatchRecv, lane, num_local,
+                         (i64)e * (1ll << 32) + pos);
+        }
+    }
+    my_rows[lane] = row;
+    if (row >= 0) recv_weights[row] = m->weight[lane];
+    return row;
+}
+
+// EP > 1 over NVLink in one launch after notify: warps take send items (kSendBatch tokens: each
+// row read from x once, written into the staging slot of every peer rank that holds one of its
+// experts, with its slot record, and into this rank's own expert-major rows) and receive items
+// (one peer's staged slot, expanded into recv_x while its row is still in L2 once the slot's
+// flag carries this call's epoch), never blocking on a receive while sends are left
+// (common/fused.cuh). Padding rows are zeroed first; the last block releases "consumed" to
+// every peer. Per call: one cross-rank wait before the first send (the previous call's rows
+// consumed) and one flag per staged slot.
+template <int kTopk, bool kCached, typename IdxT, int kFmt, bool kDequant>
+__global__ void __launch_bounds__(kDispatchThreads) dispatch_fused(
+    const __grid_constant__ DispatchFusedArgs<IdxT> args) {
+    u8* const recv_x = args.recv_x;
+    u8* const recv_scales = args.recv_scales;
+    float* const recv_weights = args.recv_weights;
+    const int max_rows = args.max_rows, hidden = args.hidden;
+    const int* const num_recv_tokens_per_rank = args.num_recv_tokens_per_rank;
+    const int* const num_recv_tokens_per_expert = args.num_recv_tokens_per_expert;
+    const int* const expert_row_start = args.expert_row_start;
+    const int* const src_expert_offset = args.src_expert_offset;
+    int* const slot_rows = args.slot_rows;
+    const u8* const x = args.x;
+    const u8* const x_scales = args.x_scales;
+    const float amax_epsilon = args.amax_epsilon;
+    const IdxT* const topk_idx = args.topk_idx;
+    const float* const topk_weights = args.topk_weights;
+    const int* const pos_in_expert = args.pos_in_expert;
+    const u8* const is_token_in_rank = args.is_token_in_rank;
+    const int* const token_slot_in_rank = args.token_slot_in_rank;
+    const int num_tokens = args.num_tokens;
+    const u64* const peer_bases = args.peer_bases;
+    const Regions rg = *args.regions;
+    const int rank = args.rank, num_ranks = args.num_ranks, num_local = args.num_local;
+    const u32 epoch = *args.epoch_word;
+    const u64 timeout_ns = args.timeout_ns;
+    const ErrorState err{args.error_claim, args.error_record};
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int num_warps = (gridDim.x * blockDim.x) >> 5;
+    constexpr bool kFp8Out = kFmt != fp8::kWireBf16 && !kDequant;
+    const RowBytes<kFmt, kDequant> sizes(hidden, x_scales != nullptr);
+    const i64 row_bytes = sizes.out_row, in_row_bytes = sizes.in_row;
+    const int scale_bytes = sizes.out_scales, in_scale_bytes = sizes.in_scales;
+    Workspace* const ws = workspace_of(peer_bases, rank, rg);
+
+    bool ok = check_call_alone(ws, kKindDispatch, epoch, rank, err, kPhaseDispatchRecv);
+    if (ok) {
+        for (int e = num_warps - 1 - warp; e >= 0 && e < num_local; e -= num_warps)
+            zero_padding_rows<kFp8Out, kCached>(e, recv_x, recv_scales, recv_weights, row_bytes,
+                                                scale_bytes, max_rows,
+                                                num_recv_tokens_per_expert, expert_row_start,
+                                                lane);
+    }
+    __shared__ int slot_start[kMaxRanks + 1];  // receive items: the peers' slots, by source
+    if (threadIdx.x == 0) {
+        slot_start[0] = 0;
+        for (int s = 0; s < num_ranks; ++s)
+            slot_start[s + 1] = slot_start[s] + (s == rank ? 0 : num_recv_tokens_per_rank[s]);
+    }
+    ok = ok && block_wait_peers(meta_of(peer_bases[rank])->dispatch_consumed, epoch - 1,
+                                num_ranks, rank, false, timeout_ns, err, kPhaseDispatchSend);
+    if (ok) {
+        const int total_recv = slot_start[num_ranks];
+        const int* const self_offset = src_expert_offset + rank * num_local;
+        constexpr int kMaxDst = kMaxRanks - 1 + kTopk;
+        int send_first = warp_claim(&ws->work_counter[kWorkDispatchSend], kSendBatch, lane);
+        int recv_item = warp_claim(&ws->work_counter[kWorkDispatchRecv], 1, lane);
+        for (;;) {
+            const bool has_send = send_first < num_tokens;
+            if (recv_item < total_recv) {
+                const int s = item_source(slot_start, recv_item, num_ranks);
+                const int j = recv_item - slot_start[s];
+                const u32* flag = slot_flag(peer_bases[rank], rg.dispatch_flags, rg.max_tokens,
+                                            s, j);
+                bool ready = warp_slot_ready(flag, epoch, lane);
+                if (!ready && !has_send) {
+                    if (!warp_wait_slot(flag, epoch, timeout_ns, err, rank, s,
+                                        kPhaseDispatchRecv, lane))
+                        break;
+                    ready = true;
+                }
+                if (ready) {
+                    const u8* staged = reinterpret_cast<const u8*>(slot_ptr(
+                        peer_bases[rank], rg.dispatch_rows, rg.row_stride, rg.max_tokens, s, j));
+                    const volatile SlotMeta<kTopk>* m =
+                        reinterpret_cast<const volatile SlotMeta<kTopk>*>(slot_ptr(
+                            peer_bases[rank], rg.dispatch_meta, rg.meta_stride, rg.max_tokens,
+                            s, j));
+                    const int row_lane = peer_entry_row<kTopk, kCached>(
+                        m, s, rank, num_ranks, num_local, expert_row_start, src_expert_offset,
+                        num_recv_tokens_per_expert, max_rows,
+                        slot_rows + ((i64)s * rg.max_tokens + j) * kTopk, recv_weights, err,
+                        lane);
+                    u8* dst[kTopk];
+                    u8* dst_scales[kTopk];
+                    const int num_dst = lane_rows_to_dsts<kTopk>(
+                        row_lane, recv_x, row_bytes, recv_scales, scale_bytes, dst, dst_scales);
+                    // Peers sent FP8 rows as (data, scales) on the wire: never quantized again.
+                    if (num_dst > 0)
+                        write_row<kFmt, kDequant, kTopk, true>(
+                            staged, kFmt == fp8::kWireBf16 ? nullptr : staged + hidden, hidden,
+                            dst, dst_scales, num_dst, amax_epsilon, lane);
+                    recv_item = warp_claim(&ws->work_counter[kWorkDispatchRecv], 1, lane);
+                    continue;
+                }
+            }
+            if (!has_send) break;
+            u32* flag_of_lane = nullptr;  // lane b * num_ranks + r: (token b, peer r)'s flag
+            for (int b = 0; b < kSendBatch; ++b) {
+                const int n = send_first + b;
+                if (n >= num_tokens) break;
+                u8* dst[kMaxDst];
+                u8* dst_scales[kMaxDst];
+                int num_peer_dst = 0;
+                for (int r = 0; r < num_ranks; ++r) {
+                    if (r == rank || !is_token_in_rank[(i64)n * num_ranks + r]) continue;
+                    const int slot = token_slot_in_rank[(i64)n * num_ranks + r];
+                    dst[num_peer_dst] = reinterpret_cast<u8*>(slot_ptr(
+                        peer_bases[r], rg.dispatch_rows, rg.row_stride, rg.max_tokens, rank,
+                        slot));
+                    dst_scales[num_peer_dst] = dst[num_peer_dst] + hidden;  // data, then scales
+                    ++num_peer_dst;
+                    if (!kCached)
+                        write_slot_meta<kTopk>(peer_bases[r], rg, rank, slot, r, n, topk_idx,
+                                               topk_weights, pos_in_expert, num_local, lane);
+                    if (lane == b * num_ranks + r)
+                        flag_of_lane = slot_flag(peer_bases[r], rg.dispatch_flags,
+                                                 rg.max_tokens, rank, slot);
+                }
+                int num_self_dst = 0;
+                if (is_token_in_rank[(i64)n * num_ranks + rank]) {
+                    const int slot = token_slot_in_rank[(i64)n * num_ranks + rank];
+                    const int row_lane = self_entry_row<kTopk, kCached>(
+                        topk_idx, topk_weights, pos_in_expert, n, rank, num_local,
+                        expert_row_start, self_offset, max_rows,
+                        slot_rows + ((i64)rank * rg.max_tokens + slot) * kTopk, recv_weights,
+                        lane);
+                    num_self_dst = lane_rows_to_dsts<kTopk>(
+                        row_lane, recv_x, row_bytes, recv_scales, scale_bytes,
+                        dst + num_peer_dst, dst_scales + num_peer_dst);
+                }
+                const u8* row = x + n * in_row_bytes;
+                const u8* row_scales = x_scales ? x_scales + (i64)n * in_scale_bytes : nullptr;
+                if (kFmt == fp8::kWireBf16) {  // the wire row is the output row: one pass
+                    if (num_peer_dst + num_self_dst > 0)
+                        write_row<kFmt, false, kMaxDst, false>(row, nullptr, hidden, dst,
+                                                               dst_scales,
+                                                               num_peer_dst + num_self_dst,
+                                                               amax_epsilon, lane);
+                } else {  // peers get the wire form, this rank its output form (row in L2)
+                    if (num_peer_dst > 0)
+                        write_row<kFmt, false, kMaxRanks, false>(row, row_scales, hidden, dst,
+                                                                 dst_scales, num_peer_dst,
+                                                                 amax_epsilon, lane);
+                    if (num_self_dst > 0)
+                        write_row<kFmt, kDequant, kTopk, false>(
+                            row, row_scales, hidden, dst + num_peer_dst,
+                            dst_scales + num_peer_dst, num_self_dst, amax_epsilon, lane);
+                }
+            }
+            warp_publish_slots(flag_of_lane, epoch);
+            if (has_error(err)) break;
+            send_first = warp_claim(&ws->work_counter[kWorkDispatchSend], kSendBatch, lane);
+        }
+    }
+    end_fused_call<&Meta::dispatch_consumed>(peer_bases, ws, kKindDispatch, 0, kWorkDispatchSend,
+                                             rank, num_ranks, epoch, err);
 }
 
 // Lane k < kTopk's routing entry k of one token, as dispatch_local reads it (a fresh dispatch

@@ -113,6 +113,36 @@ struct DispatchRecvArgs {
     ErrorRecord* error_record;
 };
 
+// dispatch.cu: dispatch_fused (EP > 1 over NVLink: send and expand in one launch).
+template <typename IdxT>
+struct DispatchFusedArgs {
+    u8* recv_x;
+    u8* recv_scales;
+    float* recv_weights;
+    int max_rows, hidden;
+    const int* num_recv_tokens_per_rank;
+    const int* num_recv_tokens_per_expert;
+    const int* expert_row_start;
+    const int* src_expert_offset;
+    int* slot_rows;
+    const u8* x;
+    const u8* x_scales;
+    float amax_epsilon;
+    const IdxT* topk_idx;
+    const float* topk_weights;
+    const int* pos_in_expert;
+    const u8* is_token_in_rank;
+    const int* token_slot_in_rank;
+    int num_tokens;
+    const u64* peer_bases;
+    const Regions* regions;
+    int rank, num_ranks, num_local;
+    const u32* epoch_word;  // the call's epoch (see the top of this file)
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+};
+
 // dispatch.cu: dispatch_local (EP = 1). host_info null: nothing published to the host.
 template <typename IdxT>
 struct DispatchLocalArgs {
@@ -162,6 +192,27 @@ struct CombineReduceArgs {
     const float* recv_weights;
     const float* grad_row_weights;
     const int* slot_rows;
+    const u8* is_token_in_rank;
+    const int* token_slot_in_rank;
+    const u64* peer_bases;
+    const Regions* regions;
+    int rank, num_ranks;
+    const u32* epoch_word;  // the call's epoch (see the top of this file)
+    u64 timeout_ns;
+    int* error_claim;
+    ErrorRecord* error_record;
+};
+
+// combine.cu: combine_fused (EP > 1 over NVLink: partials out and sums in one launch).
+struct CombineFusedArgs {
+    int4* out;
+    float* out_weights;
+    int num_tokens, num_int4;
+    const int4* y;
+    const float* recv_weights;
+    const float* grad_row_weights;
+    const int* slot_rows;
+    const int* num_recv_tokens_per_rank;
     const u8* is_token_in_rank;
     const int* token_slot_in_rank;
     const u64* peer_bases;

@@ -13,6 +13,9 @@ enum ErrorCode : int {
     kErrBadExpertId = 2,
     kErrRankMismatch = 3,
     kErrRecvOverflow = 4,
+    // 5: internode/common.cuh's kErrPeerUnreachable
+    kErrBadPeerRow = 6,       // a peer's slot record names a row outside its expert's segment
+    kErrConcurrentCall = 7,   // two calls of one buffer overlapped or shared an epoch
 };
 
 enum Phase : int {

@@ -25,11 +25,12 @@ from megatron_deepep.ops.bench.ceiling import (  # noqa: F401
 from megatron_deepep.ops.bench.internode_leg import LegArgs  # noqa: F401
 from megatron_deepep.ops.bench.quantize import QuantizeArgs  # noqa: F401
 from megatron_deepep.ops.combine import (  # noqa: F401
-    CombineLocalArgs, CombineReduceArgs, CombineSendArgs, combine_local, combine_reduce,
-    combine_send)
+    CombineFusedArgs, CombineLocalArgs, CombineReduceArgs, CombineSendArgs, combine_fused,
+    combine_local, combine_reduce, combine_send)
 from megatron_deepep.ops.dispatch import (  # noqa: F401
-    DISPATCH_STAGE_MAX_BYTES, DispatchLocalArgs, DispatchRecvArgs, DispatchSendArgs,
-    dispatch_local, dispatch_recv, dispatch_send, local_quantizes_rows)
+    DISPATCH_STAGE_MAX_BYTES, DispatchFusedArgs, DispatchLocalArgs, DispatchRecvArgs,
+    DispatchSendArgs, dispatch_fused, dispatch_local, dispatch_recv, dispatch_send,
+    local_quantizes_rows)
 from megatron_deepep.ops.fp8 import DequantizeArgs, dequantize_rows  # noqa: F401
 from megatron_deepep.ops.fp8_columnwise import (  # noqa: F401
     COLUMNWISE_THREADS, ColumnwiseArgs, columnwise_from_rowwise)
@@ -58,9 +59,11 @@ KERNEL_ARGS = {
     ("dispatch.cu", "dispatch_send"): DispatchSendArgs,
     ("dispatch.cu", "dispatch_recv"): DispatchRecvArgs,
     ("dispatch.cu", "dispatch_local"): DispatchLocalArgs,
+    ("dispatch.cu", "dispatch_fused"): DispatchFusedArgs,
     ("combine.cu", "combine_send"): CombineSendArgs,
     ("combine.cu", "combine_reduce"): CombineReduceArgs,
     ("combine.cu", "combine_local"): CombineLocalArgs,
+    ("combine.cu", "combine_fused"): CombineFusedArgs,
     ("fp8.cu", "dequantize_blockwise"): DequantizeArgs,
     ("fp8.cu", "dequantize_mxfp8"): DequantizeArgs,
     ("fp8_columnwise.cu", "columnwise_from_rowwise"): ColumnwiseArgs,
@@ -101,11 +104,12 @@ def kernel_names(num_topk: int, fp8: bool = False,
             prefix = f"{num_topk}, {cached}, {index_type}"
             names["dispatch.cu"] += [f"dispatch_send<{prefix}, {fmt}>" for fmt in send_fmts]
             names["dispatch.cu"] += [f"{kind}<{prefix}, {fmt}, {str(dq).lower()}>"
-                                     for kind in ("dispatch_recv", "dispatch_local")
+                                     for kind in ("dispatch_recv", "dispatch_local",
+                                                  "dispatch_fused")
                                      for fmt, dq in recv_variants]
     for weighted in ("false", "true"):
         for with_weights in ("false", "true"):
-            for kind in ("combine_send", "combine_reduce", "combine_local"):
+            for kind in ("combine_send", "combine_reduce", "combine_local", "combine_fused"):
                 names["combine.cu"] += [f"{kind}<{num_topk}, {weighted}, {with_weights}, {code}>"
                                         for code in codes]
     return names

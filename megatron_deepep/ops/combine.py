@@ -32,6 +32,17 @@ class CombineReduceArgs(KernelArgs):
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
+class CombineFusedArgs(KernelArgs):
+    c_name = "mdeep::CombineFusedArgs"
+    _fields_ = [
+        ("out", Ptr), ("out_weights", Ptr), ("num_tokens", I32), ("num_int4", I32), ("y", Ptr),
+        ("recv_weights", Ptr), ("grad_row_weights", Ptr), ("slot_rows", Ptr),
+        ("num_recv_tokens_per_rank", Ptr), ("is_token_in_rank", Ptr),
+        ("token_slot_in_rank", Ptr), ("peer_bases", Ptr), ("regions", Ptr), ("rank", I32),
+        ("num_ranks", I32), ("epoch_word", Ptr), ("timeout_ns", U64), ("error_claim", Ptr),
+        ("error_record", Ptr)]
+
+
 class CombineLocalArgs(KernelArgs):
     c_name = "mdeep::CombineLocalArgs"
     _fields_ = [
@@ -75,6 +86,31 @@ def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: to
         num_int4=num_int4(out), y=y.data_ptr(),
         recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
         slot_rows=handle.address("slot_rows"), is_token_in_rank=lay.address("is_token_in_rank"),
+        token_slot_in_rank=lay.address("token_slot_in_rank"), peer_bases=peer_bases.data_ptr(),
+        regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch_word=epoch_word,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
+
+
+def combine_fused(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
+                  handle, weighted: bool, grad_row_weights: Optional[torch.Tensor],
+                  peer_bases: torch.Tensor, regions: torch.Tensor, rank: int, num_ranks: int,
+                  epoch_word: int, num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
+    """Sends each received slot's partial row back to its source and sums every token's
+    partials over ranks into `out [N, H]` (y's dtype), in one launch: the values of
+    `combine_send` + `combine_reduce`."""
+    assert out.dtype == y.dtype, (out.dtype, y.dtype)
+    kernel = jit.get_kernel("combine.cu", "combine_fused",
+                            [handle.num_topk, weighted, grad_row_weights is not None,
+                             row_dtype_code(y)])
+    lay = handle.layout
+    args = CombineFusedArgs.fill(
+        out=out.data_ptr(), out_weights=addr(out_weights), num_tokens=out.shape[0],
+        num_int4=num_int4(out), y=y.data_ptr(),
+        recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
+        slot_rows=handle.address("slot_rows"),
+        num_recv_tokens_per_rank=handle.address("num_recv_tokens_per_rank"),
+        is_token_in_rank=lay.address("is_token_in_rank"),
         token_slot_in_rank=lay.address("token_slot_in_rank"), peer_bases=peer_bases.data_ptr(),
         regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch_word=epoch_word,
         timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)

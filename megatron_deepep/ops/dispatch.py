@@ -41,6 +41,19 @@ class DispatchRecvArgs(KernelArgs):
         ("timeout_ns", U64), ("error_claim", Ptr), ("error_record", Ptr)]
 
 
+class DispatchFusedArgs(KernelArgs):
+    c_name = "mdeep::DispatchFusedArgs<long long>"
+    _fields_ = [
+        ("recv_x", Ptr), ("recv_scales", Ptr), ("recv_weights", Ptr), ("max_rows", I32),
+        ("hidden", I32), ("num_recv_tokens_per_rank", Ptr), ("num_recv_tokens_per_expert", Ptr),
+        ("expert_row_start", Ptr), ("src_expert_offset", Ptr), ("slot_rows", Ptr), ("x", Ptr),
+        ("x_scales", Ptr), ("amax_epsilon", F32), ("topk_idx", Ptr), ("topk_weights", Ptr),
+        ("pos_in_expert", Ptr), ("is_token_in_rank", Ptr), ("token_slot_in_rank", Ptr),
+        ("num_tokens", I32), ("peer_bases", Ptr), ("regions", Ptr), ("rank", I32),
+        ("num_ranks", I32), ("num_local", I32), ("epoch_word", Ptr), ("timeout_ns", U64),
+        ("error_claim", Ptr), ("error_record", Ptr)]
+
+
 class DispatchLocalArgs(KernelArgs):
     c_name = "mdeep::DispatchLocalArgs<long long>"
     _fields_ = [
@@ -104,6 +117,41 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
         topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
         slot_token=lay.address("slot_token"), num_tokens=x.shape[0],
+        peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
+        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+    kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
+
+
+def dispatch_fused(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                   recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
+                   x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                   topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
+                   fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
+                   num_ranks: int, num_local: int, epoch_word: int, num_sms: int,
+                   timeout_ns: int, errors: ErrorSink) -> None:
+    """Sends every token row to the peers that hold its experts and expands this rank's own
+    and the peers' rows into the expert-major `recv_x`, in one launch after notify.
+
+    `x` is `[N, H]` bf16, or e4m3 data with its `x_scales` (pre-quantized); `recv_x` is
+    `[M, H]` bf16, or e4m3 rows with `recv_scales` when `fp8` keeps FP8; `recv` holds the
+    dispatch's `recv_fields` arrays (`slot_rows` and `recv_weights` written unless `cached`).
+    """
+    fmt, dequant, amax_epsilon = wire_format(fp8)
+    kernel = jit.get_kernel("dispatch.cu", "dispatch_fused",
+                            [topk_idx.shape[1], cached, index_type_name(topk_idx), fmt, dequant])
+    a = recv.address
+    args = DispatchFusedArgs.fill(
+        recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
+        recv_weights=addr(recv_weights), max_rows=recv_x.shape[0], hidden=recv_x.shape[1],
+        num_recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
+        num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
+        expert_row_start=a("expert_row_start"), src_expert_offset=a("src_expert_offset"),
+        slot_rows=a("slot_rows"), x=x.data_ptr(), x_scales=addr(x_scales),
+        amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
+        topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
+        is_token_in_rank=lay.address("is_token_in_rank"),
+        token_slot_in_rank=lay.address("token_slot_in_rank"), num_tokens=x.shape[0],
         peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
         num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
         timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)

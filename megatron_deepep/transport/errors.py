@@ -8,7 +8,7 @@ import numpy as np
 
 ERROR_RECORD_WORDS = 10  # sizeof(ErrorRecord) = 40 bytes
 CODE_TIMEOUT, CODE_BAD_EXPERT_ID, CODE_RANK_MISMATCH, CODE_RECV_OVERFLOW = 1, 2, 3, 4
-CODE_PEER_UNREACHABLE = 5
+CODE_PEER_UNREACHABLE, CODE_BAD_PEER_ROW, CODE_CONCURRENT_CALL = 5, 6, 7
 PHASES = {0: "layout", 1: "notify", 2: "dispatch send (waiting for the peer to consume the "
           "previous dispatch)", 3: "dispatch receive", 4: "combine send (waiting for the peer to "
           "consume the previous combine)", 5: "combine reduce", 6: "network leg",
@@ -94,4 +94,17 @@ def error_from_record(words: np.ndarray, timeout_s: float,
             f"megatron_deepep: rank {rank} cannot reach rank {peer} by load/store (NVLink P2P) "
             f"in {where}, though both are on one node of {detail} ranks: the node's GPUs must "
             "be NVLink peers; check num_ranks_per_node and the launch's ranks per node")
+    if code == CODE_BAD_PEER_ROW:
+        return RuntimeError(
+            f"megatron_deepep: rank {rank} received from rank {peer} a slot record whose entry "
+            f"{detail} names local expert {seen >> 32}, position {seen & 0xFFFFFFFF}: outside "
+            f"the rows rank {peer} announced for that expert (of {expected} local experts); "
+            "the ranks' routing or buffer state disagree, the rows were not written")
+    if code == CODE_CONCURRENT_CALL:
+        return RuntimeError(
+            f"megatron_deepep: rank {rank} ran two calls of one Buffer at once, or two with the "
+            f"same epoch ({seen}) in {where}: a CUDA-graph replay raced an eager call of the "
+            "same Buffer. Launch replays on the stream of the eager calls, or order them with "
+            "events (the graph's stream waits for the eager calls before replay() and they "
+            "wait for it after)")
     return RuntimeError(f"megatron_deepep: kernel error code {code} on rank {rank}")

@@ -1,11 +1,17 @@
 """The intranode NVLink transport (EP 2-8): the protocol of docs/design.md on our kernels.
 
-Per dispatch: layout (local) -> notify (counts to every peer, epoch flag) -> dispatch_send (each
-token once per destination rank into its staging region) -> [one host wait for the row count,
-unless the caller gave an upper bound] -> dispatch_recv (expand into expert-major rows).
-Per combine: combine_send (one partial row per received slot back to its source) ->
-combine_reduce (sum over ranks). Flags carry per-operation epochs, so the buffer is never zeroed
-between calls, and every writer first waits until its reader has consumed the previous call.
+Per dispatch: layout (local) -> notify (counts to every peer, epoch flag) -> [one host wait for
+the row count, unless the caller gave an upper bound] -> dispatch_fused: each warp sends tokens
+(each row read from x once, written once into the staging slot of every peer rank holding one of
+its experts, and into this rank's own expert-major rows) and expands the peers' slots as their
+flags arrive, while the rows are still in L2.
+Per combine: combine_fused: each warp sends received slots' partial rows back to their sources
+and sums the tokens whose partials have all arrived, in ascending rank order.
+`MDEEP_NVLINK_KERNELS=split` runs the earlier two kernels per operation instead: a send, then,
+after a barrier over every peer, the receive (dispatch_send / dispatch_recv, combine_send /
+combine_reduce; the send overlaps a synchronous dispatch's host wait).
+Flags carry per-operation epochs, so the buffer is never zeroed between calls, and every writer
+first waits until its reader has consumed the previous call.
 The epochs live in device words (`epochs.DeviceEpochs`): with a row bound, a dispatch and its
 combine can be captured in a CUDA graph and replayed.
 """
@@ -17,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_deepep import ops
+from megatron_deepep import knobs, ops
 from megatron_deepep.handle import DispatchHandle, RecvLayout
 from megatron_deepep.layout import DispatchLayout
 from megatron_deepep.transport.base import Transport
@@ -68,6 +74,7 @@ class NVLinkTransport(Transport):
                                    self.rank, timeout_s)
         self.epochs = DeviceEpochs(self.device)
         self.host_epoch = 0  # what a synchronous dispatch's notify publishes to the host
+        self.fused = knobs.get("NVLINK_KERNELS") == "fused"
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
@@ -119,15 +126,16 @@ class NVLinkTransport(Transport):
                           host_epoch=self.host_epoch, timeout_ns=self.timeout_ns,
                           errors=self.status.errors)
         peers = self._peers(self.epochs.dispatch)
-        ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, cached=False, fp8=fp8,
-                          num_local=num_local, **peers)
+        if not self.fused:
+            ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, cached=False,
+                              fp8=fp8, num_local=num_local, **peers)
         num_rows = (self.status.wait_num_rows(self.host_epoch) if is_sync
                     else num_max_recv_rows)
         recv_x, recv_scales = empty_recv(num_rows, x.shape[1], fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        ops.dispatch_recv(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx,
-                          topk_weights, layout, cached=False, fp8=fp8, num_local=num_local,
-                          **peers)
+        expand = ops.dispatch_fused if self.fused else ops.dispatch_recv
+        expand(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx, topk_weights,
+               layout, cached=False, fp8=fp8, num_local=num_local, **peers)
         handle = DispatchHandle.from_arena(
             arena, layout=layout, recv=RecvLayout.from_arena(arena), recv_weights=recv_weights,
             num_experts=num_experts, num_topk=num_topk, hidden=hidden,
@@ -171,11 +179,13 @@ class NVLinkTransport(Transport):
         topk_idx, arena = handle.transport_state
         self.epochs.advance_cached_dispatch()
         peers = self._peers(self.epochs.dispatch)
-        ops.dispatch_send(x, x_scales, topk_idx, None, handle.layout, cached=True, fp8=fp8,
-                          num_local=num_local, **peers)
+        if not self.fused:
+            ops.dispatch_send(x, x_scales, topk_idx, None, handle.layout, cached=True, fp8=fp8,
+                              num_local=num_local, **peers)
         recv_x, recv_scales = empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
-        ops.dispatch_recv(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None,
-                          handle.layout, cached=True, fp8=fp8, num_local=num_local, **peers)
+        expand = ops.dispatch_fused if self.fused else ops.dispatch_recv
+        expand(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None, handle.layout,
+               cached=True, fp8=fp8, num_local=num_local, **peers)
         if fp8 is None:
             recv_x = recv_x.view(row_dtype)
         return as_recv_x(recv_x, recv_scales)
@@ -188,11 +198,13 @@ class NVLinkTransport(Transport):
         self._adopt(handle)
         self.epochs.advance_combine()
         peers = self._peers(self.epochs.combine)
-        ops.combine_send(y, handle, weighted, grad_row_weights, **peers)
+        if not self.fused:
+            ops.combine_send(y, handle, weighted, grad_row_weights, **peers)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         out_weights = (torch.empty(handle.num_tokens, handle.num_topk, dtype=torch.float32,
                                    device=y.device) if grad_row_weights is not None else None)
-        ops.combine_reduce(out, out_weights, y, handle, weighted, grad_row_weights, **peers)
+        reduce = ops.combine_fused if self.fused else ops.combine_reduce
+        reduce(out, out_weights, y, handle, weighted, grad_row_weights, **peers)
         return out, out_weights
 
     def destroy(self) -> None:

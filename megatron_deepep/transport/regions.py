@@ -7,6 +7,8 @@
     dispatch metadata      [R][N_max] slot records of `meta_stride` bytes (align16(4 + 12 K))
     combine rows           [R][N_max] partial rows of `row_stride` bytes
     combine weights        [R][N_max] K floats of `weight_stride` bytes (align16(4 K))
+    dispatch flags         [R][N_max] u32: the epoch of the dispatch that filled each slot
+    combine flags          [R][N_max] u32: the epoch of the combine that filled each slot
 
 Region [s][j] of rank r's buffer is written only by source s, so writers never collide.
 """
@@ -97,13 +99,21 @@ class BufferRegions:
         return _align(self.combine_rows + self._slots() * self.row_stride, PAGE)
 
     @property
+    def dispatch_flags(self) -> int:
+        return _align(self.combine_weights + self._slots() * self.weight_stride, PAGE)
+
+    @property
+    def combine_flags(self) -> int:
+        return _align(self.dispatch_flags + self._slots() * 4, PAGE)
+
+    @property
     def num_bytes(self) -> int:
-        """Total bytes: ~ 2 R N_max (2 H + 16) plus a few pages."""
-        return _align(self.combine_weights + self._slots() * self.weight_stride, 2 << 20)
+        """Total bytes: ~ 2 R N_max (2 H + 24) plus a few pages."""
+        return _align(self.combine_flags + self._slots() * 4, 2 << 20)
 
     def as_device_struct(self, device) -> torch.Tensor:
-        """The `Regions` struct of buffer.cuh as 8 int64 words on `device`."""
+        """The `Regions` struct of buffer.cuh as 10 int64 words on `device`."""
         words = [self.dispatch_rows, self.dispatch_meta, self.combine_rows, self.combine_weights,
-                 self.row_stride, self.meta_stride, self.weight_stride,
-                 (self.workspace << 32) | self.max_tokens]
+                 self.dispatch_flags, self.combine_flags, self.row_stride, self.meta_stride,
+                 self.weight_stride, (self.workspace << 32) | self.max_tokens]
         return torch.tensor(words, dtype=torch.int64, device=device)

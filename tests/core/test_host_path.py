@@ -87,9 +87,9 @@ def recorder(monkeypatch):
     return rec
 
 
-def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify):
-    """The transport `auto` picks for `num_ranks` (local or NVLink), built on the CPU with no
-    GPU memory; its host wait sees `rows_from_notify()`."""
+def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify, fused=True):
+    """The transport `auto` picks for `num_ranks` (local or NVLink, `fused` or split kernels),
+    built on the CPU with no GPU memory; its host wait sees `rows_from_notify()`."""
     if num_ranks == 1:
         t = local.LocalTransport.__new__(local.LocalTransport)
         t.max_tokens, t.epoch = max_tokens, 0
@@ -103,6 +103,7 @@ def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify):
         t.sym = type("Sym", (), {})()
         t.sym.peer_bases, t.sym.ptr = torch.zeros(num_ranks, dtype=torch.int64), 0
         t.epochs, t.host_epoch = DeviceEpochs(torch.device("cpu")), 0
+        t.fused = fused
     t.device = torch.device("cpu")
     t.num_sms, t.timeout_ns = 8, 5 * 10**9
     t.status = _FakeStatus(rec, rows_from_notify)
@@ -311,25 +312,51 @@ def test_ep1_fp8_expand_stages_by_sm_budget(recorder, num_sms, stage_bytes):
 
 
 def test_ep2_runs_the_protocol_kernels(recorder):
+    """Fused kernels: layout, notify, the host wait, then one launch per operation."""
     t = _transport(recorder, 2, 64, 256, 4, lambda: 200)
+    x, idx, w = _inputs(64, 256, 16, 4)
+    recv_x, _, handle = t.dispatch(x, idx, w, 16)
+    assert _names(recorder) == ["layout_kernel", "notify_kernel", "host wait", "dispatch_fused"]
+    assert recv_x.shape == (200, 256) and handle.slot_rows.shape == (2, 64, 4)
+    assert recorder.events[1][1]["args"]["host_info"] == t.status.host_info_ptr  # it publishes
+    fused = recorder.events[3][1]["args"]
+    assert fused["regions"] == t.regions_dev.data_ptr()
+    assert fused["peer_bases"] == t.sym.peer_bases.data_ptr()
+    assert (fused["rank"], fused["num_ranks"], fused["num_local"]) == (0, 2, 8)
+    assert fused["timeout_ns"] == t.timeout_ns and fused["max_rows"] == 200
+    assert fused["token_slot_in_rank"] == handle.layout.address("token_slot_in_rank")
+    assert fused["is_token_in_rank"] == handle.layout.address("is_token_in_rank")
+    assert fused["slot_rows"] == handle.address("slot_rows")
+    assert fused["x"] == x.data_ptr() and fused["recv_x"] == recv_x.data_ptr()
+    recorder.events.clear()
+    t.dispatch(x, idx, w, 16, num_max_recv_rows=256)
+    assert _names(recorder) == ["layout_kernel", "notify_kernel", "dispatch_fused"]
+    assert recorder.events[1][1]["args"]["host_info"] == 0  # no host wait
+    recorder.events.clear()
+    t.cached_dispatch(x, handle)
+    out, _ = t.combine(recv_x, handle)
+    assert _names(recorder) == ["dispatch_fused", "combine_fused"]
+    cached, combine = recorder.events[0][1]["args"], recorder.events[1][1]["args"]
+    assert cached["recv_weights"] == 0 and cached["topk_weights"] == 0
+    assert combine["out"] == out.data_ptr() and combine["y"] == recv_x.data_ptr()
+    assert combine["num_recv_tokens_per_rank"] == handle.address("num_recv_tokens_per_rank")
+    assert combine["slot_rows"] == handle.address("slot_rows")
+
+
+def test_ep2_split_kernels_send_before_the_host_wait(recorder):
+    """`MDEEP_NVLINK_KERNELS=split`: the send overlaps the host wait, the receive follows."""
+    t = _transport(recorder, 2, 64, 256, 4, lambda: 200, fused=False)
     x, idx, w = _inputs(64, 256, 16, 4)
     recv_x, _, handle = t.dispatch(x, idx, w, 16)
     assert _names(recorder) == ["layout_kernel", "notify_kernel", "dispatch_send",
                                 "host wait", "dispatch_recv"]
-    assert recv_x.shape == (200, 256) and handle.slot_rows.shape == (2, 64, 4)
-    assert recorder.events[1][1]["args"]["host_info"] == t.status.host_info_ptr  # it publishes
     send, recv = recorder.events[2][1]["args"], recorder.events[4][1]["args"]
     for args in (send, recv):
         assert args["regions"] == t.regions_dev.data_ptr()
-        assert args["peer_bases"] == t.sym.peer_bases.data_ptr()
         assert (args["rank"], args["num_ranks"], args["num_local"]) == (0, 2, 8)
-        assert args["timeout_ns"] == t.timeout_ns
     assert send["token_slot_in_rank"] == handle.layout.address("token_slot_in_rank")
     assert recv["slot_token"] == handle.layout.address("slot_token")
     assert recv["slot_rows"] == handle.address("slot_rows")
-    recorder.events.clear()
-    t.dispatch(x, idx, w, 16, num_max_recv_rows=256)
-    assert recorder.events[1][1]["args"]["host_info"] == 0  # no host wait
     recorder.events.clear()
     t.cached_dispatch(x, handle)
     t.combine(recv_x, handle)

@@ -118,7 +118,8 @@ def test_regions_host_info_and_error_record_mirrors():
     words64, words32 = np.frombuffer(raw, np.int64), np.frombuffer(raw, np.int32)
     offsets = {}
     for name in ("dispatch_rows", "dispatch_meta", "combine_rows", "combine_weights",
-                 "row_stride", "meta_stride", "weight_stride"):
+                 "dispatch_flags", "combine_flags", "row_stride", "meta_stride",
+                 "weight_stride"):
         (where,) = np.nonzero(words64 == getattr(regions, name))[0]
         offsets[name] = 8 * int(where)
     taken = {o + d for o in offsets.values() for d in (0, 4)}  # the 64-bit fields' halves
