@@ -132,6 +132,8 @@ def test_side_by_side_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     assert "needs --concurrent" in capsys.readouterr().err
     assert d.main(["--skip-deepep", "--dry-run"]) == 0
     assert "R = [2, 4, 8] on one GPU, ours, time-sliced" in capsys.readouterr().out
+    assert d.main(["--dry-run", "--deepep", str(tmp_path), "--skip-deepep"]) == 0
+    assert "ours, time-sliced" in capsys.readouterr().out
 
 
 def _deepep_receive(inputs, rank, experts):
@@ -190,7 +192,8 @@ def test_deepep_rows_in_the_oracles_order(num_ranks):
 
 def test_table_gbps_only_when_concurrent_and_the_model_input():
     d = _side_by_side()
-    recs = [{"rank": r, "num_sms": 14, "received_tokens": 1000, "errors": {},
+    rows = {"token_rows": 1000, "self_rows": 125, "expert_rows": 1000, "tokens_out": 1000}
+    recs = [{"rank": r, "num_sms": 14, "received_tokens": 1000, "rows": rows, "errors": {},
              "ours": {"check_bf16": "passed", "check_fp8": "passed", "dispatch_us": 100.0 + r,
                       "cached_us": 50.0, "combine_us": 80.0, "fp8_dispatch_us": 60.0},
              "deepep": {}} for r in range(8)]
@@ -199,20 +202,22 @@ def test_table_gbps_only_when_concurrent_and_the_model_input():
     ours = d.summarize(size, "ours", 7168, concurrent=True)
     assert ours["dispatch_us"] == 107.0  # the slowest rank
     assert ours["dispatch_gbps"] == pytest.approx(1000 * 14336 / (107.0 * 1e3))
+    assert ours["dispatch_algbw"] == pytest.approx(ours["dispatch_gbps"])
     assert ours["fp8_dispatch_gbps"] == pytest.approx(1000 * (7168 + 224) / 60e3)
     theirs = d.summarize(size, "deepep", 7168, concurrent=True)
     assert theirs["check_bf16"] == "not run" and not theirs["check_failed"]
-    assert theirs["errors"] == ["Buffer: RuntimeError: exact words"]
+    assert theirs["errors"] == ["Buffer: RuntimeError: exact words (rank 3, ? s)"]
     sliced = d.summarize(size, "ours", 7168, concurrent=False)
     assert "dispatch_gbps" not in sliced
 
     class Args:
         concurrent, tokens, hidden, experts, topk = True, 4096, 7168, 256, 8
     table = d.format_table([ours, theirs], Args)
+    # Ours is credited with the rows it writes (here the received tokens: no expert rows given).
     assert "| 8 | ours | 14 | passed | passed | 107 | 50 | 80 | 60 | 134 |" in table
-    assert "error R=8 deepep: Buffer: RuntimeError: exact words" in table
+    assert "error R=8 SMs=14 deepep: Buffer: RuntimeError: exact words (rank 3, ? s)" in table
     model = d.model_inputs([ours, theirs], Args)
-    assert model["dispatch"]["kernel_gbps"] == pytest.approx(ours["dispatch_gbps"])
+    assert model["dispatch"]["kernel_gbps"] == pytest.approx(ours["dispatch_algbw"])
     assert "EP 8, 14 SMs per rank (12% share)" in model["source"]
     assert d.sm_budget(24, 8, True, 132) == 14 and d.sm_budget(24, 2, True, 132) == 24
     assert d.sm_budget(24, 8, False, 132) == 24
