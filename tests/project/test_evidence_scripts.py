@@ -83,7 +83,8 @@ def test_evidence_runs_only_the_named_pieces(tmp_path, folders):
     ("evidence.sh", ["{wheels}", "{missing}"],
      "evidence: DEEPEP_SRC '{missing}' is not a folder or a tarball"),
     ("deepep.sh", ["{missing}"], "deepep: DEEPEP_SRC '{missing}' is not a folder or a tarball"),
-    ("mps.sh", ["{missing}"], "mps: DEEPEP_BUILD '{missing}' is not a folder"),
+    ("mps.sh", ["{missing}"],
+     "mps: DEEPEP '{missing}' is not a built folder, a source folder or a .tar.gz"),
     ("proxy.sh", ["{missing}"], "proxy: WHEELS_DIR '{missing}' is not a folder"),
     ("proxy.sh", ["{empty}"], "proxy: no libucx*.whl in {empty} (pip download libucx-cu13 "
                               "for Python 3.12 there)"),
@@ -238,3 +239,29 @@ def test_side_by_side_runs_ours_on_the_cpu(tmp_path):
         ("ours", "passed", "passed")]
     assert rows[0]["dispatch_us"] > 0 and "dispatch_gbps" not in rows[0]
     assert "| 2 | ours | 24 | passed | passed |" in done.stdout
+
+
+def test_mps_dry_run_builds_installs_and_plans_the_fault_runs(tmp_path, folders):
+    """The one-call plan: DeepEP built from its tarball first, the wheels, the three-row side
+    by side, the SM sweep, then DeepEP alone under MPS (launch blocking, 100% share), with
+    compute-sanitizer, and time-sliced once the daemon is stopped; each limit and their sum."""
+    rc, out = _run(tmp_path, "mps.sh", folders[1], DRY_RUN=1,
+                   PIECES="build wheels side sweep-sms faults", WHEELS_DIR=folders[0])
+    assert rc == 0, out
+    pieces = [line.split("'")[1] for line in out.splitlines()
+              if line.startswith("dry run: piece")]
+    assert pieces[:5] == ["deepep build", "precompile", "side by side, concurrent",
+                          "SM sweep at R=2", "faults: DeepEP build, fast debug"]
+    assert "DEEPEP_NVSHMEM=0 bash" in out and "DEEPEP_FAST_DEBUG=1 bash" in out
+    assert "pip install 1 wheels of" in out
+    assert "--ranks 2,4,8 --num-sms 24 --concurrent --timeout-s 150" in out
+    assert "--ranks 2 --num-sms 8,16,24,48 --concurrent" in out
+    assert "env CUDA_LAUNCH_BLOCKING=1 python3 dev/gpu/deepep_side_by_side.py" in out
+    assert "--skip-ours --check-only --timeout-s 250 --ranks 8 --num-sms 14 --concurrent " \
+           "--mps-percentage 100" in out
+    stopped = out.index("MPS daemon stopped for the time-sliced runs")
+    assert out.index("piece 'faults: R=8 14 SMs, time-sliced'") > stopped
+    assert out.index("compute-sanitizer --tool memcheck") < stopped
+    assert "limits so far 120 s of 570" in out and "the pieces' limits add up to" in out
+    rc, out = _run(tmp_path, "mps.sh", DRY_RUN=1, PIECES="build")
+    assert rc == 2 and "the build piece needs DeepEP's source" in out
