@@ -10,7 +10,8 @@
 #             and the nvidia-nvshmem-cu13 wheel of the image (setup.py finds it by import);
 #             the build's seconds go into the record (BUILD_TIMEOUT, 480); DEEPEP_NVSHMEM=0
 #             hides the NVSHMEM wheel from setup.py: intranode kernels only (-DDISABLE_NVSHMEM,
-#             no internode.cu / internode_ll.cu), a shorter build when a call is short of time
+#             no internode.cu / internode_ll.cu), a shorter build when a call is short of time;
+#             DEEPEP_FAST_DEBUG=1 builds with DeepEP's ENABLE_FAST_DEBUG (~10 s timeouts)
 #   own-test  DeepEP's unmodified tests/test_intranode.py --num-processes 2, to record the
 #             exact error its harness meets on one GPU (it puts rank r on cuda:r, with NCCL)
 #             (OWN_TEST_TIMEOUT, 90)
@@ -31,7 +32,7 @@ build_step() {
   if [ -f "$src" ]; then id=$(sha256sum "$src" | cut -c1-16)
   else id=$(cd "$src" && find . -type f -not -path './.git/*' | sort | xargs cat | sha256sum \
     | cut -c1-16); fi
-  id="$id nvshmem=${DEEPEP_NVSHMEM:-1}"
+  id="$id nvshmem=${DEEPEP_NVSHMEM:-1} fast_debug=${DEEPEP_FAST_DEBUG:-0}"
   if ls "$dir"/deep_ep_cpp*.so >/dev/null 2>&1 \
       && [ "$(cat "$dir/.source_id" 2>/dev/null)" = "$id" ]; then
     echo "deepep build: already built from this source ($id): $dir"
@@ -43,6 +44,15 @@ build_step() {
   else cp -r "$src"/. "$dir"/; fi
   cd "$dir"
   t0=$(date +%s)
+  if [ "${DEEPEP_FAST_DEBUG:-0}" = 1 ]; then
+    # DeepEP's ENABLE_FAST_DEBUG (csrc/kernels/configs.cuh): its GPU and CPU timeouts become
+    # ~10 s instead of ~100 s, so a stalled kernel prints its own timeout line (role, rank,
+    # channel) well inside a device call's limits.
+    sed -i "s/cxx_flags = \['-O3'/cxx_flags = ['-DENABLE_FAST_DEBUG', '-O3'/;
+            s/nvcc_flags = \['-O3'/nvcc_flags = ['-DENABLE_FAST_DEBUG', '-O3'/" setup.py
+    [ "$(grep -c ENABLE_FAST_DEBUG setup.py)" = 2 ] \
+      || echo "deepep build: could not add -DENABLE_FAST_DEBUG" >&2
+  fi
   if [ "${DEEPEP_NVSHMEM:-1}" = 0 ]; then
     # setup.py finds the NVSHMEM wheel by importlib; hidden, it builds with -DDISABLE_NVSHMEM
     # (no internode.cu / internode_ll.cu: the intranode kernels alone). Its sm_90 flags keep
@@ -55,7 +65,8 @@ sys.argv = ['setup.py', 'build_ext', '--inplace']; runpy.run_path('setup.py', ru
   else
     TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc) python3 setup.py build_ext --inplace
   fi
-  echo "deepep build: $(( $(date +%s) - t0 )) s (nvshmem=${DEEPEP_NVSHMEM:-1});" \
+  echo "deepep build: $(( $(date +%s) - t0 )) s (nvshmem=${DEEPEP_NVSHMEM:-1}," \
+    "fast_debug=${DEEPEP_FAST_DEBUG:-0});" \
     "$(ls deep_ep_cpp*.so)"
   echo "$id" > .source_id
 }

@@ -117,8 +117,9 @@ ev_piece() {
   local name=$1 limit=$2 log=$3 t0=$SECONDS
   shift 3
   if ev_is_dry; then
-    echo "dry run: piece '$name' (limit $limit s, log $(basename "$log")):" \
-      "$(echo "$*" | tr '\n' ' ' | cut -c1-400)"
+    EV_PLANNED_S=$(( ${EV_PLANNED_S:-0} + limit ))
+    echo "dry run: piece '$name' (limit $limit s, log $(basename "$log");" \
+      "limits so far $EV_PLANNED_S s of $BUDGET_S):" "$(echo "$*" | tr '\n' ' ' | cut -c1-400)"
     PIECE_RC=0
   else
     ev_say "$name: start (limit $limit s)"
@@ -192,6 +193,10 @@ ev_record() {
 ev_finish() {
   {
     echo "$EV_NAME: summary ($SECONDS s of a $BUDGET_S s budget; logs $EV_LOGS)"
+    if ev_is_dry; then
+      echo "dry run: the pieces' limits add up to ${EV_PLANNED_S:-0} s; each piece gets at" \
+        "most what is left of $BUDGET_S s, in order (skipped under 20 s)"
+    fi
     echo "| piece | rc | s | result |"
     echo "|---|---|---|---|"
     printf '%s\n' "${EV_SUMMARY[@]}"

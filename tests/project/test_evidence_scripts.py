@@ -83,7 +83,8 @@ def test_evidence_runs_only_the_named_pieces(tmp_path, folders):
     ("evidence.sh", ["{wheels}", "{missing}"],
      "evidence: DEEPEP_SRC '{missing}' is not a folder or a tarball"),
     ("deepep.sh", ["{missing}"], "deepep: DEEPEP_SRC '{missing}' is not a folder or a tarball"),
-    ("mps.sh", ["{missing}"], "mps: DEEPEP_BUILD '{missing}' is not a folder"),
+    ("mps.sh", ["{missing}"],
+     "mps: DEEPEP '{missing}' is not a built folder, a source folder or a .tar.gz"),
     ("proxy.sh", ["{missing}"], "proxy: WHEELS_DIR '{missing}' is not a folder"),
     ("proxy.sh", ["{empty}"], "proxy: no libucx*.whl in {empty} (pip download libucx-cu13 "
                               "for Python 3.12 there)"),
@@ -132,6 +133,8 @@ def test_side_by_side_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     assert "needs --concurrent" in capsys.readouterr().err
     assert d.main(["--skip-deepep", "--dry-run"]) == 0
     assert "R = [2, 4, 8] on one GPU, ours, time-sliced" in capsys.readouterr().out
+    assert d.main(["--dry-run", "--deepep", str(tmp_path), "--skip-deepep"]) == 0
+    assert "ours, time-sliced" in capsys.readouterr().out
 
 
 def _deepep_receive(inputs, rank, experts):
@@ -190,7 +193,8 @@ def test_deepep_rows_in_the_oracles_order(num_ranks):
 
 def test_table_gbps_only_when_concurrent_and_the_model_input():
     d = _side_by_side()
-    recs = [{"rank": r, "num_sms": 14, "received_tokens": 1000, "errors": {},
+    rows = {"token_rows": 1000, "self_rows": 125, "expert_rows": 1000, "tokens_out": 1000}
+    recs = [{"rank": r, "num_sms": 14, "received_tokens": 1000, "rows": rows, "errors": {},
              "ours": {"check_bf16": "passed", "check_fp8": "passed", "dispatch_us": 100.0 + r,
                       "cached_us": 50.0, "combine_us": 80.0, "fp8_dispatch_us": 60.0},
              "deepep": {}} for r in range(8)]
@@ -199,20 +203,22 @@ def test_table_gbps_only_when_concurrent_and_the_model_input():
     ours = d.summarize(size, "ours", 7168, concurrent=True)
     assert ours["dispatch_us"] == 107.0  # the slowest rank
     assert ours["dispatch_gbps"] == pytest.approx(1000 * 14336 / (107.0 * 1e3))
+    assert ours["dispatch_algbw"] == pytest.approx(ours["dispatch_gbps"])
     assert ours["fp8_dispatch_gbps"] == pytest.approx(1000 * (7168 + 224) / 60e3)
     theirs = d.summarize(size, "deepep", 7168, concurrent=True)
     assert theirs["check_bf16"] == "not run" and not theirs["check_failed"]
-    assert theirs["errors"] == ["Buffer: RuntimeError: exact words"]
+    assert theirs["errors"] == ["Buffer: RuntimeError: exact words (rank 3, ? s)"]
     sliced = d.summarize(size, "ours", 7168, concurrent=False)
     assert "dispatch_gbps" not in sliced
 
     class Args:
         concurrent, tokens, hidden, experts, topk = True, 4096, 7168, 256, 8
     table = d.format_table([ours, theirs], Args)
+    # Ours is credited with the rows it writes (here the received tokens: no expert rows given).
     assert "| 8 | ours | 14 | passed | passed | 107 | 50 | 80 | 60 | 134 |" in table
-    assert "error R=8 deepep: Buffer: RuntimeError: exact words" in table
+    assert "error R=8 SMs=14 deepep: Buffer: RuntimeError: exact words (rank 3, ? s)" in table
     model = d.model_inputs([ours, theirs], Args)
-    assert model["dispatch"]["kernel_gbps"] == pytest.approx(ours["dispatch_gbps"])
+    assert model["dispatch"]["kernel_gbps"] == pytest.approx(ours["dispatch_algbw"])
     assert "EP 8, 14 SMs per rank (12% share)" in model["source"]
     assert d.sm_budget(24, 8, True, 132) == 14 and d.sm_budget(24, 2, True, 132) == 24
     assert d.sm_budget(24, 8, False, 132) == 24
@@ -233,3 +239,29 @@ def test_side_by_side_runs_ours_on_the_cpu(tmp_path):
         ("ours", "passed", "passed")]
     assert rows[0]["dispatch_us"] > 0 and "dispatch_gbps" not in rows[0]
     assert "| 2 | ours | 24 | passed | passed |" in done.stdout
+
+
+def test_mps_dry_run_builds_installs_and_plans_the_fault_runs(tmp_path, folders):
+    """The one-call plan: DeepEP built from its tarball first, the wheels, the three-row side
+    by side, the SM sweep, then DeepEP alone under MPS (launch blocking, 100% share), with
+    compute-sanitizer, and time-sliced once the daemon is stopped; each limit and their sum."""
+    rc, out = _run(tmp_path, "mps.sh", folders[1], DRY_RUN=1,
+                   PIECES="build wheels side sweep-sms faults", WHEELS_DIR=folders[0])
+    assert rc == 0, out
+    pieces = [line.split("'")[1] for line in out.splitlines()
+              if line.startswith("dry run: piece")]
+    assert pieces[:5] == ["deepep build", "precompile", "side by side, concurrent",
+                          "SM sweep at R=2", "faults: DeepEP build, fast debug"]
+    assert "DEEPEP_NVSHMEM=0 bash" in out and "DEEPEP_FAST_DEBUG=1 bash" in out
+    assert "pip install 1 wheels of" in out
+    assert "--ranks 2,4,8 --num-sms 24 --concurrent --timeout-s 150" in out
+    assert "--ranks 2 --num-sms 8,16,24,48 --concurrent" in out
+    assert "env CUDA_LAUNCH_BLOCKING=1 python3 dev/gpu/deepep_side_by_side.py" in out
+    assert "--skip-ours --check-only --timeout-s 250 --ranks 8 --num-sms 14 --concurrent " \
+           "--mps-percentage 100" in out
+    stopped = out.index("MPS daemon stopped for the time-sliced runs")
+    assert out.index("piece 'faults: R=8 14 SMs, time-sliced'") > stopped
+    assert out.index("compute-sanitizer --tool memcheck") < stopped
+    assert "limits so far 120 s of 570" in out and "the pieces' limits add up to" in out
+    rc, out = _run(tmp_path, "mps.sh", DRY_RUN=1, PIECES="build")
+    assert rc == 2 and "the build piece needs DeepEP's source" in out
