@@ -92,9 +92,9 @@ def jobs() -> Dict[str, Job]:
     k8_fp8 = _names(8, fp8=True)["dispatch.cu"]
     dispatch = [e for e in k8["dispatch.cu"] + k8_fp8 if e.startswith(
         ("dispatch_send<8, false, long long", "dispatch_recv<8, false, long long",
-         "dispatch_local<8, false, long long"))]
+         "dispatch_local<8, false, long long", "dispatch_fused<8, false, long long"))]
     for kind, cost in (("dispatch_send", 2.0), ("dispatch_recv", 14.0),
-                       ("dispatch_local", 5.0)):
+                       ("dispatch_local", 5.0), ("dispatch_fused", 16.0)):
         out[f"O3-dispatch.cu-{kind}-k8"] = Job(
             "dispatch.cu", tuple(e for e in dispatch if e.startswith(kind + "<")), False, cost)
     k8_rows = _names(8, row_dtypes=("bf16",) + WIDE_ROW_DTYPES)["combine.cu"]
