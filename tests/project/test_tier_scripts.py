@@ -32,6 +32,13 @@ def test_every_call_fits_its_budget(plan):
         assert sum(map(int, groups)) + 40 == int(re.search(r"sum: (\d+) s", call).group(1))
 
 
+def test_each_call_precompiles_before_its_multi_process_pieces(plan):
+    for call in plan.split("call ")[1:]:
+        first = re.findall(r"^  (\S+): limit", call, re.M)[0]
+        assert first.startswith("precompile"), call
+    assert "megatron_deepep.tools.precompile --topk 1 2 4 6 8 16 --index-dtype int64" in plan
+
+
 def test_the_plan_covers_the_tier(plan):
     files = sorted(os.listdir(os.path.join(REPO_ROOT, "tests", "gpu")))
     missing = [f for f in files if f.startswith("test_") and f"tests/gpu/{f}" not in plan]
