@@ -204,6 +204,7 @@ for group in $GROUPS_; do
 done
 python3 dev/gpu/tier_record.py "$LOGS" --out "$OUT_DIR/tier_${CALL_NAME}_record.md" \
   --date "$EV_DATE ($CALL_NAME)"
-sed -n '/^## Every tests/,/^## Not run/p' "$OUT_DIR/tier_${CALL_NAME}_record.md" | grep -v "| 0 | 0 | 0 | 0 | not run |"
+sed -n '/^## Every tests/,/^## Pieces/p' "$OUT_DIR/tier_${CALL_NAME}_record.md" \
+  | grep -v -e "| 0 | 0 | 0 | 0 | not run |" -e "^## Pieces"
 sed -n '/^## Not run/,$p' "$OUT_DIR/tier_${CALL_NAME}_record.md"
 bundle
