@@ -49,15 +49,24 @@ checks = [
     ("combine(weighted=True) == sum_k w_k * x",
      torch.allclose(weighted.float(), topk_weights.sum(1, keepdim=True) * x.float(), rtol=2e-2,
                     atol=2e-2)),
-    ("cached dispatch: one row per received row", grad_rows.shape == recv_x.shape),
 ]
-# Autograd: dispatch's backward is a combine, combine's backward a cached dispatch.
+# Cached dispatch sends other rows along the same routing: a fresh dispatch of the same rows.
+g = torch.randn_like(out)
+checks.append(("cached dispatch == dispatch of the same rows",
+               grad_rows.shape == recv_x.shape and torch.equal(
+                   buf.cached_dispatch(g, handle)[0],
+                   buf.dispatch(g, topk_idx, topk_weights, num_experts=num_experts)[0])))
+# Autograd: dispatch's backward is a combine, combine's backward a cached dispatch. For
+# y = sum_k w_k x and loss mean(y^2): x.grad = (sum_k w_k) * 2 y / y.numel().
 x.requires_grad_(True)
 rows, row_weights, grad_handle = mdeep.autograd.dispatch(buf, x, topk_idx, topk_weights,
                                                          num_experts=num_experts)
 y = mdeep.autograd.combine(buf, rows * row_weights.unsqueeze(1).to(rows.dtype), grad_handle)
 y.float().square().mean().backward()
-checks.append(("autograd: x.grad", x.grad is not None and x.grad.shape == x.shape))
+expected_grad = topk_weights.sum(1, keepdim=True) * 2 * y.detach().float() / y.numel()
+checks.append(("autograd: x.grad == (sum_k w_k) * dloss/dy",
+               x.grad is not None and torch.allclose(x.grad.float(), expected_grad, rtol=2e-2,
+                                                     atol=2e-2 * float(expected_grad.abs().max()))))
 
 sizes = handle.tokens_per_expert_list
 print(f"rank {rank}/{world} ({buf.transport_name} transport): {num_tokens} tokens x "

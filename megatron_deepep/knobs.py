@@ -264,7 +264,7 @@ _TABLE = (
          read_by=_KERNELS),
     Knob("JIT_NO_CACHE", "bool", False, "0", "always recompile", "jit", read_by=_KERNELS),
     # 48: a model, each path's µs as max(a / SMs, its HBM floor) fitted to the two budgets
-    # measured (benchmarks/h100_2026-12-06_fp8_round7.md: 24 and 132 SMs), puts the crossover
+    # measured (benchmarks/h100_2026-12-06_fp8.md, round 7: 24 and 132 SMs), puts the crossover
     # at 44-46 SMs; the register path's knee is 39, the row stage's 49-51.
     Knob("FP8_ROW_STAGE_MIN_SMS", "int", 48, "48", "the quantizing EP = 1 FP8 expand stages "
          "each row in shared memory from this SM budget up (HBM the limit) and quantizes in "

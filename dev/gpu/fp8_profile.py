@@ -27,7 +27,8 @@ exceeds the GPU's, the calls are host-bound.
 (`get_dispatch_layout`), the GPU's µs per call with the host far ahead: the stream is held by a
 sleep kernel while `--queued-calls` calls are queued behind it, and CUDA events time the calls
 from the second to the last. No host time and no launch gap a busy queue hides: what the
-kernels of one call cost back to back.
+kernels of one call cost back to back. `--num-sms` may then list several budgets ("24,48,132"):
+one Buffer each, in turn, in one process (the crossover sweep, `dev/gpu/fp8_crossover.py`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="4096,7168,256,8", help="N,H,E,K")
-    parser.add_argument("--num-sms", type=int, default=132)
+    parser.add_argument("--num-sms", default="132",
+                        help="SM budget; with --queued a comma-separated list of budgets")
     parser.add_argument("--fp8", default="blockwise_1x128,mxfp8_1x32")
     parser.add_argument("--check", action="store_true", help="bit-exactness check instead")
     parser.add_argument("--host", action="store_true", help="host time per call instead")
@@ -63,7 +65,20 @@ def main() -> None:
                         help="hidden sizes of --check, comma-separated")
     args = parser.parse_args()
     num_tokens, hidden, num_experts, num_topk = (int(v) for v in args.shape.split(","))
+    budgets = [int(v) for v in args.num_sms.split(",")]
+    if len(budgets) > 1 and not args.queued:
+        parser.error("--num-sms takes one budget except with --queued")
+    args.num_sms = budgets[0]
     join_as_one_rank("29541")
+    if args.queued and len(budgets) > 1:
+        x, idx, weights, specs = make_inputs(num_tokens, hidden, num_experts, num_topk, args.fp8)
+        for num_sms in budgets:
+            buf = Buffer(dist.group.WORLD, num_tokens, hidden, num_topk, num_sms=num_sms)
+            queued(buf, x, idx, weights, num_experts, specs, args.queued_calls,
+                   label_prefix=f"{num_sms} SMs ")
+            buf.destroy()
+        dist.destroy_process_group()
+        return
     if args.check:
         failed = check(num_tokens, num_experts, num_topk, args)
         dist.destroy_process_group()

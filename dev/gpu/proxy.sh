@@ -15,15 +15,17 @@
 #   plugins  the wheel's transport plugins and what each fails to resolve (ldd), before and
 #            after the UCX wheel's folder is on the path; libfabric: no wheel ships
 #            libfabric.so.1, so that plugin is only listed
-#   tier     the internode tier's matrix on virtual nodes 2x1 and 2x2 (MDEEP_TEST_CALLS,
-#            default 20) (TIER_TIMEOUT, 200 each)
+#   tier     the internode tier's matrix on virtual nodes PROXY_SHAPES (default "2x1 2x2";
+#            MDEEP_TEST_CALLS, default 20) (TIER_TIMEOUT, 200 each)
 #   sweep    megatron_deepep.tools.multinode_check's sweep at 2x1 and 2x2, 4096 tokens, hidden
 #            7168, top-8: µs and GB/s of the network leg on the proxy path; its JSON
 #            (network_gbps per phase) is the internode model's input,
 #            .bench_out/evidence/proxy_model.json (SWEEP_TIMEOUT, 150 each)
 # WITH_MPS=1 runs them under CUDA MPS (dev/gpu/mps.sh's daemon, 100/R % each: NVSHMEM's full
 # several-PEs-per-GPU mode instead of the limited one). When a run fails, the record keeps
-# NVSHMEM's first error lines: the exact blocker.
+# NVSHMEM's first error lines: the exact blocker. The record quotes NVSHMEM's own messages of
+# each run (dev/gpu/nvshmem_diag.py: its transports, its first warnings and errors, its last
+# lines: where it stopped, or that it finished) beside pytest's verdict.
 # Writes benchmarks/<card>_<date>_proxy.md and .log.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_lib.sh"
@@ -100,7 +102,7 @@ for piece in $PIECES; do
       ev_row "transport plugins" 0 0 "see the record"
       ;;
     tier)
-      for shape in 2x1 2x2; do
+      for shape in ${PROXY_SHAPES:-2x1 2x2}; do
         log=$EV_LOGS/tier_$shape.log
         ranks=$(( ${shape%x*} * ${shape#*x} ))
         # shellcheck disable=SC2046
@@ -115,8 +117,9 @@ for piece in $PIECES; do
             echo "- internode tier matrix on $shape virtual nodes, NVSHMEM_DISABLE_P2P=1,"
             echo "  NVSHMEM_REMOTE_TRANSPORT=$TRANSPORT, $CALLS calls: rc $PIECE_RC in $PIECE_S s:"
             echo "  $result"
-            grep -m 4 -E "transport|TRANSPORT" "$log" | cut -c1-200 | sed 's/^/    /'
             [ "$PIECE_RC" != 0 ] && blocker "$log" | sed 's/^/    blocker: /'
+            echo
+            python3 dev/gpu/nvshmem_diag.py "$log"
           } >> "$TABLE"
         fi
       done

@@ -6,6 +6,7 @@ NCCL here: a default group that is not gloo, with a real gloo side group beside 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -35,6 +36,20 @@ def _fine(rank, world):
     return None
 
 
+def _exit_code_in_teardown(rank, world, code):
+    """The last rank's checks pass; then its process exits with `code` in teardown (a
+    finalizer multiprocessing runs after the worker has returned)."""
+    from multiprocessing import util
+    if rank == world - 1:
+        util.Finalize(None, os._exit, args=(code,), exitpriority=100)
+
+
+def _hang_in_teardown(rank, world):
+    from multiprocessing import util
+    if rank == world - 1:
+        util.Finalize(None, time.sleep, args=(600,), exitpriority=100)
+
+
 def test_raising_rank_fails_the_test():
     with pytest.raises(AssertionError, match="planted failure"):
         run_distributed(2, _raise_on_last, timeout_s=120)
@@ -47,6 +62,17 @@ def test_rank_dying_before_it_finishes_fails_the_test():
 
 def test_finished_ranks_pass():
     run_distributed(2, _fine, timeout_s=120)
+
+
+def test_rank_failing_in_teardown_fails_the_test():
+    with pytest.raises(AssertionError, match=r"passed its checks, then failed in teardown: "
+                                             r"rank 1 exited with code 7"):
+        run_distributed(2, _exit_code_in_teardown, 7, timeout_s=120)
+
+
+def test_rank_hanging_in_teardown_fails_the_test():
+    with pytest.raises(AssertionError, match=r"failed in teardown: rank 1 hung \(stopped 3 s"):
+        run_distributed(2, _hang_in_teardown, timeout_s=120, exit_grace_s=3)
 
 
 def _sees_launch_state(rank, world, value, cwd):

@@ -5,6 +5,9 @@ case: the quantization fused into the send (bf16 input) and the pre-quantized in
 reference's e4m3 rows and scales bit for bit; the dequantizing expand equals the reference's
 bf16 dispatch of the dequantized input; cached dispatch replays the same rows. Inputs carry
 zero rows, huge and tiny values, and a few NaN/inf, whose handling is defined in formats.py.
+At 1 process (the EP = 1 kernels) it runs at an SM budget below `MDEEP_FP8_ROW_STAGE_MIN_SMS`
+and at one from it up, so both paths of the quantizing expand run: quantizing in registers
+and staging whole rows in shared memory.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_deepep import ops
 from megatron_deepep.buffer import Buffer
 from megatron_deepep.fp8 import FORMATS
 from megatron_deepep.fp8.dispatch import Fp8Dispatch
@@ -24,6 +28,11 @@ from tests.helpers.distributed import cpu_group, run_distributed, tier_backend
 pytestmark = pytest.mark.gpu
 
 NUM_PROCS = [int(n) for n in os.environ.get("MDEEP_TEST_PROCS", "1,2,3,4,8").split(",")]
+# SM budgets: 8 everywhere; at EP = 1 also the row-stage threshold, the other expand path
+# (with the knob at 8 or below, both budgets stage rows; the test says which path it ran).
+ROW_STAGE_MIN_SMS = ops.dispatch.row_stage_min_sms()
+RUNS = [(n, sms) for n in NUM_PROCS
+        for sms in ((8, max(ROW_STAGE_MIN_SMS, 9)) if n == 1 else (8,))]
 
 # kind, tokens per rank, hidden, experts per rank, top-k, alignment
 CASES = [
@@ -133,10 +142,10 @@ def _case(rank, world, nvl, ref, seed, kind, num_tokens, hidden, per_rank, topk,
     nvl.check_errors()
 
 
-def _worker(rank, world):
+def _worker(rank, world, num_sms):
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     group = dist.group.WORLD
-    nvl = Buffer(group, 64, 7168, 8, transport="nvlink", num_sms=8, timeout_s=30)
+    nvl = Buffer(group, 64, 7168, 8, transport="nvlink", num_sms=num_sms, timeout_s=30)
     ref = Buffer(cpu_group(), 64, 7168, 8, transport="reference")
     for i, case in enumerate(CASES):
         _case(rank, world, nvl, ref, 500 * world + i, *case)
@@ -144,6 +153,27 @@ def _worker(rank, world):
     nvl.destroy()
 
 
-@pytest.mark.parametrize("num_procs", NUM_PROCS)
-def test_fp8_dispatch_matches_reference(num_procs):
-    run_distributed(num_procs, _worker, backend=tier_backend(), timeout_s=1500)
+def _expand_path(num_procs: int, num_sms: int) -> str:
+    """Which path the quantizing expand takes: only the EP = 1 expand has two."""
+    if num_procs > 1:
+        return "nvlink"
+    fp8 = Fp8Dispatch(FORMATS["blockwise_1x128"], "fp8")
+    staged = ops.dispatch._quantize_stage_bytes(7168, ops.dispatch.COMM_THREADS, fp8, None,
+                                                num_sms)
+    return "row stage" if staged >= 7168 else "registers"  # a whole row, or scales alone
+
+
+@pytest.mark.parametrize("num_procs,num_sms", RUNS,
+                         ids=[f"{n}procs-{sms}sms-{_expand_path(n, sms).replace(' ', '_')}"
+                              for n, sms in RUNS])
+def test_fp8_dispatch_matches_reference(num_procs, num_sms):
+    run_distributed(num_procs, _worker, num_sms, backend=tier_backend(), timeout_s=1500)
+
+
+def test_both_expand_paths_are_in_the_runs():
+    """At EP = 1 the budgets above straddle MDEEP_FP8_ROW_STAGE_MIN_SMS (when it is above 8)."""
+    if 1 not in NUM_PROCS:
+        pytest.skip("MDEEP_TEST_PROCS has no 1: the EP = 1 expand is not run")
+    paths = {_expand_path(1, sms) for n, sms in RUNS if n == 1}
+    want = {"registers", "row stage"} if ROW_STAGE_MIN_SMS > 8 else {"row stage"}
+    assert paths == want, (ROW_STAGE_MIN_SMS, paths)

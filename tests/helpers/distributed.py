@@ -15,7 +15,6 @@ group itself under gloo.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
@@ -30,8 +29,6 @@ import torch.multiprocessing as mp
 
 from megatron_deepep import knobs
 from tests.helpers import knobs as test_knobs
-
-logger = logging.getLogger(__name__)
 
 TIER_BACKENDS = ("gloo", "nccl")
 # NVLink multicast stays off in every rank (a program using it can take a shared host's GPUs out
@@ -172,8 +169,11 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
 
     `fn` must be a module-level function (it is pickled into the spawned processes).
     `hard_exit`: a rank leaves with `os._exit(0)` once its work is checked (no exit handlers).
-    A process still alive `exit_grace_s` after every rank reported success is stopped, with a
-    warning: its checks passed, only its teardown hung.
+    A rank that fails in its teardown, after its checks passed, fails the test too: a process
+    still alive `exit_grace_s` after every rank reported success (stopped, then reported as
+    hung), or one that exits with a non-zero code. A teardown that crashes or hangs is a bug
+    (a group torn down under a peer's transfer, a finalizer waiting on a vanished peer) that
+    the next job on that machine meets.
     `backend` "nccl" runs rank r on GPU r (the test is skipped, saying why, when there are fewer
     GPUs than ranks) with a gloo side group for CPU work (`cpu_group()`); the GPU tier passes
     `tier_backend()`.
@@ -216,12 +216,13 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
             if p.is_alive():
                 p.kill()
         raise AssertionError(f"rank {failure[0]} failed:\n{failure[1]}")
+    hung = []
     for r, p in enumerate(procs):
         if p.is_alive():
             p.kill()
             if r not in done:
                 raise TimeoutError(f"rank process {p.pid} did not finish within {timeout_s}s")
-            logger.warning("rank %d passed its checks but hung in teardown; stopped", r)
+            hung.append(r)
     for p in procs:
         p.join()
     while not errors.empty():
@@ -229,13 +230,14 @@ def run_distributed(world_size: int, fn, *args, backend: str = "gloo", timeout_s
         if tb is not None:
             raise AssertionError(f"rank {rank} failed:\n{tb}")
         done.add(rank)
-    # A rank that finished its work and the final barrier can still be aborted by gloo's
-    # background threads while the group is torn down ("terminate called without an active
-    # exception"): that is not a test failure. Any other non-zero exit is.
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0 and r not in done]
+    bad = [(r, p.exitcode) for r, p in enumerate(procs)
+           if p.exitcode != 0 and r not in done]
     if bad:
         raise AssertionError(f"rank processes exited with codes {bad} before finishing")
-    for r, p in enumerate(procs):
-        if p.exitcode != 0:
-            logger.warning("rank %d exited with code %d during teardown, after its checks passed",
-                           r, p.exitcode)
+    teardown = [f"rank {r} hung (stopped {exit_grace_s:g} s after every rank passed)"
+                for r in hung]
+    teardown += [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs)
+                 if p.exitcode != 0 and r not in hung]
+    if teardown:
+        raise AssertionError("every rank passed its checks, then failed in teardown: "
+                             + "; ".join(teardown))

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
+import os
+import re
 import traceback
 import warnings
 
@@ -464,5 +465,15 @@ def test_layer_at_ep_2_matches_ep_1(matrix_results):
         assert "error" not in result, f"rank {rank}: {result['error']}"
 
 
-def test_matrix_covers_the_options_without_a_gpu():
-    assert math.isfinite(len(CASES)) and set(GPU_ONLY).isdisjoint(CASES)
+def test_matrix_covers_the_options_without_a_gpu(matrix_results):
+    """Every case ran on some rank; an option left out is no case and says why, and the GPU
+    tests GPU_ONLY points to exist."""
+    ran = set().union(*matrix_results)
+    assert set(CASES) <= ran, f"cases that no rank ran: {sorted(set(CASES) - ran)}"
+    left_out = {**GPU_ONLY, **MEGATRON_REFUSES}
+    assert len(left_out) == len(GPU_ONLY) + len(MEGATRON_REFUSES), "listed twice"
+    assert set(left_out).isdisjoint(CASES), sorted(set(left_out) & set(CASES))
+    assert all(reason.strip() for reason in left_out.values()), left_out
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    named = re.findall(r"tests/gpu/\w+\.py", " ".join(GPU_ONLY.values()))
+    assert named and all(os.path.exists(os.path.join(root, path)) for path in named), named

@@ -95,6 +95,11 @@ REPO_PATH = re.compile(
 MODULE_COMMAND = re.compile(r"-m\s+(megatron_deepep(?:\.[a-z_]+)*)")
 
 
+# A record's bare name in backticks: a card prefix (h100_, h200_, cpu_, ...), a date, a topic.
+RECORD_NAME = r"`([a-z][a-z0-9]*_\d{4}-\d\d-\d\d_[A-Za-z0-9_./-]+)`"
+RECORD_STEM = r"([a-z][a-z0-9]*_\d{4}-\d\d-\d\d_[a-z0-9_]+\.md)"
+
+
 def _user_docs():
     files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
     files += sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "benchmarks").glob("*.md"))
@@ -109,7 +114,7 @@ def test_paths_the_docs_name_exist(path):
     missing = sorted({name for name in REPO_PATH.findall(text)
                       if "*" not in name and not (ROOT / name).exists()})
     if path.parent.name == "benchmarks":
-        missing += sorted({name for name in re.findall(r"`(h200_[A-Za-z0-9_./-]+)`", text)
+        missing += sorted({name for name in re.findall(RECORD_NAME, text)
                            if not (path.parent / name).exists()})
     assert not missing, f"{path.relative_to(ROOT)} names paths that do not exist: {missing}"
 
@@ -132,19 +137,27 @@ def test_module_commands_the_docs_give_exist(path):
 
 def test_readme_is_short_and_links_the_latest_benchmarks():
     text = (ROOT / "README.md").read_text()
-    # 265: 250 until the Buffer snippet became runnable (examples/buffer_quickstart.py's block)
-    # and the knob table said who reads each knob.
-    assert len(text.splitlines()) <= 265, "the README is for users: keep it to 265 lines"
-    linked = set(re.findall(r"benchmarks/(h200_[0-9-]+_[a-z0-9_]+\.md)", text))
-    assert linked, "the README links its measurements in benchmarks/"
-    latest = {}
+    assert len(text.splitlines()) <= 250, "the README is for users: keep it to 250 lines"
+    named = set(re.findall(RECORD_STEM, text))
+    missing = sorted(name for name in named if not (ROOT / "benchmarks" / name).exists())
+    assert not missing, f"the README names records that do not exist: {missing}"
+    latest_list = text[text.index("the\n  latest are") if "the\n  latest are" in text
+                       else text.index("latest are"):]
+    linked = set(re.findall(RECORD_STEM, latest_list.split("\n\n")[0]))
+    assert linked, "the README's latest list names records in benchmarks/"
+    latest, newest_of_card = {}, {}
     for path in (ROOT / "benchmarks").glob("*_*_*.md"):
-        device, date, topic = path.stem.split("_", 2)
-        if date > latest.get((device, topic), ("", ""))[0]:
-            latest[(device, topic)] = (date, path.name)
+        card, date, topic = path.stem.split("_", 2)
+        if date > latest.get((card, topic), ("", ""))[0]:
+            latest[(card, topic)] = (date, path.name)
+        newest_of_card[card] = max(newest_of_card.get(card, ""), date)
     stale = sorted(name for name in linked
                    if name not in {file for _, file in latest.values()})
-    assert not stale, f"the README links benchmarks a newer file replaces: {stale}"
+    assert not stale, f"the latest list names records a newer file replaces: {stale}"
+    # Every card's newest day is in the list (h100_, h200_, cpu_, ...).
+    absent = sorted(card for card, date in newest_of_card.items()
+                    if not any(name.startswith(f"{card}_{date}_") for name in linked))
+    assert not absent, f"the latest list names no record of the newest day of: {absent}"
 
 
 def test_nothing_cites_files_outside_the_repository():

@@ -1,4 +1,4 @@
-"""CPU tier: the FP8 measurement scripts of `dev/gpu/` (fp8.sh, tier_round.sh) plan what their
+"""CPU tier: the FP8 measurement scripts of `dev/gpu/` (fp8.sh) plan what their
 header says in a dry run, fp8_profile.py's timeline splits a call's host stamps right and its
 queued mode times each call it lists, host_breakdown.py's timers wrap and restore each kind of
 target, and bench_rounds.py tables alternating rounds of the bench and of its queued mode."""
@@ -50,15 +50,6 @@ def test_fp8_timeline_and_layer_pieces_plan(before_dir):
 def test_fp8_unknown_piece_is_refused(before_dir):
     rc, out = _dry_run("fp8.sh", *before_dir, PIECES="timelines")
     assert rc == 2 and "unknown piece 'timelines'" in out
-
-
-def test_tier_round_precompiles_before_its_multi_process_pieces(tmp_path):
-    rc, out = _dry_run("tier_round.sh", str(tmp_path))
-    assert rc == 0, out
-    names = [line.split()[2] for line in out.splitlines() if line.startswith("dry run:")]
-    assert names == ["precompile", "nvlink", "internode", "parity-te", "ring"]
-    precompile = out.splitlines()[0]
-    assert "megatron_deepep.tools.precompile --topk 1 2 4 6 8 16 --index-dtype int64" in precompile
 
 
 def test_timeline_splits_each_call_at_its_wait(capsys):
