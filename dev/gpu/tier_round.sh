@@ -53,7 +53,8 @@ SWEEP_SMS=24,32,40,48,56,64,80,96,132
 # The calls: groups in order; "a+b" runs at once.
 call_pieces() {
   case $1 in
-    1) echo "precompile nvlink-2+nvlink-3+nvlink-4+fp8 nvlink-8 kernels hazards" ;;
+    1) echo "precompile nvlink-2+nvlink-3+nvlink-4+fp8+nvlink-2-split nvlink-8 kernels" \
+            "hazards" ;;
     2) echo "precompile-internode internode-2x1+internode-2x2+internode-3x2" \
             "internode-2x3+internode-4x2 internode-2x4" ;;
     3) echo "precompile-internode ring+net-ring-3x2+megatron te graphs" ;;
@@ -69,6 +70,9 @@ piece_spec() {
   case $name in
     precompile) LIMIT=45; CMD=("${PRECOMPILE[@]}") ;;
     precompile-internode) LIMIT=60; CMD=("${PRECOMPILE[@]}" --internode) ;;
+    nvlink-2-split) LIMIT=120; RANKS=2  # the earlier kernels (MDEEP_NVLINK_KERNELS=split)
+      CMD=(env MDEEP_TEST_PROCS=2 MDEEP_NVLINK_KERNELS=split "${PYTEST[@]}"
+           tests/gpu/test_nvlink_gpu.py) ;;
     nvlink-[2348])
       RANKS=${name#nvlink-}
       LIMIT=$(( RANKS == 8 ? 160 : RANKS == 4 ? 130 : 120 ))
