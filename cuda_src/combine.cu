@@ -245,6 +245,11 @@ struct FusedReduceUnroll {
     static constexpr int value = kTopk <= 4 ? 2 : 1;
 };
 
+// Threads of a combine_fused block (ops.combine.FUSED_COMBINE_THREADS): fewer than the split
+// kernels' 512, so that a warp keeps FusedSendUnroll words of every row in flight in registers
+// (up to 168 a thread) rather than spilling them.
+constexpr int kFusedCombineThreads = 384;
+
 // Received slots a warp sends per claim: one system-scope fence publishes the batch, lane b the
 // flag of slot b.
 constexpr int kPartialBatch = 4;
@@ -372,7 +377,7 @@ __device__ __noinline__ void reduce_token(int4* out, float* out_weights, int n, 
 // sends are left (common/fused.cuh). No barrier between the two: a partial is read back while
 // it is still in L2. The last block releases "consumed" to every peer.
 template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
-__global__ void __launch_bounds__(kCombineThreads) combine_fused(
+__global__ void __launch_bounds__(kFusedCombineThreads) combine_fused(
     const __grid_constant__ CombineFusedArgs args) {
     int4* const out = args.out;
     float* const out_weights = args.out_weights;
@@ -392,17 +397,13 @@ __global__ void __launch_bounds__(kCombineThreads) combine_fused(
     const ErrorState err{args.error_claim, args.error_record};
     const int lane = threadIdx.x & 31;
     Workspace* const ws = workspace_of(peer_bases, rank, rg);
-    __shared__ int slot_start[kMaxRanks + 1];  // send items: the peers' slots, by source
-    if (threadIdx.x == 0) {
-        slot_start[0] = 0;
-        for (int s = 0; s < num_ranks; ++s)
-            slot_start[s + 1] = slot_start[s] + (s == rank ? 0 : num_recv_tokens_per_rank[s]);
-    }
+    __shared__ PeerSlots send_slots;  // send items: the peers' slots, interleaved
+    build_peer_slots(&send_slots, num_recv_tokens_per_rank, rank, num_ranks);
     bool ok = check_call_alone(ws, kKindCombine, epoch, rank, err, kPhaseCombineReduce);
     ok = ok && block_wait_peers(meta_of(peer_bases[rank])->combine_consumed, epoch - 1,
                                 num_ranks, rank, false, timeout_ns, err, kPhaseCombineSend);
     if (ok) {
-        const int total_send = slot_start[num_ranks];
+        const int total_send = send_slots.num_items;
         int send_first = warp_claim(&ws->work_counter[kWorkCombineSend], kPartialBatch, lane);
         int n = warp_claim(&ws->work_counter[kWorkCombineReduce], 1, lane);
         for (;;) {
@@ -447,10 +448,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_fused(
             if (!has_send) break;
             u32* flag_of_lane = nullptr;  // lane b: the flag of the batch's slot b
             for (int b = 0; b < kPartialBatch; ++b) {
-                const int i = send_first + b;
-                if (i >= total_send) break;
-                const int s = item_source(slot_start, i, num_ranks);
-                const int j = i - slot_start[s];
+                int s, j;
+                if (send_first + b >= total_send) break;
+                if (!peer_slot_of(send_slots, send_first + b, rank, num_ranks, &s, &j)) continue;
                 send_partial<kTopk, kWeighted, kWithWeights, kDtype>(
                     y, num_int4, recv_weights, grad_row_weights, slot_rows, peer_bases, rg,
                     rank, s, j, lane);

@@ -407,16 +407,12 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_fused(
                                                 num_recv_tokens_per_expert, expert_row_start,
                                                 lane);
     }
-    __shared__ int slot_start[kMaxRanks + 1];  // receive items: the peers' slots, by source
-    if (threadIdx.x == 0) {
-        slot_start[0] = 0;
-        for (int s = 0; s < num_ranks; ++s)
-            slot_start[s + 1] = slot_start[s] + (s == rank ? 0 : num_recv_tokens_per_rank[s]);
-    }
+    __shared__ PeerSlots recv_slots;  // receive items: the peers' slots, interleaved
+    build_peer_slots(&recv_slots, num_recv_tokens_per_rank, rank, num_ranks);
     ok = ok && block_wait_peers(meta_of(peer_bases[rank])->dispatch_consumed, epoch - 1,
                                 num_ranks, rank, false, timeout_ns, err, kPhaseDispatchSend);
     if (ok) {
-        const int total_recv = slot_start[num_ranks];
+        const int total_recv = recv_slots.num_items;
         const int* const self_offset = src_expert_offset + rank * num_local;
         constexpr int kMaxDst = kMaxRanks - 1 + kTopk;
         int send_first = warp_claim(&ws->work_counter[kWorkDispatchSend], kSendBatch, lane);
@@ -424,8 +420,11 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_fused(
         for (;;) {
             const bool has_send = send_first < num_tokens;
             if (recv_item < total_recv) {
-                const int s = item_source(slot_start, recv_item, num_ranks);
-                const int j = recv_item - slot_start[s];
+                int s, j;
+                if (!peer_slot_of(recv_slots, recv_item, rank, num_ranks, &s, &j)) {
+                    recv_item = warp_claim(&ws->work_counter[kWorkDispatchRecv], 1, lane);
+                    continue;  // void: past this peer's slots
+                }
                 const u32* flag = slot_flag(peer_bases[rank], rg.dispatch_flags, rg.max_tokens,
                                             s, j);
                 bool ready = warp_slot_ready(flag, epoch, lane);

@@ -97,12 +97,33 @@ __device__ __forceinline__ Workspace* workspace_of(const u64* peer_bases, int ra
                                         rg.workspace);
 }
 
-// The source rank and slot of receive item i: items run over the sources' slots in rank order,
-// `slot_start[s]` the first item of source s (kMaxRanks + 1 entries).
-__device__ __forceinline__ int item_source(const int* slot_start, int i, int num_ranks) {
-    int s = 0;
-    while (s + 1 < num_ranks && i >= slot_start[s + 1]) ++s;
-    return s;
+// The peer slots a rank serves as items, interleaved over its peers: item i is slot i / P of
+// peer i % P (P = num_ranks - 1 peers in rank order, this rank skipped), so every peer's slots
+// advance together, as the peers' own token-ordered sends fill them; an item past its peer's
+// count is void. Built once per block in shared memory by thread 0.
+struct PeerSlots {
+    int count[kMaxRanks];  // slots of each rank (0 for this rank)
+    int num_items;         // P x the largest count
+};
+
+__device__ __forceinline__ void build_peer_slots(PeerSlots* ps, const int* num_tokens_per_rank,
+                                                 int rank, int num_ranks) {
+    if (threadIdx.x != 0) return;
+    int most = 0;
+    for (int s = 0; s < num_ranks; ++s) {
+        ps->count[s] = s == rank ? 0 : num_tokens_per_rank[s];
+        most = max(most, ps->count[s]);
+    }
+    ps->num_items = (num_ranks - 1) * most;
+}
+
+// Item i's peer `s` and slot `j`; false for a void item.
+__device__ __forceinline__ bool peer_slot_of(const PeerSlots& ps, int i, int rank, int num_ranks,
+                                             int* s, int* j) {
+    const int p = i % (num_ranks - 1);
+    *s = p + (p >= rank);
+    *j = i / (num_ranks - 1);
+    return *j < ps.count[*s];
 }
 
 }  // namespace mdeep
