@@ -233,10 +233,12 @@ _TABLE = (
          "chunks of 32 tokens per rail peer and region, ~4 M K 32 + 2 L C rows per rank "
          "(`docs/internode.md`, \"Network ring\"); 0: N_max tokens per node (off; `auto` may "
          "still pick K = 8)", "transport", read_by=_BUFFER, low=0, high=4096),
-    Knob("NVLINK_KERNELS", "str", "fused", "fused", "the NVLink transport's kernels: `fused` "
+    Knob("NVLINK_KERNELS", "str", "auto", "auto", "the NVLink transport's kernels: `fused` "
          "(one launch per dispatch and per combine, senders and receivers at once, per-slot "
-         "flags) or `split` (a send kernel, then a receive kernel after a barrier over every "
-         "peer)", "transport", read_by=_BUFFER, choices=("fused", "split")),
+         "flags), `split` (a send kernel, then a receive kernel after a barrier over every "
+         "peer) or `auto`: the fused dispatch and the split combine, the faster of each on an "
+         "H100 under MPS (`benchmarks/h100_2026-12-07_mps.md`)", "transport",
+         read_by=_BUFFER, choices=("auto", "fused", "split")),
     Knob("SHARED_GPU", "bool", False, "0", "declares that ranks of one host share a GPU "
          "(testing several ranks on one GPU); unset, a kernel transport warns naming the "
          "ranks of a host that share one (a job that forgot `torch.cuda.set_device`)",

@@ -733,10 +733,9 @@ def run_deepep(rec: Record, cfg: dict, check, full, group) -> None:
                         for c in (dispatch_cfg, combine_cfg))
         buf = deep_ep.Buffer(group, nvl_bytes, 0, explicitly_destroy=True)
         rec.put("deepep", "nvl_bytes", nvl_bytes)
-        rec.put("deepep", "configs", {name: [c.num_sms, c.num_max_nvl_chunked_send_tokens,
-                                             c.num_max_nvl_chunked_recv_tokens]
-                                      for name, c in (("dispatch", dispatch_cfg),
-                                                      ("combine", combine_cfg))})
+        # Its pybind Config exposes no fields: the tables of deep_ep/buffer.py at this SM count.
+        rec.put("deepep", "configs", f"Buffer.get_dispatch_config / get_combine_config("
+                                     f"{num_ranks}) at Buffer.num_sms = {cfg['num_sms']}")
 
         def dispatch(x, idx, w):
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)

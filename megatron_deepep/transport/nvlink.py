@@ -9,7 +9,9 @@ Per combine: combine_fused: each warp sends received slots' partial rows back to
 and sums the tokens whose partials have all arrived, in ascending rank order.
 `MDEEP_NVLINK_KERNELS=split` runs the earlier two kernels per operation instead: a send, then,
 after a barrier over every peer, the receive (dispatch_send / dispatch_recv, combine_send /
-combine_reduce; the send overlaps a synchronous dispatch's host wait).
+combine_reduce; the send overlaps a synchronous dispatch's host wait). The default, `auto`, is
+the fused dispatch and the split combine: measured on an H100 under MPS, the fused combine took
+1.6x the split one's time (benchmarks/h100_2026-12-07_mps.md).
 Flags carry per-operation epochs, so the buffer is never zeroed between calls, and every writer
 first waits until its reader has consumed the previous call.
 The epochs live in device words (`epochs.DeviceEpochs`): with a row bound, a dispatch and its
@@ -74,7 +76,9 @@ class NVLinkTransport(Transport):
                                    self.rank, timeout_s)
         self.epochs = DeviceEpochs(self.device)
         self.host_epoch = 0  # what a synchronous dispatch's notify publishes to the host
-        self.fused = knobs.get("NVLINK_KERNELS") == "fused"
+        kernels = knobs.get("NVLINK_KERNELS")
+        self.fused_dispatch = kernels in ("auto", "fused")
+        self.fused_combine = kernels == "fused"
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
@@ -126,14 +130,14 @@ class NVLinkTransport(Transport):
                           host_epoch=self.host_epoch, timeout_ns=self.timeout_ns,
                           errors=self.status.errors)
         peers = self._peers(self.epochs.dispatch)
-        if not self.fused:
+        if not self.fused_dispatch:
             ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, cached=False,
                               fp8=fp8, num_local=num_local, **peers)
         num_rows = (self.status.wait_num_rows(self.host_epoch) if is_sync
                     else num_max_recv_rows)
         recv_x, recv_scales = empty_recv(num_rows, x.shape[1], fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        expand = ops.dispatch_fused if self.fused else ops.dispatch_recv
+        expand = ops.dispatch_fused if self.fused_dispatch else ops.dispatch_recv
         expand(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx, topk_weights,
                layout, cached=False, fp8=fp8, num_local=num_local, **peers)
         handle = DispatchHandle.from_arena(
@@ -179,11 +183,11 @@ class NVLinkTransport(Transport):
         topk_idx, arena = handle.transport_state
         self.epochs.advance_cached_dispatch()
         peers = self._peers(self.epochs.dispatch)
-        if not self.fused:
+        if not self.fused_dispatch:
             ops.dispatch_send(x, x_scales, topk_idx, None, handle.layout, cached=True, fp8=fp8,
                               num_local=num_local, **peers)
         recv_x, recv_scales = empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
-        expand = ops.dispatch_fused if self.fused else ops.dispatch_recv
+        expand = ops.dispatch_fused if self.fused_dispatch else ops.dispatch_recv
         expand(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None, handle.layout,
                cached=True, fp8=fp8, num_local=num_local, **peers)
         if fp8 is None:
@@ -198,12 +202,12 @@ class NVLinkTransport(Transport):
         self._adopt(handle)
         self.epochs.advance_combine()
         peers = self._peers(self.epochs.combine)
-        if not self.fused:
+        if not self.fused_combine:
             ops.combine_send(y, handle, weighted, grad_row_weights, **peers)
         out = torch.empty(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         out_weights = (torch.empty(handle.num_tokens, handle.num_topk, dtype=torch.float32,
                                    device=y.device) if grad_row_weights is not None else None)
-        reduce = ops.combine_fused if self.fused else ops.combine_reduce
+        reduce = ops.combine_fused if self.fused_combine else ops.combine_reduce
         reduce(out, out_weights, y, handle, weighted, grad_row_weights, **peers)
         return out, out_weights
 

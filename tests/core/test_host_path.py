@@ -87,9 +87,10 @@ def recorder(monkeypatch):
     return rec
 
 
-def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify, fused=True):
-    """The transport `auto` picks for `num_ranks` (local or NVLink, `fused` or split kernels),
-    built on the CPU with no GPU memory; its host wait sees `rows_from_notify()`."""
+def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify, kernels="fused"):
+    """The transport `auto` picks for `num_ranks` (local or NVLink, with the kernels
+    `MDEEP_NVLINK_KERNELS` names), built on the CPU with no GPU memory; its host wait sees
+    `rows_from_notify()`."""
     if num_ranks == 1:
         t = local.LocalTransport.__new__(local.LocalTransport)
         t.max_tokens, t.epoch = max_tokens, 0
@@ -103,7 +104,8 @@ def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify, fused
         t.sym = type("Sym", (), {})()
         t.sym.peer_bases, t.sym.ptr = torch.zeros(num_ranks, dtype=torch.int64), 0
         t.epochs, t.host_epoch = DeviceEpochs(torch.device("cpu")), 0
-        t.fused = fused
+        t.fused_dispatch = kernels in ("auto", "fused")
+        t.fused_combine = kernels == "fused"
     t.device = torch.device("cpu")
     t.num_sms, t.timeout_ns = 8, 5 * 10**9
     t.status = _FakeStatus(rec, rows_from_notify)
@@ -343,9 +345,23 @@ def test_ep2_runs_the_protocol_kernels(recorder):
     assert combine["slot_rows"] == handle.address("slot_rows")
 
 
+def test_ep2_auto_kernels_fuse_the_dispatch_and_split_the_combine(recorder, monkeypatch):
+    """The default, `auto`: the fused dispatch, the send + reduce combine."""
+    monkeypatch.delenv("MDEEP_NVLINK_KERNELS", raising=False)
+    from megatron_deepep import knobs
+    assert knobs.get("NVLINK_KERNELS") == "auto"
+    t = _transport(recorder, 2, 64, 256, 4, lambda: 200, kernels="auto")
+    x, idx, w = _inputs(64, 256, 16, 4)
+    recv_x, _, handle = t.dispatch(x, idx, w, 16)
+    t.cached_dispatch(x, handle)
+    t.combine(recv_x, handle)
+    assert _names(recorder) == ["layout_kernel", "notify_kernel", "host wait", "dispatch_fused",
+                                "dispatch_fused", "combine_send", "combine_reduce"]
+
+
 def test_ep2_split_kernels_send_before_the_host_wait(recorder):
     """`MDEEP_NVLINK_KERNELS=split`: the send overlaps the host wait, the receive follows."""
-    t = _transport(recorder, 2, 64, 256, 4, lambda: 200, fused=False)
+    t = _transport(recorder, 2, 64, 256, 4, lambda: 200, kernels="split")
     x, idx, w = _inputs(64, 256, 16, 4)
     recv_x, _, handle = t.dispatch(x, idx, w, 16)
     assert _names(recorder) == ["layout_kernel", "notify_kernel", "dispatch_send",
