@@ -23,9 +23,9 @@
 #           tests/helpers/oracle.py, µs, host µs and GB/s per rank, and the internode model's
 #           input (kernel_gbps) (SIDE_TIMEOUT, 330; each EP size SIZE_TIMEOUT, 150: past
 #           DeepEP's own ~100 s timeouts)
-#   split   ours alone at R = 2, 4, 8 with MDEEP_NVLINK_KERNELS=split (the earlier send, then
-#           receive, kernels): the before of the fused kernels in the same run (SPLIT_TIMEOUT,
-#           120)
+#   split, fused  ours alone at R = 2, 4, 8 with MDEEP_NVLINK_KERNELS=split (the earlier send,
+#           then receive, kernels) or =fused (both operations fused), beside the default `auto`
+#           in the same run (KERNELS_TIMEOUT, 120 each)
 #   sweep-sms  the same at R = 2 over SWEEP_SMS (8,16,24,48) SMs: where each side stops
 #           scaling, in HBM bytes per second per rank and summed (SWEEP_SMS_TIMEOUT, 240)
 #   faults  DeepEP's faults under MPS (illegal memory access at R = 2 with 64 SMs, R = 4 in
@@ -67,9 +67,9 @@ if [ -n "${1:-}" ]; then
 fi
 PIECES=${PIECES:-side tier sweep}
 for piece in $PIECES; do
-  case $piece in build|wheels|side|split|sweep-sms|faults|tier|sweep) ;; *)
-    echo "mps: unknown piece '$piece' in PIECES (build, wheels, side, split, sweep-sms, faults," \
-      "tier, sweep)"; exit 2 ;;
+  case $piece in build|wheels|side|split|fused|sweep-sms|faults|tier|sweep) ;; *)
+    echo "mps: unknown piece '$piece' in PIECES (build, wheels, side, split, fused, sweep-sms," \
+      "faults, tier, sweep)"; exit 2 ;;
   esac
 done
 case " $PIECES " in *" build "*)
@@ -165,16 +165,15 @@ for piece in $PIECES; do
       side_table "$EV_LOGS/side.log" "Side by side at R = 2, 4, 8 under MPS"
       ev_row "side by side R=2,4,8 under MPS" "$PIECE_RC" "$PIECE_S" "table in the record"
       ;;
-    split)
+    split|fused)
       args=(--ranks 2,4,8 --num-sms "${SIDE_SMS:-24}" --concurrent --timeout-s "$SIZE_TIMEOUT"
-            --json "$EV_LOGS/split.json" --skip-deepep)
+            --json "$EV_LOGS/$piece.json" --skip-deepep)
       precompile_once
-      ev_piece "ours with the split kernels, concurrent" "${SPLIT_TIMEOUT:-120}" \
-        "$EV_LOGS/split.log" env MDEEP_NVLINK_KERNELS=split python3 \
+      ev_piece "ours with MDEEP_NVLINK_KERNELS=$piece, concurrent" "${KERNELS_TIMEOUT:-120}" \
+        "$EV_LOGS/$piece.log" env MDEEP_NVLINK_KERNELS="$piece" python3 \
         dev/gpu/deepep_side_by_side.py "${args[@]}"
-      side_table "$EV_LOGS/split.log" \
-        "Ours with MDEEP_NVLINK_KERNELS=split (the earlier send + receive kernels), same run"
-      ev_row "ours, split kernels, R=2,4,8 under MPS" "$PIECE_RC" "$PIECE_S" "in the record"
+      side_table "$EV_LOGS/$piece.log" "Ours with MDEEP_NVLINK_KERNELS=$piece, same run"
+      ev_row "ours, $piece kernels, R=2,4,8 under MPS" "$PIECE_RC" "$PIECE_S" "in the record"
       ;;
     sweep-sms)
       args=(--ranks 2 --num-sms "${SWEEP_SMS:-8,16,24,48}" --concurrent --timeout-s
