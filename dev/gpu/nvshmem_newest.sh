@@ -24,7 +24,7 @@
 # Logs and one summary line per piece go to $OUT (default .bench_out/nvshmem_newest).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
-CARRY=.nvshmem
+CARRY=${CARRY:-.nvshmem}  # where prepare writes and run looks (carry it)
 LIMIT_MIB=64
 
 usage() {
