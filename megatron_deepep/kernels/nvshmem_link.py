@@ -179,6 +179,11 @@ def _parse_version(text: str) -> Version:
     return major, minor, patch
 
 
+def _tested() -> List[Version]:
+    """TESTED_NVSHMEM as (major, minor, patch), oldest first."""
+    return [_parse_version(v) for v in TESTED_NVSHMEM]
+
+
 def header_version(nvshmem_include: Path) -> Version:
     """The NVSHMEM release of a header set, from its `non_abi/nvshmem_version.h`.
 
@@ -214,7 +219,7 @@ def check_version(version: Version, what: str) -> None:
     Raises:
         NvshmemUnavailable: `version` is older than the oldest tested release.
     """
-    tested = [_parse_version(v) for v in TESTED_NVSHMEM]
+    tested = _tested()
     if version in tested:
         return
     found, oldest, newest = version_text(version), TESTED_NVSHMEM[0], TESTED_NVSHMEM[-1]
@@ -498,7 +503,7 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
                             paths.device_library, arch,
                             f"{source_file} {list(name_expressions)}")
     except LinkError as exc:
-        if version in [_parse_version(v) for v in TESTED_NVSHMEM]:
+        if version in _tested():
             raise
         raise LinkError(f"{exc}\n  NVSHMEM {version_text(version)} is not a tested release "
                         f"(tested: {', '.join(TESTED_NVSHMEM)}): see docs/internode.md, \"New "

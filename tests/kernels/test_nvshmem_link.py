@@ -236,6 +236,22 @@ def test_an_older_release_is_refused_naming_both(link_warnings):
     assert "host library at Y" in str(info.value)
 
 
+@needs_wheel
+def test_a_failed_link_of_an_untested_release_names_it(monkeypatch, tmp_path, link_warnings):
+    monkeypatch.setattr(nvshmem_link, "check_device_library", lambda paths: (3, 9, 1))
+    monkeypatch.setenv("MDEEP_CACHE_DIR", str(tmp_path))
+
+    def undefined(*args):
+        raise nvshmem_link.LinkError("nvJitLink failed: undefined reference to a symbol")
+
+    monkeypatch.setattr(nvshmem_link, "_nvjitlink", undefined)
+    with pytest.raises(nvshmem_link.LinkError) as info:
+        nvshmem_link.link_cubin("bench/internode_leg.cu", LEG_KERNELS, "sm_90")
+    assert "undefined reference" in str(info.value)
+    assert "NVSHMEM 3.9.1 is not a tested release" in str(info.value)
+    assert "3.8.0" in str(info.value)
+
+
 def test_jit_extra_admits_exactly_the_tested_range():
     from packaging.requirements import Requirement
     setup = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
