@@ -294,8 +294,9 @@ def check_host_library() -> Optional[Version]:
             f"({path}), but the internode kernels link against device library "
             f"{version_text(device)} ({paths.device_library}); NVSHMEM needs the same major "
             f"release and a host minor release >= the device library's. Install one "
-            f"nvidia-nvshmem-cu13 for both (torch's pin), or load the newer host library "
-            f"first (LD_PRELOAD, since torch finds it by its RPATH), {_FALLBACK}.")
+            f"nvidia-nvshmem-cu13 for both (torch's pin), or have torch load the newer host "
+            f"library (its wheel's folder first on sys.path before `import torch`, or "
+            f"LD_PRELOAD; not LD_LIBRARY_PATH: torch finds it by RPATH), {_FALLBACK}.")
     if host != device:
         logger.info("megatron_deepep: NVSHMEM host library %s (%s), device library %s (%s)",
                     version_text(host), path, version_text(device), paths.device_library)
