@@ -21,7 +21,8 @@
 #   image   the tier with the image's NVSHMEM
 # The tier: MDEEP_TEST_NODES=2x1,2x2, MDEEP_TEST_CALLS=$CALLS (default 30), every test of the
 # file but the 3x2 shapes; NVSHMEM_REMOTE_TRANSPORT=none in both (all PEs on one host: P2P).
-# Logs and one summary line per piece go to $OUT (default .bench_out/nvshmem_newest).
+# Logs and one summary line per piece go to $OUT (default .bench_out/nvshmem_newest); exit 1
+# if a piece failed.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 CARRY=${CARRY:-.nvshmem}  # where prepare writes and run looks (carry it)
@@ -88,6 +89,7 @@ h = h and n.version_text(h); print('torch', torch.__version__, 'device library',
 n.nvshmem_paths().device_library, 'host library', h, n._loaded_host_library()); \
 assert d == h == '$VERSION', 'expected both at $VERSION'")
 SUMMARY=()
+FAILED=0
 mkdir -p "$LOGS"
 source dev/gpu/time_limit.sh  # run LIMIT LOG command...
 if [ "${DRY_RUN:-0}" != 1 ]; then
@@ -113,6 +115,7 @@ piece() {
   if [ "$rc" -eq 0 ] && [[ $name == tier-* ]] && ! grep -qE "[0-9]+ passed" "$log"; then
     rc=1
   fi
+  [ "$rc" -eq 0 ] || FAILED=1
   SUMMARY+=("$name: rc $rc: $(grep -E "passed|failed|error|skipped|host library|Error" "$log" \
     | tail -n 1 | cut -c1-200)")
   return $rc
@@ -138,3 +141,4 @@ tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
 done
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 printf '%s\n' "nvshmem_newest: summary ($SECONDS s)" "${SUMMARY[@]}" | tee "$LOGS/summary.txt"
+exit "$FAILED"
