@@ -10,8 +10,9 @@
 // with no NVSHMEM or system header but the macros of NVSHMEM's version header, so its
 // `unsigned long` and `unsigned long long` are exactly the two spellings that mangle as the
 // library and NVRTC do. An undefined-symbol scan of our kernels against NVSHMEM 3.4.5 found
-// only this one function affected; megatron_deepep/kernels/nvshmem_link.py links this unit
-// into every NVSHMEM cubin.
+// only this one function affected, and with this unit alone they link against every release
+// from 3.4.5 to 3.8.0; megatron_deepep/kernels/nvshmem_link.py links it into every NVSHMEM
+// cubin.
 //
 // The declarations mirror NVSHMEM's (non_abi/device/pt-to-pt/nvshmemi_transfer_api.cuh and the
 // typedef'd enums threadgroup_t / nvshmemi_amo_t, which mangle by their typedef names;
