@@ -7,7 +7,7 @@ carry them: they are installed as the package ``megatron_deepep.cuda_src`` throu
 from setuptools import find_packages, setup
 
 JIT_PACKAGES = ["cuda-bindings>=12.8", "nvidia-cuda-nvrtc", "nvidia-nvjitlink",
-                "nvidia-nvshmem-cu13>=3.4,<3.5", "nvidia-cuda-runtime", "nvidia-cuda-cccl"]
+                "nvidia-nvshmem-cu13>=3.4.5,<3.9", "nvidia-cuda-runtime", "nvidia-cuda-cccl"]
 # Every kernel source and header under cuda_src/ (tests/project/test_packaging.py checks).
 CUDA_SRC_PATTERNS = ["*.cu", "common/*.cuh", "internode/*.cu", "internode/*.cuh", "bench/*.cu"]
 

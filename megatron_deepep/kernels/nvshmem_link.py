@@ -9,6 +9,12 @@ wheel's `lib/libnvshmem_device.a` through nvJitLink into one cubin. None of it n
 links every internode kernel for sm_90. `get_kernel` loads the cubin, fills its NVSHMEM state
 (`nvshmemx_cumodule_init`, through torch) and hands back a `jit.Kernel`.
 
+Releases: the thunk names NVSHMEM's internal put with signal in the form of the release its
+headers say (`cuda_src/internode/nvshmem_version.cuh`). A device library or host library of a
+release not in `TESTED_NVSHMEM` is logged as a warning naming it and the tested ones; one older
+than the oldest tested is an error, and so is a host library older than the device library the
+kernels were linked against (NVSHMEM's own rule: same major release, host minor >= device's).
+
 Headers come from pip wheels (no NVSHMEM or CUDA toolkit install): NVSHMEM's from
 `nvidia-nvshmem-cu13`, the CUDA runtime's from `nvidia-cuda-runtime` (else /usr/local/cuda), and
 CCCL's `cuda/std` from `nvidia-cuda-cccl` (else the toolkit's). NVSHMEM 3.4.5's headers use
@@ -25,6 +31,7 @@ MDEEP_): CACHE_DIR, CACHE_TRUST, JIT_DEBUG, JIT_LINEINFO, JIT_NO_CACHE.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -49,6 +56,15 @@ logger = logging.getLogger(__name__)
 
 PIP_PACKAGES = "nvidia-nvshmem-cu13 nvidia-cuda-runtime nvidia-cuda-cccl nvidia-nvjitlink"
 THUNK_FILE = "internode/nvshmem_abi_thunk.cu"
+_FALLBACK = "or use transport='reference', which works without NVSHMEM"
+# The NVSHMEM releases the link tests passed against (tests/kernels/test_nvshmem_link.py, each
+# release by dev/nvshmem_releases.sh), oldest first; setup.py's `jit` extra admits this range
+# (a test checks). A new release is taken up as docs/internode.md says ("New NVSHMEM or torch
+# releases").
+TESTED_NVSHMEM = ("3.4.5", "3.5.21", "3.6.5", "3.7.2", "3.8.0")
+VERSION_HEADER = "non_abi/nvshmem_version.h"
+_VERSION_RE = re.compile(r"^\s*#\s*define\s+NVSHMEM_VENDOR_(MAJOR|MINOR|PATCH)_VERSION\s+(\d+)",
+                         re.MULTILINE)
 _CUDA_HOME_INCLUDE = Path("/usr/local/cuda/include")
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
 # NVSHMEM 3.4.5's headers name these std traits; NVRTC has no <type_traits> of its own.
@@ -148,6 +164,143 @@ def nvshmem_paths() -> NvshmemPaths:
         raise _unavailable("CCCL's headers (wheel nvidia-cuda-cccl: cuda/std/type_traits)",
                            cccl_candidates)
     return NvshmemPaths(nvshmem, library, cuda, cccl)
+
+
+Version = Tuple[int, int, int]
+
+
+def version_text(version: Version) -> str:
+    """"3.8.0" for (3, 8, 0)."""
+    return ".".join(str(part) for part in version)
+
+
+def _parse_version(text: str) -> Version:
+    major, minor, patch = (int(part) for part in text.split("."))
+    return major, minor, patch
+
+
+def _tested() -> List[Version]:
+    """TESTED_NVSHMEM as (major, minor, patch), oldest first."""
+    return [_parse_version(v) for v in TESTED_NVSHMEM]
+
+
+def header_version(nvshmem_include: Path) -> Version:
+    """The NVSHMEM release of a header set, from its `non_abi/nvshmem_version.h`.
+
+    Raises:
+        NvshmemUnavailable: the header is missing or names no major, minor and patch release.
+    """
+    path = Path(nvshmem_include) / VERSION_HEADER
+    try:
+        found = dict(_VERSION_RE.findall(path.read_text()))
+    except OSError:
+        found = {}
+    if set(found) != {"MAJOR", "MINOR", "PATCH"}:
+        raise _unavailable(f"NVSHMEM's version header with NVSHMEM_VENDOR_MAJOR/MINOR/PATCH_"
+                           f"VERSION (wheel nvidia-nvshmem-cu13: include/{VERSION_HEADER})",
+                           [path])
+    return int(found["MAJOR"]), int(found["MINOR"]), int(found["PATCH"])
+
+
+def nvshmem_version() -> Version:
+    """The release of the NVSHMEM headers and device library the kernels link against."""
+    return header_version(nvshmem_paths().nvshmem_include)
+
+
+@functools.lru_cache(maxsize=None)
+def check_version(version: Version, what: str) -> None:
+    """Accepts a tested NVSHMEM release, warns (once) about an untested one, refuses one older
+    than the oldest tested.
+
+    Args:
+        version: (major, minor, patch).
+        what: which library, with its path, for the messages (e.g. "device library at ...").
+
+    Raises:
+        NvshmemUnavailable: `version` is older than the oldest tested release.
+    """
+    tested = _tested()
+    if version in tested:
+        return
+    found, oldest, newest = version_text(version), TESTED_NVSHMEM[0], TESTED_NVSHMEM[-1]
+    if version < tested[0]:
+        raise NvshmemUnavailable(
+            f"megatron_deepep: NVSHMEM {found} ({what}) is older than the oldest tested "
+            f"release, {oldest}; install `pip install \"nvidia-nvshmem-cu13>={oldest},"
+            f"<={newest}\"` (torch pins its own), {_FALLBACK}.")
+    where = ("newer than the newest tested release, " + newest if version > tested[-1]
+             else "not a tested release (tested: " + ", ".join(TESTED_NVSHMEM) + ")")
+    logger.warning("megatron_deepep: NVSHMEM %s (%s) is %s; the internode kernels use its "
+                   "internal put with signal in %s's form and may fail to link or run "
+                   "(docs/internode.md, \"New NVSHMEM or torch releases\").", found, what, where,
+                   newest if version > tested[-1] else "the nearest tested release")
+
+
+def check_device_library(paths: NvshmemPaths) -> Version:
+    """`check_version` of the device library the kernels link against; returns its release."""
+    version = header_version(paths.nvshmem_include)
+    check_version(version, f"device library {paths.device_library}")
+    return version
+
+
+def _loaded_host_library() -> Optional[Path]:
+    """The libnvshmem_host.so this process has loaded (torch loads it with NVSHMEM), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, path
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libnvshmem_host.so"):
+            return Path(fields[5])
+    return None
+
+
+def host_library_version(path: Path) -> Version:
+    """The release of an NVSHMEM host library (`nvshmemx_vendor_get_version_info`, callable
+    before NVSHMEM starts)."""
+    parts = [ctypes.c_int(0) for _ in range(3)]
+    ctypes.CDLL(str(path)).nvshmemx_vendor_get_version_info(*(ctypes.byref(p) for p in parts))
+    return parts[0].value, parts[1].value, parts[2].value
+
+
+@functools.lru_cache(maxsize=None)
+def check_host_library() -> Optional[Version]:
+    """Checks the NVSHMEM host library of this process (which bootstraps NVSHMEM, holds the heap
+    and runs `nvshmemx_cumodule_init`) against the device library the kernels link against,
+    once per process: `check_version` of it, then NVSHMEM's rule for a device library in a
+    host's process (same major release, host minor >= device minor).
+
+    Returns:
+        The host library's release, or None when none is loaded in this process (warned).
+
+    Raises:
+        NvshmemUnavailable: the host library is older than the oldest tested release, or too
+            old for the device library; the message names both releases and both paths.
+    """
+    paths = nvshmem_paths()
+    device = check_device_library(paths)
+    path = _loaded_host_library()
+    if path is None:
+        logger.warning("megatron_deepep: no libnvshmem_host.so is loaded in this process, so "
+                       "its release cannot be checked against the device library's, %s (%s).",
+                       version_text(device), paths.device_library)
+        return None
+    host = host_library_version(path)
+    check_version(host, f"host library {path}")
+    if host[0] != device[0] or host[1] < device[1]:
+        raise NvshmemUnavailable(
+            f"megatron_deepep: this process's NVSHMEM host library is {version_text(host)} "
+            f"({path}), but the internode kernels link against device library "
+            f"{version_text(device)} ({paths.device_library}); NVSHMEM needs the same major "
+            f"release and a host minor release >= the device library's. Install one "
+            f"nvidia-nvshmem-cu13 for both (torch's pin), or have torch load the newer host "
+            f"library (its wheel's folder first on sys.path before `import torch`, or "
+            f"LD_PRELOAD; not LD_LIBRARY_PATH: torch finds it by RPATH), {_FALLBACK}.")
+    if host != device:
+        logger.info("megatron_deepep: NVSHMEM host library %s (%s), device library %s (%s)",
+                    version_text(host), path, version_text(device), paths.device_library)
+    return host
 
 
 def _bindings():
@@ -281,12 +434,17 @@ def _nvjitlink(nvjitlink, units: Sequence[Tuple[str, bytes]], library: Path, arc
         nvjitlink.destroy(handle)
 
 
-def _cache_key(files: Sequence[Path], thunk: Path, name_expressions: Sequence[str],
-               kernel_opts: List[str], thunk_opts: List[str], arch: str, paths: NvshmemPaths,
-               nvrtc, nvjitlink) -> str:
+def _thunk_options(arch: str, paths: NvshmemPaths) -> List[str]:
+    """The thunk sees our version switch and NVSHMEM's version header, nothing else."""
+    return _base_options(arch) + [f"-I{cuda_src_dir()}", f"-I{paths.nvshmem_include}"]
+
+
+def _cache_key(files: Sequence[Path], thunk_files: Sequence[Path],
+               name_expressions: Sequence[str], kernel_opts: List[str], thunk_opts: List[str],
+               arch: str, paths: NvshmemPaths, nvrtc, nvjitlink) -> str:
     root = cuda_src_dir()
     digest = hashlib.sha256()
-    for f in list(files) + [thunk]:
+    for f in list(files) + list(thunk_files):
         digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     # The shim by its name (which carries its content hash), not the folder it was written to.
     kernel_opts = [f"--pre-include={Path(o.split('=', 1)[1]).name}"
@@ -321,12 +479,12 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
             options and the log.
     """
     paths = nvshmem_paths()
+    version = check_device_library(paths)
     nvrtc, nvjitlink = _bindings()
-    root = cuda_src_dir()
     files = _source_files(source_file, paths)
-    thunk = root / THUNK_FILE
-    kernel_opts, thunk_opts = _kernel_options(arch, paths), _base_options(arch)
-    key = _cache_key(files, thunk, name_expressions, kernel_opts, thunk_opts, arch, paths,
+    thunk_files = _source_files(THUNK_FILE, paths)
+    kernel_opts, thunk_opts = _kernel_options(arch, paths), _thunk_options(arch, paths)
+    key = _cache_key(files, thunk_files, name_expressions, kernel_opts, thunk_opts, arch, paths,
                      nvrtc, nvjitlink)
     entry_path = link_cache_dir(cache_dir) / f"{key}.kernel"  # one file: names and cubin
     use_cache = not knobs.get("JIT_NO_CACHE") and (
@@ -337,12 +495,20 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
         if entry is not None:
             return entry
     start = time.perf_counter()
-    kernel, lowered = _nvrtc_compile(nvrtc, files[0].read_bytes(), source_file,
-                                     name_expressions, kernel_opts)
-    thunk_cubin, _ = _nvrtc_compile(nvrtc, thunk.read_bytes(), THUNK_FILE, (), thunk_opts)
-    linked = _nvjitlink(nvjitlink, [(source_file, kernel), (THUNK_FILE, thunk_cubin)],
-                        paths.device_library, arch,
-                        f"{source_file} {list(name_expressions)}")
+    try:
+        kernel, lowered = _nvrtc_compile(nvrtc, files[0].read_bytes(), source_file,
+                                         name_expressions, kernel_opts)
+        thunk_cubin, _ = _nvrtc_compile(nvrtc, thunk_files[0].read_bytes(), THUNK_FILE, (),
+                                        thunk_opts)
+        linked = _nvjitlink(nvjitlink, [(source_file, kernel), (THUNK_FILE, thunk_cubin)],
+                            paths.device_library, arch,
+                            f"{source_file} {list(name_expressions)}")
+    except LinkError as exc:
+        if version in _tested():
+            raise
+        raise LinkError(f"{exc}\n  NVSHMEM {version_text(version)} is not a tested release "
+                        f"(tested: {', '.join(TESTED_NVSHMEM)}): see docs/internode.md, \"New "
+                        f"NVSHMEM or torch releases\".") from None
     logger.info("megatron_deepep: linked %s %s for %s against NVSHMEM's device library in "
                 "%.1f s", source_file, list(name_expressions), arch,
                 time.perf_counter() - start)
@@ -350,8 +516,6 @@ def link_cubin(source_file: str, name_expressions: Sequence[str], arch: str = "s
         cache_trust.write_checked(entry_path, pack_entry(linked, lowered))
     return linked, lowered
 
-
-_FALLBACK = "or use transport='reference', which works without NVSHMEM"
 
 
 def cumodule_init():
@@ -379,10 +543,12 @@ def init_module(module) -> None:
         module: the CUmodule (a `cuda.bindings.driver.CUmodule` or its address as an int).
 
     Raises:
-        NvshmemUnavailable: this torch cannot do it.
+        NvshmemUnavailable: this torch cannot do it, or its NVSHMEM host library does not
+            suit the device library (`check_host_library`).
         RuntimeError: NVSHMEM refused (not started yet, or the cubin lacks its device state).
     """
     init = cumodule_init()
+    check_host_library()
     try:
         init(int(module))
     except Exception as exc:

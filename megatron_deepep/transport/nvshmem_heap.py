@@ -29,7 +29,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from megatron_deepep.kernels.nvshmem_link import PIP_PACKAGES, NvshmemUnavailable, cumodule_init
+from megatron_deepep.kernels.nvshmem_link import (PIP_PACKAGES, NvshmemUnavailable,
+                                                 check_host_library, cumodule_init)
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ def check_available() -> None:
     support, the NVSHMEM library at run time).
 
     Raises:
-        NvshmemUnavailable: what is missing, what to install, and the fallback.
+        NvshmemUnavailable: what is missing, what to install, and the fallback; or a host
+            library that does not suit the device library (`nvshmem_link.check_host_library`).
     """
     if not torch.cuda.is_available():
         raise NvshmemUnavailable(
@@ -79,6 +81,9 @@ def check_available() -> None:
             f"megatron_deepep: torch {torch.__version__} cannot load NVSHMEM (is the "
             f"nvidia-nvshmem-cu13 wheel installed, matching torch's CUDA?). Install "
             f"`pip install {PIP_PACKAGES}`, {_FALLBACK}.")
+    # The host library torch loaded bootstraps NVSHMEM and holds the heap: its release must
+    # suit the device library the kernels link against (both named if not).
+    check_host_library()
 
 
 DEFAULT_HEAP_BYTES = 1 << 30  # NVSHMEM's default NVSHMEM_SYMMETRIC_SIZE
