@@ -92,6 +92,7 @@ class Knob:
         high: the largest value of a number (None: no bound).
         pattern: a regular expression a "str" value must match in full (None: any).
         form: the values `pattern` takes, in words (for its error message).
+        is_file: a "str" value names a file that must be readable.
     """
 
     name: str
@@ -107,6 +108,7 @@ class Knob:
     high: Optional[float] = None
     pattern: Optional[str] = None
     form: str = ""
+    is_file: bool = False
 
     @property
     def env_name(self) -> str:
@@ -125,6 +127,12 @@ class Knob:
             raise ValueError(f"{where}: expected one of {', '.join(self.choices)}{hint}")
         if self.pattern is not None and not re.fullmatch(self.pattern, value):
             raise ValueError(f"{where}: expected {self.form or self.pattern}")
+        if self.is_file:
+            try:
+                with open(value, "rb"):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"{where}: cannot read that file ({exc.strerror})") from None
         if self.kind in ("int", "float"):
             too_low = self.low is not None and (value <= self.low if self.low_open
                                                  else value < self.low)
@@ -193,7 +201,7 @@ _TABLE = (
     Knob("EXPERT_MAP", "str", None, "unset", "a placement from `python -m "
          "megatron_deepep.tools.balance --json` (per layer, or one plan for every layer): the "
          "dispatcher routes logical experts to its physical slots", "dispatcher",
-         read_by=_DISPATCHER),
+         read_by=_DISPATCHER, is_file=True),
     Knob("REPLAN", "int", None, "unset", "re-plan the placement from the recorded loads at each "
          "checkpoint save (a plan file in the iteration folder), with this many extra slots for "
          "copies of hot experts (0: none; a multiple of EP, at most E x (EP - 1)); a resume takes "
@@ -302,8 +310,12 @@ def read(knob: Knob, default: Optional[object] = None):
     return knob.check(text, _PARSERS[knob.kind](knob.env_name, text))
 
 
-#: Prefixes of `MDEEP_*` variables that are not users' knobs (the test harness's own).
-_OTHER_PREFIXES = ("TEST_",)
+#: The names already warned about, comma-separated: set by `_warn_once` and inherited by the
+#: processes this one starts (a job's ranks and runs), so each warning comes once per job.
+WARNED_ENV = PREFIX + "KNOBS_WARNED"
+#: Prefixes of `MDEEP_*` variables that are not users' knobs (the test harness's own, and the
+#: record of the warnings given).
+_OTHER_PREFIXES = ("TEST_", WARNED_ENV[len(PREFIX):])
 _warned_names: set = set()
 _dispatcher_built = False
 
@@ -344,10 +356,14 @@ def check_environment(reader: str = _BUFFER) -> None:
 
 
 def _warn_once(key: str, message: str, *args) -> None:
-    """Warns once per process, on the first rank only (every rank sees the same variables)."""
-    if key not in _warned_names and os.environ.get("RANK", "0") == "0":
-        _warned_names.add(key)
-        logger.warning(message, *args)
+    """Warns once per process and the processes it starts (`WARNED_ENV`), on the first rank
+    only (every rank sees the same variables)."""
+    inherited = os.environ.get(WARNED_ENV, "").split(",")
+    if key in _warned_names or key in inherited or os.environ.get("RANK", "0") != "0":
+        return
+    _warned_names.add(key)
+    os.environ[WARNED_ENV] = ",".join(name for name in inherited + [key] if name)
+    logger.warning(message, *args)
 
 
 def markdown_table() -> str:
@@ -361,14 +377,18 @@ def markdown_table() -> str:
 
 def main() -> int:
     """`python megatron_deepep/knobs.py`: checks the `MDEEP_*` environment with the standard
-    library alone (what `examples/run_gpt_moe.sh` runs first): 0, or 2 and one line naming the
-    bad variable. Unknown names warn."""
+    library alone (what `examples/run_gpt_moe.sh` runs first): 0, or 2 and one line on stderr
+    naming the bad variable. Unknown names warn on stderr; stdout gets `WARNED_ENV`'s value,
+    for the caller to pass on to the job's processes."""
+    import sys
+
     logging.basicConfig(format="megatron_deepep: %(message)s")
     try:
         check_environment(_DISPATCHER)
     except ValueError as exc:
-        print(f"megatron_deepep: {exc}", flush=True)
+        print(f"megatron_deepep: {exc}", file=sys.stderr, flush=True)
         return 2
+    print(os.environ.get(WARNED_ENV, ""))
     return 0
 
 

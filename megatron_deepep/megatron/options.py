@@ -525,13 +525,27 @@ def _check_expert_tp(config, options: Optional[DeepEPOptions], etp: int) -> None
             f"--moe-pad-expert-input-to-capacity, or --expert-tensor-parallel-size 1")
 
 
+EXPERT_MAP_FLAG = "--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP)"
+
+
 def _read_map(expert_map):
+    """The `expert_map` option's plan: the JSON of its file, or itself.
+
+    Raises:
+        ValueError: a file that cannot be read or is no JSON, naming the option and the file.
+    """
     import json
 
-    if isinstance(expert_map, str):
+    if not isinstance(expert_map, str):
+        return expert_map
+    try:
         with open(expert_map, encoding="utf-8") as f:
             return json.load(f)
-    return expert_map
+    except OSError as exc:
+        raise ValueError(f"{EXPERT_MAP_FLAG} = {expert_map}: cannot read that file "
+                         f"({exc.strerror})") from None
+    except ValueError as exc:
+        raise ValueError(f"{EXPERT_MAP_FLAG} = {expert_map}: not JSON ({exc})") from None
 
 
 def physical_slot_count(expert_map) -> Optional[int]:
@@ -550,7 +564,7 @@ def physical_slot_count(expert_map) -> Optional[int]:
     counts = {len(p.get("physical_to_logical", ())) if isinstance(p, dict) else len(p)
               for p in plans}
     if len(counts) != 1:
-        raise ValueError(f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP): "
+        raise ValueError(f"{EXPERT_MAP_FLAG}: "
                          f"its plans have different slot counts {sorted(counts)}; every layer "
                          f"needs the same (one balance run with one --redundant)")
     return counts.pop()
@@ -579,12 +593,11 @@ def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
             plan = layers.get("0")
         if plan is None:
             raise ValueError(
-                f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP) has no plan "
+                f"{EXPERT_MAP_FLAG} has no plan "
                 f"for layer {layer_number} (layers {sorted(layers)}) and no layer 0 for all")
         data = plan
     if isinstance(data, dict):
         data = data.get("physical_to_logical")
     if not isinstance(data, (list, tuple)) or not all(isinstance(v, int) for v in data):
-        raise ValueError("--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP): "
-                         "expected a balance plan or a physical_to_logical list of ints")
+        raise ValueError(f"{EXPERT_MAP_FLAG}: expected a balance plan or a physical_to_logical list of ints")
     return [int(v) for v in data]
