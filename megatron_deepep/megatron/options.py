@@ -593,11 +593,11 @@ def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
             plan = layers.get("0")
         if plan is None:
             raise ValueError(
-                f"{EXPERT_MAP_FLAG} has no plan "
-                f"for layer {layer_number} (layers {sorted(layers)}) and no layer 0 for all")
+                f"{EXPERT_MAP_FLAG} has no plan for layer {layer_number} (layers {sorted(layers)}) and no layer 0 for all")
         data = plan
     if isinstance(data, dict):
         data = data.get("physical_to_logical")
     if not isinstance(data, (list, tuple)) or not all(isinstance(v, int) for v in data):
-        raise ValueError(f"{EXPERT_MAP_FLAG}: expected a balance plan or a physical_to_logical list of ints")
+        raise ValueError(f"{EXPERT_MAP_FLAG}: expected a balance plan or a physical_to_logical "
+                         f"list of ints")
     return [int(v) for v in data]
