@@ -97,8 +97,6 @@ if [ "$JOB_PATH" = cpu-demo ]; then
   compare_options
   # Another dispatcher than deepep (the flag or DISPATCHER) runs first, beside deepep.
   if [ "$DISPATCHER" != deepep ]; then COMPARE+=(--dispatchers "$DISPATCHER,deepep"); fi
-  # The reference transport's times say nothing of the kernels': no comm-share warnings.
-  export MDEEP_COMM_SHARE_WARN=${MDEEP_COMM_SHARE_WARN:-0}
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node 2 "$HERE/compare_dispatchers.py" --cpu \
     --steps "${CPU_TRAIN_ITERS:-${TRAIN_ITERS:-20}}" --out "$OUT" \
