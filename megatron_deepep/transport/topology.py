@@ -198,11 +198,12 @@ def topology_from_hosts(hosts: Sequence[str], rank: int,
     return Topology(num_ranks, per_node, rank)
 
 
-def count_hosts(group=None) -> int:
-    """How many hosts the ranks of `group` run on (a collective: host names go round with
-    `all_gather_object`)."""
-    hosts: List[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, _host_name(), group=group)
+def count_hosts(group=None, timeout_s: float = 100.0) -> int:
+    """How many hosts the ranks of `group` run on (every rank must call: host names go round,
+    `rendezvous.gather_objects`, waiting at most `timeout_s` for the others)."""
+    from megatron_deepep.transport.rendezvous import gather_objects
+
+    hosts = gather_objects(_host_name(), group, timeout_s=timeout_s, what="the count of hosts")
     return len(set(hosts))
 
 
