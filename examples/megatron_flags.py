@@ -161,8 +161,13 @@ def parse(flags: Sequence[str], cpu: bool = True) -> MegatronFlags:
 def check_dispatcher(where: str, name: str) -> str:
     """`name` if the main job runs that dispatcher (`DISPATCHERS`).
 
+    Args:
+        where: what gave it, as the error starts: "--moe-token-dispatcher-type " or
+            "DISPATCHER=".
+        name: the value given.
+
     Raises:
-        FlagError: naming `where` (the flag or the variable), the value and the choices.
+        FlagError: naming `where`, the value and the choices.
     """
     if name in DISPATCHERS:
         return name
@@ -170,7 +175,7 @@ def check_dispatcher(where: str, name: str) -> str:
 
     close = difflib.get_close_matches(name.lower(), DISPATCHERS, n=1)
     hint = f"; did you mean {close[0]}?" if close else ""
-    raise FlagError(f"{where} {name!r}: expected one of {', '.join(DISPATCHERS)}{hint}")
+    raise FlagError(f"{where}{name!r}: expected one of {', '.join(DISPATCHERS)}{hint}")
 
 
 def job_flags(flags: Sequence[str], dispatcher_env: str = "") -> Tuple[str, List[str], str]:
@@ -196,7 +201,7 @@ def job_flags(flags: Sequence[str], dispatcher_env: str = "") -> Tuple[str, List
         elif text is True:
             raise FlagError(f"{DISPATCHER_FLAG} needs a value: one of {', '.join(DISPATCHERS)}")
         else:
-            given = check_dispatcher(DISPATCHER_FLAG, text)
+            given = check_dispatcher(DISPATCHER_FLAG + " ", text)
     if given is None:
         return dispatcher, rest, ""
     over = (f" (over DISPATCHER={dispatcher_env})"
