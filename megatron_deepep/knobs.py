@@ -85,7 +85,8 @@ class Knob:
         read_by: who reads it, for the README: "dispatcher" (the Megatron dispatcher: the
             runtime plugin or a patched fork), "Buffer" (`Buffer` / `get_buffer`, so also the
             dispatcher and the tools, which build one), "kernels" (every kernel compile and
-            launch) or the one tool or example that reads it.
+            launch), "kernels, once per process" (the first launch that needs it) or the tools
+            and examples that read it.
         choices: the values a "str" knob takes (empty: any).
         low: the smallest value of a number (None: no bound).
         low_open: `low` itself is excluded (a number > low).
@@ -162,6 +163,7 @@ def _number(value: float) -> str:
 _BUFFER = "Buffer"
 _DISPATCHER = "dispatcher"
 _KERNELS = "kernels"
+_KERNELS_ONCE = "kernels, once per process"
 _EXAMPLE = "`examples/pretrain_gpt_moe.py`, `examples/compare_dispatchers.py`"
 
 #: FP8_DISPATCH's values: `megatron_deepep.fp8.dispatch.FLAG_NAMES` and the format names of
@@ -212,7 +214,7 @@ _TABLE = (
          "off)", "dispatcher", read_by=_DISPATCHER + ", `tools.report`", low=0),
     Knob("FP8_EXPERTS", "bool", False, "0", "`examples/pretrain_gpt_moe.py` builds its TE experts "
          "with `te_experts.with_fp8_experts`: FP8 rows into TE's grouped GEMM in training "
-         "(`docs/fp8.md`)", "dispatcher", read_by=_EXAMPLE),
+         "(`docs/fp8.md`)", "dispatcher", read_by="`examples/pretrain_gpt_moe.py`"),
     Knob("FP8_COLUMNWISE", "str", "kernel", "kernel", "how the FP8 experts make the weight "
          "gradient's columnwise copy of their FP8 rows: `kernel` (one pass, FP8 in and out, "
          "`cuda_src/fp8_columnwise.cu`) or `dequantize` (bf16 rows, then TE's `split_quantize`)",
@@ -279,9 +281,9 @@ _TABLE = (
     Knob("FP8_ROW_STAGE_MIN_SMS", "int", 48, "48", "the quantizing EP = 1 FP8 expand stages "
          "each row in shared memory from this SM budget up (HBM the limit) and quantizes in "
          "registers below it (each SM's load/store path the limit); `0`: the row stage at "
-         "every budget", "jit", read_by=_KERNELS, low=0),
+         "every budget", "jit", read_by=_KERNELS_ONCE, low=0),
     Knob("PDL", "bool", True, "1", "programmatic dependent launch: the EP = 1 expand starts "
-         "while the layout kernel ends (`0`: after it)", "jit", read_by=_KERNELS),
+         "while the layout kernel ends (`0`: after it)", "jit", read_by=_KERNELS_ONCE),
 )
 
 KNOBS: Dict[str, Knob] = {knob.name: knob for knob in _TABLE}
