@@ -342,11 +342,6 @@ class KernelArgs(ctypes.Structure):
             raise
         return instance
 
-    def as_dict(self) -> dict:
-        """Field name -> value (pointers as ints, 0 for null)."""
-        return {name: (getattr(self, name) or 0) if ctype is Ptr else getattr(self, name)
-                for name, ctype in self._fields_}
-
 
 # ---------------------------------------------------------------------------------------------
 # Launch.

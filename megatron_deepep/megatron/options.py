@@ -146,21 +146,19 @@ REPLAN_FLAG = "--moe-mdeep-replan (moe_mdeep_replan / MDEEP_REPLAN)"
 
 def check_replan_option(value, ep_size: Optional[int] = None,
                         num_experts: Optional[int] = None) -> int:
-    """Raises ValueError naming the flag unless `value` is an int >= 0 (a multiple of
-    `ep_size` when given, and at most `num_experts * (ep_size - 1)`, one copy of an expert
-    per rank, when both are given); returns it."""
+    """Raises ValueError naming the flag unless `value` is an int >= 0 (with `ep_size`, extra
+    slots a plan can fill: `placement.check_extra_slots`); returns it."""
+    from megatron_deepep import placement
+
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{REPLAN_FLAG} takes the extra slots for copies of hot experts, an "
                          f"integer >= 0, got {value!r}")
-    if ep_size is not None and value % max(ep_size, 1):
-        raise ValueError(f"{REPLAN_FLAG} {value}: the extra slots must be a multiple of "
-                         f"--expert-model-parallel-size {ep_size} (equal slots per rank)")
-    if ep_size is not None and num_experts is not None \
-            and value > num_experts * (max(ep_size, 1) - 1):
-        raise ValueError(f"{REPLAN_FLAG} {value}: more extra slots than the "
-                         f"{num_experts * (max(ep_size, 1) - 1)} copies {num_experts} experts "
-                         f"can have over --expert-model-parallel-size {ep_size} (one copy of an "
-                         f"expert per rank: at most E x (EP - 1))")
+    if ep_size is not None:
+        try:
+            placement.check_extra_slots(value, max(ep_size, 1), num_experts)
+        except ValueError as exc:
+            raise ValueError(f"{REPLAN_FLAG} {value} with --expert-model-parallel-size "
+                             f"{ep_size}: {exc}") from None
     return value
 
 

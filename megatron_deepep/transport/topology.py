@@ -62,11 +62,6 @@ class Topology:
         return self.num_ranks // self.num_ranks_per_node
 
     @property
-    def is_internode(self) -> bool:
-        """True when the group spans more than one node."""
-        return self.num_nodes > 1
-
-    @property
     def node(self) -> int:
         """This rank's node."""
         return self.node_of(self.rank)
@@ -75,17 +70,6 @@ class Topology:
     def local_rank(self) -> int:
         """This rank's index within its node."""
         return self.local_rank_of(self.rank)
-
-    @property
-    def node_of_rank(self) -> Tuple[int, ...]:
-        """`[R]`: the node of every rank."""
-        return tuple(r // self.num_ranks_per_node for r in range(self.num_ranks))
-
-    @property
-    def rail_peers(self) -> Tuple[int, ...]:
-        """`[num_nodes]`: the rank with this rank's local index on every node (itself on its
-        own node)."""
-        return tuple(self.rail_peer(self.rank, n) for n in range(self.num_nodes))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.num_ranks:
