@@ -68,6 +68,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_flags  # noqa: E402  (examples/megatron_flags.py, beside this file)
+from megatron_deepep.fp8.dispatch import names as fp8_names  # noqa: E402
 from megatron_deepep.logs import quiet_known_noise  # noqa: E402
 
 quiet_known_noise()  # before megatron-core is imported (megatron_deepep.logs.KNOWN_NOISE)
@@ -155,8 +156,8 @@ def parse_args(argv=None):
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "runs", "compare_out")
-FP8_CHOICES = ["blockwise", "mxfp8", "blockwise_1x128", "blockwise_1x128_fp32_scales",
-               "mxfp8_1x32"]
+#: The FP8 formats and their flag names (`fp8.dispatch.names()`, less "off" and "auto").
+FP8_CHOICES = [name for name in fp8_names() if name not in ("off", "auto")]
 FP8_SUFFIX = "+fp8:"
 
 

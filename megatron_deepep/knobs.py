@@ -171,6 +171,10 @@ _EXAMPLE = "`examples/pretrain_gpt_moe.py`, `examples/compare_dispatchers.py`"
 FP8_DISPATCH_VALUES = ("off", "blockwise", "mxfp8", "auto", "blockwise_1x128",
                        "blockwise_1x128_fp32_scales", "mxfp8_1x32")
 
+#: The transports (`megatron_deepep.transport`), listed here alone: the bottom layer checks
+#: MDEEP_TRANSPORT, and the transport package and the dispatcher's option take this list.
+TRANSPORT_NAMES = ("auto", "local", "nvlink", "internode", "reference")
+
 _TABLE = (
     # The Megatron dispatcher's options (`DeepEPOptions`; a config field or
     # `register_deepep_dispatcher(...)` keyword overrides them).
@@ -178,7 +182,7 @@ _TABLE = (
          "`auto` (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the internode "
          "kernels across nodes, the pure-torch reference without CUDA), `local`, `nvlink`, "
          "`internode` or `reference`", "dispatcher",
-         read_by=_BUFFER, choices=("auto", "local", "nvlink", "internode", "reference")),
+         read_by=_BUFFER, choices=TRANSPORT_NAMES),
     Knob("RANKS_PER_NODE", "int", None, "unset", "declares nodes of this many contiguous EP "
          "ranks (virtual nodes); unset: the ranks' host names", "dispatcher",
          read_by=_BUFFER, low=1),

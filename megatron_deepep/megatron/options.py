@@ -10,8 +10,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from megatron_deepep.fp8.dispatch import ALIASES, FLAG_NAMES
 from megatron_deepep import knobs
+from megatron_deepep.fp8.dispatch import ALIASES, FLAG_NAMES, names
 
 #: The value of `moe_token_dispatcher_type` that selects this dispatcher.
 DISPATCHER_TYPE = "deepep"
@@ -21,7 +21,7 @@ DISPATCHER_TYPE = "deepep"
 CONFIG_PREFIX = "moe_mdeep_"
 
 #: Values of the `transport` option.
-TRANSPORT_CHOICES = ("auto", "local", "nvlink", "internode", "reference")
+TRANSPORT_CHOICES = knobs.TRANSPORT_NAMES
 
 #: Values of the `fp8_dispatch` option besides the names in `megatron_deepep.fp8.FORMATS`.
 FP8_DISPATCH_CHOICES = FLAG_NAMES  # one list: fp8/dispatch.py's
@@ -172,13 +172,12 @@ def check_transport_option(value) -> str:
 
 
 def check_fp8_dispatch_option(value) -> str:
-    """Raises ValueError naming the flag unless `value` is a valid `fp8_dispatch`."""
-    from megatron_deepep.fp8 import FORMATS
-
-    if value not in FP8_DISPATCH_CHOICES and value not in FORMATS:
+    """Raises ValueError naming the flag unless `value` is a valid `fp8_dispatch`
+    (`fp8.dispatch.names()`)."""
+    if value not in names():
         raise ValueError(
             f"--moe-mdeep-fp8-dispatch (moe_mdeep_fp8_dispatch / MDEEP_FP8_DISPATCH) must be one "
-            f"of {list(FP8_DISPATCH_CHOICES) + sorted(FORMATS)}, got {value!r}")
+            f"of {list(names())}, got {value!r}")
     return value
 
 

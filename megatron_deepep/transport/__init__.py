@@ -23,11 +23,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_deepep import knobs
 from megatron_deepep.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT_NAMES = ("auto", "local", "nvlink", "internode", "reference")
+TRANSPORT_NAMES = knobs.TRANSPORT_NAMES
 
 
 def resolve(name: str, num_ranks: int, cuda_available: bool, num_nodes: int = 1) -> str:
