@@ -19,10 +19,10 @@ prints one line on stdout for the launcher: `<path> <number of GPUs torch sees>`
 
 What it installs when missing: torch pinned as for the tests (`TORCH_PIN`; an installed torch
 is kept; without a GPU the CPU build, from PyTorch's CPU index `CPU_TORCH_INDEX`, and pip's
-default torch, one line saying so, where that index cannot be reached), megatron-core in the supported range (`MEGATRON_CORE`, with `megatron.training` where
-the Python allows), pyyaml for `megatron.training`, matplotlib (the loss plot and the metrics
-report's PNGs), and on GPUs this package with its `gpu` extra (NVRTC and the CUDA wheels the
-kernels compile and link with).
+default torch, one line saying so, where that index cannot be reached), megatron-core in the
+supported range (`MEGATRON_CORE`, with `megatron.training` where the Python allows), pyyaml
+for `megatron.training`, matplotlib (the loss plot and the metrics report's PNGs), and on GPUs
+this package with its `gpu` extra (NVRTC and the CUDA wheels the kernels compile and link with).
 """
 
 from __future__ import annotations

@@ -590,7 +590,8 @@ def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
             plan = layers.get("0")
         if plan is None:
             raise ValueError(
-                f"{EXPERT_MAP_FLAG} has no plan for layer {layer_number} (layers {sorted(layers)}) and no layer 0 for all")
+                f"{EXPERT_MAP_FLAG} has no plan for layer {layer_number} (layers "
+                f"{sorted(layers)}) and no layer 0 for all")
         data = plan
     if isinstance(data, dict):
         data = data.get("physical_to_logical")
