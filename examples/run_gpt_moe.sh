@@ -8,8 +8,8 @@
 # wins over DISPATCHER. Flags take `--flag value` or `--flag=value`, and are checked first.
 # First examples/prepare_env.py looks for GPUs (nvidia-smi) and says what it found and which path
 # it takes, then installs only what is missing (torch pinned as for the tests, from PyTorch's
-# CPU index without a GPU; megatron-core
-# 0.16-0.19: 0.17+ ships megatron.training and needs Python >= 3.12; this package's GPU extra):
+# CPU index without a GPU; megatron-core 0.16-0.19: 0.17+ ships megatron.training and needs
+# Python >= 3.12; this package's GPU extra):
 #   megatron-training  GPUs + megatron.training: examples/pretrain_gpt_moe.py (below)
 #   megatron-core      GPUs, megatron-core alone (Python 3.10/3.11: 0.16):
 #                      examples/compare_dispatchers.py, TRAIN_ITERS steps of DISPATCHER
