@@ -53,6 +53,10 @@ FIELDS=$(mktemp)
 trap 'rm -f "$FIELDS"' EXIT
 "$PY" "$HERE/megatron_flags.py" --job -- "$@" > "$FIELDS" || exit 2
 mapfile -d '' -t JOB_FIELDS < "$FIELDS"
+if [ ${#JOB_FIELDS[@]} -lt 2 ]; then
+  echo "run_gpt_moe.sh: examples/megatron_flags.py --job gave no dispatcher" >&2
+  exit 1
+fi
 DISPATCHER=${JOB_FIELDS[0]} FLAGS_CHECKED=${JOB_FIELDS[1]}
 set -- "${JOB_FIELDS[@]:2}"
 MDEEP_KNOBS_WARNED=$("$PY" "$REPO/megatron_deepep/knobs.py") || exit 2
