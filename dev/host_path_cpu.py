@@ -53,7 +53,8 @@ from megatron_deepep.fp8.dispatch import Fp8Dispatch  # noqa: E402
 from megatron_deepep.kernels import jit  # noqa: E402
 from megatron_deepep.transport import local as local_module  # noqa: E402
 from megatron_deepep.transport import status as status_module  # noqa: E402
-from megatron_deepep.transport.status import KernelStatus, host_word  # noqa: E402
+from megatron_deepep.transport.status import KernelStatus  # noqa: E402
+from tests.helpers.mirrors import host_word  # noqa: E402
 
 MODES = ("sync", "nosync", "cached")
 

@@ -68,6 +68,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_flags  # noqa: E402  (examples/megatron_flags.py, beside this file)
+from megatron_deepep.fp8.dispatch import names as fp8_names  # noqa: E402
 from megatron_deepep.logs import quiet_known_noise  # noqa: E402
 
 quiet_known_noise()  # before megatron-core is imported (megatron_deepep.logs.KNOWN_NOISE)
@@ -155,8 +156,8 @@ def parse_args(argv=None):
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "runs", "compare_out")
-FP8_CHOICES = ["blockwise", "mxfp8", "blockwise_1x128", "blockwise_1x128_fp32_scales",
-               "mxfp8_1x32"]
+#: The FP8 formats and their flag names (`fp8.dispatch.names()`, less "off" and "auto").
+FP8_CHOICES = [name for name in fp8_names() if name not in ("off", "auto")]
 FP8_SUFFIX = "+fp8:"
 
 
@@ -254,7 +255,9 @@ def allow_megatron_on_cpu() -> None:
     dropout, and its `alltoall` dispatcher copies the split sizes to the host on a side stream
     (a no-op for CPU tensors, which it then hands to `all_to_all_single` as tensors, not
     numpy arrays). Maps the device to the CPU, the streams and the RNG fork to no-ops (dropout
-    is 0 here), and the split sizes to numpy as on the GPU.
+    is 0 here), and the split sizes to numpy as on the GPU. The reference transport's times say
+    nothing of the kernels', so the comm-share warning is off unless `MDEEP_COMM_SHARE_WARN` is
+    set (this process and those it starts).
     """
     import contextlib
 
@@ -274,6 +277,7 @@ def allow_megatron_on_cpu() -> None:
         return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host_numpy
+    os.environ.setdefault("MDEEP_COMM_SHARE_WARN", "0")
 
 
 def _synchronize(args) -> None:
@@ -559,6 +563,10 @@ def main(argv=None):
     if args.plot_only:
         return plot_only(args)
     if not args.cpu and not torch.cuda.is_available():
+        # Before any run's process starts; rank 0 alone says it and fails, so that torchrun
+        # reports one failed rank, not every rank's.
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
         print("compare_dispatchers.py: no CUDA GPU. Without one, train on the CPU over 2 gloo "
               "ranks: torchrun --nproc-per-node 2 examples/compare_dispatchers.py --cpu "
               "(or bash examples/run_gpt_moe.sh, which does that on a machine without a GPU)",

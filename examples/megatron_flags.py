@@ -42,6 +42,12 @@ DROPPED = {
 }
 #: Switches that a value of another flag stands for here.
 IMPLIED = {"--group-query-attention": "--num-query-groups"}
+#: The main job's dispatchers (`--moe-token-dispatcher-type` of `run_gpt_moe.sh`, or its
+#: DISPATCHER): Megatron's `alltoall` with TE's fused permute is `alltoall-fused`.
+DISPATCHERS = ("deepep", "alltoall", "alltoall-fused")
+DISPATCHER_FLAG = "--moe-token-dispatcher-type"
+#: Each run of compare_dispatchers.py sets its own dispatcher (`--dispatchers`).
+DROPPED[DISPATCHER_FLAG] = "each run sets its own (compare_dispatchers.py --dispatchers)"
 
 
 @dataclasses.dataclass
@@ -60,7 +66,8 @@ class FlagError(ValueError):
 
 
 def split(flags: Sequence[str]) -> List[Tuple[str, object]]:
-    """`["--a", "1", "--b"]` -> `[("--a", "1"), ("--b", True)]` (a switch has the value True)."""
+    """`["--a", "1", "--b", "--c=2"]` -> `[("--a", "1"), ("--b", True), ("--c", "2")]` (a
+    switch has the value True)."""
     out = []
     i = 0
     while i < len(flags):
@@ -68,7 +75,10 @@ def split(flags: Sequence[str]) -> List[Tuple[str, object]]:
         if not flag.startswith("--"):
             raise FlagError(f"expected a flag, got {flag!r} (after "
                             f"{flags[i - 1] if i else 'nothing'})")
-        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+        if "=" in flag:
+            out.append(tuple(flag.split("=", 1)))
+            i += 1
+        elif i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             out.append((flag, flags[i + 1]))
             i += 2
         else:
@@ -148,24 +158,122 @@ def parse(flags: Sequence[str], cpu: bool = True) -> MegatronFlags:
     return out
 
 
-def main(argv: Sequence[str]) -> int:
-    """`python examples/megatron_flags.py [--gpu] -- FLAGS`: 0 if every flag can be placed, else
-    one line naming the first that cannot (what `run_gpt_moe.sh` runs before it starts
-    torchrun, so a mistyped flag is one line, not every rank's traceback)."""
-    argv = list(argv)
-    cpu = "--gpu" not in argv[:argv.index("--")] if "--" in argv else True
-    flags = argv[argv.index("--") + 1:] if "--" in argv else argv
+def check_dispatcher(where: str, name: str) -> str:
+    """`name` if the main job runs that dispatcher (`DISPATCHERS`).
+
+    Args:
+        where: what gave it, as the error starts: "--moe-token-dispatcher-type " or
+            "DISPATCHER=".
+        name: the value given.
+
+    Raises:
+        FlagError: naming `where`, the value and the choices.
+    """
+    if name in DISPATCHERS:
+        return name
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), DISPATCHERS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise FlagError(f"{where}{name!r}: expected one of {', '.join(DISPATCHERS)}{hint}")
+
+
+def job_flags(flags: Sequence[str], dispatcher_env: str = "") -> Tuple[str, List[str], str]:
+    """The main job's own flag taken out of `flags` (`run_gpt_moe.sh FLAGS`).
+
+    Args:
+        flags: the command line after the script's name.
+        dispatcher_env: the DISPATCHER variable ("": unset).
+
+    Returns:
+        `(dispatcher, the other flags, note)`: `--moe-token-dispatcher-type` wins over
+        DISPATCHER, which wins over `deepep`; the other flags with `--a=b` as `--a b`; a
+        one-line note when the flag chose the dispatcher ("" otherwise).
+
+    Raises:
+        FlagError: a dispatcher the job does not run, or a word that is no flag.
+    """
+    dispatcher = check_dispatcher("DISPATCHER=", dispatcher_env) if dispatcher_env else "deepep"
+    rest, given = [], None
+    for flag, text in split(flags):
+        if flag != DISPATCHER_FLAG:
+            rest += [flag] if text is True else [flag, text]
+        elif text is True:
+            raise FlagError(f"{DISPATCHER_FLAG} needs a value: one of {', '.join(DISPATCHERS)}")
+        else:
+            given = check_dispatcher(DISPATCHER_FLAG + " ", text)
+    if given is None:
+        return dispatcher, rest, ""
+    over = (f" (over DISPATCHER={dispatcher_env})"
+            if dispatcher_env and dispatcher_env != given else "")
+    return given, rest, f"{DISPATCHER_FLAG} {given} from the command line{over}"
+
+
+def _quiet_imports() -> None:
+    """Drops megatron-core's import-time notices (no TE, no Apex) in this process."""
     import os
     import sys
     import warnings
 
-    warnings.filterwarnings("ignore")  # megatron-core's import-time notices (no TE, no Apex)
+    warnings.filterwarnings("ignore")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from megatron_deepep.logs import quiet_known_noise
 
     quiet_known_noise()
+
+
+def _checkable_on_this_cpu() -> bool:
+    """True where the CPU demonstration is the job's path and `parse` can run before anything
+    is installed (no GPU; torch and megatron-core importable)."""
+    import importlib.util
+
+    import prepare_env  # examples/prepare_env.py, beside this file
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron") is None:
+        return False
+    return prepare_env.find_gpus()[0] == 0
+
+
+def job_main(flags: Sequence[str]) -> int:
+    """`python examples/megatron_flags.py --job -- FLAGS`: what `run_gpt_moe.sh` runs first,
+    before it probes or installs anything. 2 and one line for a bad dispatcher or, where the
+    CPU demonstration will run them and megatron-core is there, a flag `parse` refuses; else
+    0, one note line when the flag chose the dispatcher, and on stdout NUL-terminated fields:
+    the dispatcher, 1 if the flags were checked here (else 0), then the other flags."""
+    import os
+    import sys
+
     try:
-        parse(flags, cpu=cpu)
+        dispatcher, rest, note = job_flags(flags, os.environ.get("DISPATCHER", ""))
+        checked = not rest
+        if rest and _checkable_on_this_cpu():
+            _quiet_imports()
+            parse(rest, cpu=True)
+            checked = True
+    except FlagError as exc:
+        print(f"run_gpt_moe.sh: {exc}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"run_gpt_moe.sh: {note}", file=sys.stderr)
+    sys.stdout.write("".join(f"{field}\0" for field in [dispatcher, str(int(checked)), *rest]))
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """`python examples/megatron_flags.py [--gpu] -- FLAGS`: 0 if every flag can be placed, else
+    one line naming the first that cannot (what `run_gpt_moe.sh` runs before it starts
+    torchrun, so a mistyped flag is one line, not every rank's traceback); `--job -- FLAGS`:
+    `job_main`."""
+    argv = list(argv)
+    options = argv[:argv.index("--")] if "--" in argv else []
+    flags = argv[argv.index("--") + 1:] if "--" in argv else argv
+    if "--job" in options:
+        return job_main(flags)
+    import sys
+
+    _quiet_imports()
+    try:
+        parse(flags, cpu="--gpu" not in options)
     except FlagError as exc:
         print(f"run_gpt_moe.sh: {exc}", file=sys.stderr)
         return 2

@@ -18,10 +18,11 @@ prints one line on stdout for the launcher: `<path> <number of GPUs torch sees>`
     INSTALL=0 python examples/prepare_env.py    # decide only; install nothing
 
 What it installs when missing: torch pinned as for the tests (`TORCH_PIN`; an installed torch
-is kept), megatron-core in the supported range (`MEGATRON_CORE`, with `megatron.training` where
-the Python allows), pyyaml for `megatron.training`, matplotlib (the loss plot and the metrics
-report's PNGs), and on GPUs this package with its `gpu` extra (NVRTC and the CUDA wheels the
-kernels compile and link with).
+is kept; without a GPU the CPU build, from PyTorch's CPU index `CPU_TORCH_INDEX`, and pip's
+default torch, one line saying so, where that index cannot be reached), megatron-core in the
+supported range (`MEGATRON_CORE`, with `megatron.training` where the Python allows), pyyaml
+for `megatron.training`, matplotlib (the loss plot and the metrics report's PNGs), and on GPUs
+this package with its `gpu` extra (NVRTC and the CUDA wheels the kernels compile and link with).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ import sys
 
 #: The tests' torch (README's test command, .ci/run); installed when torch is missing.
 TORCH_PIN = "torch==2.13.0"
+#: Without a GPU, torch comes from PyTorch's index of CPU builds: on Linux x86-64 pip's default
+#: torch is the CUDA build, about 3 GB with its CUDA libraries.
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 #: Supported megatron-core releases; `megatron.training` ships in the wheels from 0.17 on, which
 #: need Python >= 3.12.
 MEGATRON_CORE = ">=0.16,<0.20"
@@ -105,6 +109,7 @@ class Plan:
     path: str  # megatron-training, megatron-core or cpu-demo
     requirements: list  # pip install arguments; empty: nothing to install
     notes: list  # what the user should know about the choice
+    torch_index: str = ""  # the index TORCH_PIN comes from ("": pip's own)
 
 
 def plan(found: Found, root: str = ROOT) -> Plan:
@@ -130,7 +135,8 @@ def plan(found: Found, root: str = ROOT) -> Plan:
             reqs.append(f"megatron-core{MEGATRON_CORE}")
     plotting = ["matplotlib"] if found.matplotlib is None else []
     if found.num_gpus == 0:
-        return Plan("cpu-demo", reqs + plotting, notes)
+        return Plan("cpu-demo", reqs + plotting, notes,
+                    CPU_TORCH_INDEX if found.torch is None else "")
     if will_train and found.pyyaml is None:
         reqs.append("pyyaml")  # megatron.training imports it
     if reqs or not found.nvrtc:
@@ -187,18 +193,46 @@ PATHS = {
 }
 
 
-def pip_install(requirements: list, found: Found) -> None:
-    big = TORCH_PIN in requirements
-    say("installing: " + " ".join(requirements) + (
-        f"\n    (torch is not installed: pip's {TORCH_PIN} for Linux x86-64 is the CUDA build, "
-        "about 3 GB with its CUDA libraries, unless pip finds a local wheel)" if big else ""))
-    cmd = [sys.executable, "-m", "pip", "install", *requirements]
+def index_unreachable(url: str, timeout_s: float = 15.0) -> str:
+    """Why the package index at `url` does not answer ("" when it does)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/torch/", timeout=timeout_s):
+            return ""
+    except (OSError, ValueError) as exc:  # urllib's URLError and HTTPError are OSErrors
+        return str(getattr(exc, "reason", None) or exc)
+
+
+def _pip(args: list) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", *args]
     done = subprocess.run(cmd, stdout=sys.stderr)  # stdout carries only the result line
     if done.returncode != 0:
         say(f"pip failed (exit {done.returncode}): {' '.join(cmd)}\n    In a system Python pip "
             "may refuse to install: make a virtual environment first, e.g. python3 -m venv "
             ".venv && . .venv/bin/activate, then run bash examples/run_gpt_moe.sh again.")
         raise SystemExit(1)
+
+
+def pip_install(todo: Plan) -> None:
+    """Installs `todo.requirements`; TORCH_PIN first from `todo.torch_index` when it answers."""
+    requirements = list(todo.requirements)
+    if todo.torch_index and TORCH_PIN in requirements:
+        why = index_unreachable(todo.torch_index)
+        if not why:
+            say(f"installing {TORCH_PIN}, the CPU build, from {todo.torch_index}")
+            _pip([TORCH_PIN, "--index-url", todo.torch_index])
+            requirements.remove(TORCH_PIN)
+        else:
+            say(f"PyTorch's CPU index {todo.torch_index} cannot be reached ({why}): installing "
+                f"pip's default {TORCH_PIN} (on Linux x86-64 the CUDA build, about 3 GB)")
+    if not requirements:
+        return
+    big = TORCH_PIN in requirements and not todo.torch_index
+    say("installing: " + " ".join(requirements) + (
+        f"\n    (torch is not installed: pip's {TORCH_PIN} for Linux x86-64 is the CUDA build, "
+        "about 3 GB with its CUDA libraries, unless pip finds a local wheel)" if big else ""))
+    _pip(requirements)
 
 
 def torch_gpus() -> int:
@@ -232,7 +266,7 @@ def main() -> int:
         if os.environ.get("INSTALL", "1") == "0":
             say("INSTALL=0: not installing " + " ".join(todo.requirements))
         else:
-            pip_install(todo.requirements, found)
+            pip_install(todo)
     else:
         say("nothing to install")
     num_gpus = torch_gpus()

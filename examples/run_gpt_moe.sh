@@ -2,10 +2,14 @@
 # The main job: sets itself up, then trains the tiny GPT-MoE with --moe-token-dispatcher-type
 # deepep on every local GPU (EP = number of GPUs), or, without a GPU, runs a short CPU
 # demonstration. Run from anywhere, in the Python environment (a venv) to install into:
-#   bash examples/run_gpt_moe.sh [extra Megatron flags]
+#   bash examples/run_gpt_moe.sh [--moe-token-dispatcher-type D] [extra Megatron flags]
+#   bash examples/run_gpt_moe.sh -h        # this text
+# D: deepep (default), alltoall or alltoall-fused (examples/megatron_flags.py DISPATCHERS); it
+# wins over DISPATCHER. Flags take `--flag value` or `--flag=value`, and are checked first.
 # First examples/prepare_env.py looks for GPUs (nvidia-smi) and says what it found and which path
-# it takes, then installs only what is missing (torch pinned as for the tests, megatron-core
-# 0.16-0.19: 0.17+ ships megatron.training and needs Python >= 3.12; this package's GPU extra):
+# it takes, then installs only what is missing (torch pinned as for the tests, from PyTorch's
+# CPU index without a GPU; megatron-core 0.16-0.19: 0.17+ ships megatron.training and needs
+# Python >= 3.12; this package's GPU extra):
 #   megatron-training  GPUs + megatron.training: examples/pretrain_gpt_moe.py (below)
 #   megatron-core      GPUs, megatron-core alone (Python 3.10/3.11: 0.16):
 #                      examples/compare_dispatchers.py, TRAIN_ITERS steps of DISPATCHER
@@ -35,8 +39,28 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="${REPO}:${MEGATRON_LM:+${MEGATRON_LM}:}${PYTHONPATH:-}"
 TEST_COMMAND='pip install torch==2.13.0 -e ".[jit,test,megatron]" && python -m pytest -q -rs tests'
 
-# Every MDEEP_* variable set is checked first (standard library only): a bad value is one line.
-"$PY" "$REPO/megatron_deepep/knobs.py" >&2 || exit 2
+for arg in "$@"; do
+  if [ "$arg" = -h ] || [ "$arg" = --help ]; then  # the header above, without its '#'
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
+    exit 0
+  fi
+done
+# The flags, then every MDEEP_* variable set, are checked before anything is probed or
+# installed (standard library only; the flags' fields too where megatron-core is there on a
+# machine without a GPU): a bad one is one line. The names of unknown MDEEP_* variables
+# warned about here are not warned about again by the job's processes.
+FIELDS=$(mktemp)
+trap 'rm -f "$FIELDS"' EXIT
+"$PY" "$HERE/megatron_flags.py" --job -- "$@" > "$FIELDS" || exit 2
+mapfile -d '' -t JOB_FIELDS < "$FIELDS"
+if [ ${#JOB_FIELDS[@]} -lt 2 ]; then
+  echo "run_gpt_moe.sh: examples/megatron_flags.py --job gave no dispatcher" >&2
+  exit 1
+fi
+DISPATCHER=${JOB_FIELDS[0]} FLAGS_CHECKED=${JOB_FIELDS[1]}
+set -- "${JOB_FIELDS[@]:2}"
+MDEEP_KNOBS_WARNED=$("$PY" "$REPO/megatron_deepep/knobs.py") || exit 2
+export MDEEP_KNOBS_WARNED
 PLAN=$("$PY" "$HERE/prepare_env.py")
 read -r JOB_PATH NGPU <<< "$(tail -n 1 <<< "$PLAN")"
 case "$JOB_PATH" in
@@ -66,7 +90,7 @@ compare_options() {
 
 # Flags for compare_dispatchers.py (the CPU demo, megatron-core alone): checked here, once, so a
 # mistyped one is one line ("did you mean ..."), not every rank's traceback under torchrun.
-if [ $# -gt 0 ] && [ "$JOB_PATH" != megatron-training ]; then
+if [ $# -gt 0 ] && [ "$JOB_PATH" != megatron-training ] && [ "$FLAGS_CHECKED" != 1 ]; then
   GPU_FLAG=(); if [ "$JOB_PATH" != cpu-demo ]; then GPU_FLAG=(--gpu); fi
   "$PY" "$HERE/megatron_flags.py" "${GPU_FLAG[@]}" -- "$@" || exit 2
 fi
@@ -75,8 +99,8 @@ if [ "$JOB_PATH" = cpu-demo ]; then
   OUT=${OUT:-$REPO/runs/cpu_demo}
   MDIR=$(metrics_dir)
   compare_options
-  # The reference transport's times say nothing of the kernels': no comm-share warnings.
-  export MDEEP_COMM_SHARE_WARN=${MDEEP_COMM_SHARE_WARN:-0}
+  # Another dispatcher than deepep (the flag or DISPATCHER) runs first, beside deepep.
+  if [ "$DISPATCHER" != deepep ]; then COMPARE+=(--dispatchers "$DISPATCHER,deepep"); fi
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node 2 "$HERE/compare_dispatchers.py" --cpu \
     --steps "${CPU_TRAIN_ITERS:-${TRAIN_ITERS:-20}}" --out "$OUT" \
@@ -94,7 +118,6 @@ MSG
   exit 0
 fi
 
-DISPATCHER=${DISPATCHER:-deepep}
 OUT=${OUT:-$REPO/runs/gpt_moe_${DISPATCHER}}
 mkdir -p "$OUT"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0

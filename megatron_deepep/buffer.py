@@ -245,7 +245,8 @@ class Buffer:
         validate.check_tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int32, torch.int64),
                               device=self._device_of(topk_idx))
         validate.check_num_experts(num_experts, self.num_ranks)
-        _check_topk_shape(topk_idx, self.num_max_tokens_per_rank, self.num_topk)
+        validate.check_num_tokens("topk_idx", topk_idx.shape[0], self.num_max_tokens_per_rank)
+        validate.check_num_topk(topk_idx.shape[1], self.num_topk)
         if not topk_idx.is_cuda:  # a host check costs no synchronization here
             validate.check_expert_ids_on_host(topk_idx, num_experts)
         _check_call_options(previous_event, async_finish)
@@ -270,7 +271,11 @@ class Buffer:
                 the send; other dtypes are refused) or a pre-quantized pair
                 `(x_fp8 [N, H] torch.float8_e4m3fn, x_scales [N, ceil(H / block)]
                 fmt.scale_dtype)`.
-            topk_idx: `[N, K]`, int64 or int32, expert ids, -1 for none.
+            topk_idx: `[N, K]`, int64 or int32, expert ids, -1 for none. An id a token names
+                at several k is kept, not merged: every transport gives the expert one row per
+                such k, and `combine` sums them all (unchanged rows: still `K * x`; weighted:
+                each k's weight times its row). Nothing refuses it: on GPUs that would
+                synchronize with the host.
             topk_weights: `[N, K]`, float32.
             num_experts: E, a multiple of the EP size.
             handle: a previous dispatch's handle: replay its routing for new rows (cached
@@ -317,9 +322,7 @@ class Buffer:
         # FP8 arguments reach the transport only when FP8 is asked for.
         fp8_kwargs = {} if spec is None else dict(fp8=spec, x_scales=x_scales)
         inputs = [x] if x_scales is None else [x, x_scales]
-        if x.shape[0] > self.num_max_tokens_per_rank:
-            raise ValueError(f"x has {x.shape[0]} tokens, more than the Buffer's "
-                             f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}")
+        validate.check_num_tokens("x", x.shape[0], self.num_max_tokens_per_rank)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle=...) takes no topk_idx/topk_weights")
@@ -334,8 +337,7 @@ class Buffer:
         if topk_idx is None or topk_weights is None or num_experts is None:
             raise ValueError("dispatch needs topk_idx, topk_weights and num_experts "
                              "(or a handle for cached dispatch)")
-        validate.check_routing(x, topk_idx, topk_weights, max_tokens=self.num_max_tokens_per_rank,
-                               max_topk=self.num_topk, device=device)
+        validate.check_routing(x, topk_idx, topk_weights, max_topk=self.num_topk, device=device)
         validate.check_num_experts(num_experts, self.num_ranks)
         validate.check_alignment(expert_alignment)
         if num_max_recv_rows is not None:
@@ -560,16 +562,6 @@ def _transport_or_knob(transport: Optional[str]) -> str:
 def _check_transport(transport) -> None:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-
-
-def _check_topk_shape(topk_idx: torch.Tensor, max_tokens: int, max_topk: int) -> None:
-    num_tokens, num_topk = topk_idx.shape
-    if num_tokens > max_tokens:
-        raise ValueError(f"topk_idx has {num_tokens} tokens, more than the Buffer's "
-                         f"num_max_tokens_per_rank={max_tokens}")
-    if not 1 <= num_topk <= max_topk:
-        raise ValueError(f"topk_idx has top-k={num_topk}; the limit is {max_topk} (the Buffer's "
-                         f"num_topk)")
 
 
 def _check_call_options(previous_event, async_finish) -> None:

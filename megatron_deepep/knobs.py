@@ -85,13 +85,15 @@ class Knob:
         read_by: who reads it, for the README: "dispatcher" (the Megatron dispatcher: the
             runtime plugin or a patched fork), "Buffer" (`Buffer` / `get_buffer`, so also the
             dispatcher and the tools, which build one), "kernels" (every kernel compile and
-            launch) or the one tool or example that reads it.
+            launch), "kernels, once per process" (the first launch that needs it) or the tools
+            and examples that read it.
         choices: the values a "str" knob takes (empty: any).
         low: the smallest value of a number (None: no bound).
         low_open: `low` itself is excluded (a number > low).
         high: the largest value of a number (None: no bound).
         pattern: a regular expression a "str" value must match in full (None: any).
         form: the values `pattern` takes, in words (for its error message).
+        is_file: a "str" value names a file that must be readable.
     """
 
     name: str
@@ -107,6 +109,7 @@ class Knob:
     high: Optional[float] = None
     pattern: Optional[str] = None
     form: str = ""
+    is_file: bool = False
 
     @property
     def env_name(self) -> str:
@@ -125,6 +128,12 @@ class Knob:
             raise ValueError(f"{where}: expected one of {', '.join(self.choices)}{hint}")
         if self.pattern is not None and not re.fullmatch(self.pattern, value):
             raise ValueError(f"{where}: expected {self.form or self.pattern}")
+        if self.is_file:
+            try:
+                with open(value, "rb"):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"{where}: cannot read that file ({exc.strerror})") from None
         if self.kind in ("int", "float"):
             too_low = self.low is not None and (value <= self.low if self.low_open
                                                  else value < self.low)
@@ -154,12 +163,17 @@ def _number(value: float) -> str:
 _BUFFER = "Buffer"
 _DISPATCHER = "dispatcher"
 _KERNELS = "kernels"
+_KERNELS_ONCE = "kernels, once per process"
 _EXAMPLE = "`examples/pretrain_gpt_moe.py`, `examples/compare_dispatchers.py`"
 
 #: FP8_DISPATCH's values: `megatron_deepep.fp8.dispatch.FLAG_NAMES` and the format names of
 #: `megatron_deepep.fp8.FORMATS` (a CPU test checks they agree; this layer imports neither).
 FP8_DISPATCH_VALUES = ("off", "blockwise", "mxfp8", "auto", "blockwise_1x128",
                        "blockwise_1x128_fp32_scales", "mxfp8_1x32")
+
+#: The transports (`megatron_deepep.transport`), listed here alone: the bottom layer checks
+#: MDEEP_TRANSPORT, and the transport package and the dispatcher's option take this list.
+TRANSPORT_NAMES = ("auto", "local", "nvlink", "internode", "reference")
 
 _TABLE = (
     # The Megatron dispatcher's options (`DeepEPOptions`; a config field or
@@ -168,7 +182,7 @@ _TABLE = (
          "`auto` (the EP = 1 kernels at EP = 1, NVLink kernels within a node, the internode "
          "kernels across nodes, the pure-torch reference without CUDA), `local`, `nvlink`, "
          "`internode` or `reference`", "dispatcher",
-         read_by=_BUFFER, choices=("auto", "local", "nvlink", "internode", "reference")),
+         read_by=_BUFFER, choices=TRANSPORT_NAMES),
     Knob("RANKS_PER_NODE", "int", None, "unset", "declares nodes of this many contiguous EP "
          "ranks (virtual nodes); unset: the ranks' host names", "dispatcher",
          read_by=_BUFFER, low=1),
@@ -193,7 +207,7 @@ _TABLE = (
     Knob("EXPERT_MAP", "str", None, "unset", "a placement from `python -m "
          "megatron_deepep.tools.balance --json` (per layer, or one plan for every layer): the "
          "dispatcher routes logical experts to its physical slots", "dispatcher",
-         read_by=_DISPATCHER),
+         read_by=_DISPATCHER, is_file=True),
     Knob("REPLAN", "int", None, "unset", "re-plan the placement from the recorded loads at each "
          "checkpoint save (a plan file in the iteration folder), with this many extra slots for "
          "copies of hot experts (0: none; a multiple of EP, at most E x (EP - 1)); a resume takes "
@@ -204,7 +218,7 @@ _TABLE = (
          "off)", "dispatcher", read_by=_DISPATCHER + ", `tools.report`", low=0),
     Knob("FP8_EXPERTS", "bool", False, "0", "`examples/pretrain_gpt_moe.py` builds its TE experts "
          "with `te_experts.with_fp8_experts`: FP8 rows into TE's grouped GEMM in training "
-         "(`docs/fp8.md`)", "dispatcher", read_by=_EXAMPLE),
+         "(`docs/fp8.md`)", "dispatcher", read_by="`examples/pretrain_gpt_moe.py`"),
     Knob("FP8_COLUMNWISE", "str", "kernel", "kernel", "how the FP8 experts make the weight "
          "gradient's columnwise copy of their FP8 rows: `kernel` (one pass, FP8 in and out, "
          "`cuda_src/fp8_columnwise.cu`) or `dequantize` (bf16 rows, then TE's `split_quantize`)",
@@ -271,9 +285,9 @@ _TABLE = (
     Knob("FP8_ROW_STAGE_MIN_SMS", "int", 48, "48", "the quantizing EP = 1 FP8 expand stages "
          "each row in shared memory from this SM budget up (HBM the limit) and quantizes in "
          "registers below it (each SM's load/store path the limit); `0`: the row stage at "
-         "every budget", "jit", read_by=_KERNELS, low=0),
+         "every budget", "jit", read_by=_KERNELS_ONCE, low=0),
     Knob("PDL", "bool", True, "1", "programmatic dependent launch: the EP = 1 expand starts "
-         "while the layout kernel ends (`0`: after it)", "jit", read_by=_KERNELS),
+         "while the layout kernel ends (`0`: after it)", "jit", read_by=_KERNELS_ONCE),
 )
 
 KNOBS: Dict[str, Knob] = {knob.name: knob for knob in _TABLE}
@@ -302,8 +316,12 @@ def read(knob: Knob, default: Optional[object] = None):
     return knob.check(text, _PARSERS[knob.kind](knob.env_name, text))
 
 
-#: Prefixes of `MDEEP_*` variables that are not users' knobs (the test harness's own).
-_OTHER_PREFIXES = ("TEST_",)
+#: The names already warned about, comma-separated: set by `_warn_once` and inherited by the
+#: processes this one starts (a job's ranks and runs), so each warning comes once per job.
+WARNED_ENV = PREFIX + "KNOBS_WARNED"
+#: Prefixes of `MDEEP_*` variables that are not users' knobs (the test harness's own, and the
+#: record of the warnings given).
+_OTHER_PREFIXES = ("TEST_", WARNED_ENV[len(PREFIX):])
 _warned_names: set = set()
 _dispatcher_built = False
 
@@ -344,10 +362,14 @@ def check_environment(reader: str = _BUFFER) -> None:
 
 
 def _warn_once(key: str, message: str, *args) -> None:
-    """Warns once per process, on the first rank only (every rank sees the same variables)."""
-    if key not in _warned_names and os.environ.get("RANK", "0") == "0":
-        _warned_names.add(key)
-        logger.warning(message, *args)
+    """Warns once per process and the processes it starts (`WARNED_ENV`), on the first rank
+    only (every rank sees the same variables)."""
+    inherited = os.environ.get(WARNED_ENV, "").split(",")
+    if key in _warned_names or key in inherited or os.environ.get("RANK", "0") != "0":
+        return
+    _warned_names.add(key)
+    os.environ[WARNED_ENV] = ",".join(name for name in inherited + [key] if name)
+    logger.warning(message, *args)
 
 
 def markdown_table() -> str:
@@ -361,14 +383,18 @@ def markdown_table() -> str:
 
 def main() -> int:
     """`python megatron_deepep/knobs.py`: checks the `MDEEP_*` environment with the standard
-    library alone (what `examples/run_gpt_moe.sh` runs first): 0, or 2 and one line naming the
-    bad variable. Unknown names warn."""
+    library alone (what `examples/run_gpt_moe.sh` runs first): 0, or 2 and one line on stderr
+    naming the bad variable. Unknown names warn on stderr; stdout gets `WARNED_ENV`'s value,
+    for the caller to pass on to the job's processes."""
+    import sys
+
     logging.basicConfig(format="megatron_deepep: %(message)s")
     try:
         check_environment(_DISPATCHER)
     except ValueError as exc:
-        print(f"megatron_deepep: {exc}", flush=True)
+        print(f"megatron_deepep: {exc}", file=sys.stderr, flush=True)
         return 2
+    print(os.environ.get(WARNED_ENV, ""))
     return 0
 
 

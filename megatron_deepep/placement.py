@@ -123,16 +123,27 @@ def check_request(num_experts: int, num_ranks: int, num_redundant: int = 0,
     if num_ranks < 1 or num_experts % num_ranks:
         raise ValueError(f"{num_experts} experts do not split over {num_ranks} EP ranks "
                          f"(the experts must be a multiple of the ranks)")
+    check_extra_slots(num_redundant, num_ranks, num_experts)
+    if ranks_per_node and ranks_per_node < num_ranks and num_ranks % ranks_per_node:
+        raise ValueError(f"{num_ranks} EP ranks do not split into nodes of {ranks_per_node}")
+
+
+def check_extra_slots(num_redundant: int, num_ranks: int,
+                      num_experts: Optional[int] = None) -> None:
+    """Refuses extra slots (for copies of experts) that no plan can fill.
+
+    Raises:
+        ValueError: not a non-negative multiple of R, or (E given) more than `E * (R - 1)`
+            (one copy of an expert per rank); naming the numbers.
+    """
     if num_redundant < 0 or num_redundant % num_ranks:
         raise ValueError(f"{num_redundant} extra slots: must be a non-negative multiple of the "
                          f"{num_ranks} EP ranks (every rank holds the same slot count)")
-    most = num_experts * (num_ranks - 1)
-    if num_redundant > most:
+    most = None if num_experts is None else num_experts * (num_ranks - 1)
+    if most is not None and num_redundant > most:
         raise ValueError(f"{num_redundant} extra slots exceed the {most} copies that "
                          f"{num_experts} experts can have over {num_ranks} EP ranks (one copy "
                          f"of an expert per rank: at most E x (R - 1) = {most} extra slots)")
-    if ranks_per_node and ranks_per_node < num_ranks and num_ranks % ranks_per_node:
-        raise ValueError(f"{num_ranks} EP ranks do not split into nodes of {ranks_per_node}")
 
 
 def default_rank_load(loads: Loads, num_ranks: int) -> List[float]:

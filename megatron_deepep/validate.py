@@ -135,9 +135,27 @@ def check_num_experts(num_experts, num_ranks: int) -> int:
     return num_local
 
 
+def check_num_tokens(name: str, num_tokens: int, max_tokens: int) -> None:
+    """Refuses more tokens in one call than the Buffer was built for, naming `get_buffer`."""
+    if num_tokens > max_tokens:
+        raise ValueError(
+            f"{name} has {num_tokens} tokens, more than the Buffer's num_max_tokens_per_rank="
+            f"{max_tokens}: build the Buffer for the most tokens a call sends, or take it from "
+            f"get_buffer(group, num_tokens, hidden, num_topk), which grows to each call")
+
+
+def check_num_topk(num_topk: int, max_topk: int) -> None:
+    """Refuses a top-k outside [1, the Buffer's num_topk] (and MAX_TOPK)."""
+    if not 1 <= num_topk <= min(max_topk, MAX_TOPK):
+        raise ValueError(
+            f"topk_idx has top-k={num_topk}; the limit is {min(max_topk, MAX_TOPK)} (the Buffer "
+            f"was declared with num_topk={max_topk})")
+
+
 def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
-                  max_tokens: int, max_topk: int, device: torch.device) -> None:
-    """Checks the routing tensors against `x` and the Buffer's declared limits."""
+                  max_topk: int, device: torch.device) -> None:
+    """Checks the routing tensors against `x` and the Buffer's top-k (its token limit:
+    `check_num_tokens` on `x`)."""
     check_tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int32, torch.int64), device=device)
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=device)
     num_tokens, num_topk = topk_idx.shape
@@ -147,14 +165,7 @@ def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
         raise ValueError(
             f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_idx shape "
             f"{tuple(topk_idx.shape)}")
-    if not 1 <= num_topk <= min(max_topk, MAX_TOPK):
-        raise ValueError(
-            f"topk_idx has top-k={num_topk}; the limit is {min(max_topk, MAX_TOPK)} (the Buffer "
-            f"was declared with num_topk={max_topk})")
-    if num_tokens > max_tokens:
-        raise ValueError(
-            f"x has {num_tokens} tokens, more than the Buffer's num_max_tokens_per_rank="
-            f"{max_tokens}")
+    check_num_topk(num_topk, max_topk)
 
 
 def check_expert_ids_on_host(topk_idx: torch.Tensor, num_experts: int) -> None:

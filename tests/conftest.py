@@ -1,7 +1,8 @@
 """Session set-up shared by every test.
 
 - Tests marked `gpu` are skipped without a CUDA GPU, with the reason and the command that runs
-  them on a GPU machine.
+  them on a GPU machine: one skip, raised here, so `-rs` folds them into one summary line
+  ("SKIPPED [count] tests/conftest.py: needs a CUDA GPU ...").
 - Tests marked `nvrtc_job` (`test_kernels_compile.py`, the internode link of
   `test_nvshmem_link.py`) run last: once collection ends, their NVRTC compiles and nvJitLink
   links start in two low-priority background processes (`compile_jobs.py`), so they overlap the
@@ -10,6 +11,7 @@
   timings belong in the benchmarks.
 """
 
+import functools
 import os
 import sys
 
@@ -18,6 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@functools.lru_cache(maxsize=None)
 def _no_gpu_reason():
     """None with a usable CUDA GPU, else why not and what runs the GPU tier."""
     run_there = "the GPU tier runs on a CUDA machine: `python -m pytest -m gpu tests/gpu`"
@@ -33,15 +36,14 @@ def _no_gpu_reason():
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # ahead of the files' own skipif marks: one reason for all
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords and _no_gpu_reason() is not None:
+        pytest.skip(_no_gpu_reason())  # raised here: one location, one summary line
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
-    reason = _no_gpu_reason()
-    if reason is not None:
-        # Ahead of the files' own skipif marks, so every GPU test gives this one reason.
-        skip = pytest.mark.skipif(True, reason=reason)
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip, append=False)
     jobs = [item for item in items if item.get_closest_marker("nvrtc_job")]
     if jobs:
         others = [item for item in items if not item.get_closest_marker("nvrtc_job")]

@@ -342,23 +342,15 @@ class KernelArgs(ctypes.Structure):
             raise
         return instance
 
-    def as_dict(self) -> dict:
-        """Field name -> value (pointers as ints, 0 for null)."""
-        return {name: (getattr(self, name) or 0) if ctype is Ptr else getattr(self, name)
-                for name, ctype in self._fields_}
-
 
 # ---------------------------------------------------------------------------------------------
 # Launch.
 
 
-def pdl_enabled() -> bool:
-    """Programmatic dependent launch (Hopper+) for kernels that ask for it (MDEEP_PDL=0: off)."""
-    return _pdl_enabled()
-
-
 @functools.lru_cache(maxsize=None)
 def _pdl_enabled() -> bool:
+    """Programmatic dependent launch (Hopper+) for kernels that ask for it (MDEEP_PDL=0: off;
+    read once per process)."""
     return bool(knobs.get("PDL"))
 
 
@@ -478,7 +470,7 @@ class Kernel:
         """Launches on a torch stream (or a `RawStream`) with `args` (a filled `KernelArgs`).
         `programmatic`: the kernel may start while the previous kernel on the stream still runs
         (it must execute griddepcontrol.wait before reading that kernel's outputs); ignored when
-        `pdl_enabled()` is false. `cooperative`: the kernel's blocks wait for each other, so
+        `MDEEP_PDL` is off. `cooperative`: the kernel's blocks wait for each other, so
         it is launched as a cooperative grid (the driver starts it only with every block
         resident, whatever else runs on the GPU) after a check that the GPU can hold it.
 

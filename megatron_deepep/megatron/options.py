@@ -10,8 +10,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from megatron_deepep.fp8.dispatch import ALIASES, FLAG_NAMES
 from megatron_deepep import knobs
+from megatron_deepep.fp8.dispatch import ALIASES, FLAG_NAMES, names
 
 #: The value of `moe_token_dispatcher_type` that selects this dispatcher.
 DISPATCHER_TYPE = "deepep"
@@ -21,7 +21,7 @@ DISPATCHER_TYPE = "deepep"
 CONFIG_PREFIX = "moe_mdeep_"
 
 #: Values of the `transport` option.
-TRANSPORT_CHOICES = ("auto", "local", "nvlink", "internode", "reference")
+TRANSPORT_CHOICES = knobs.TRANSPORT_NAMES
 
 #: Values of the `fp8_dispatch` option besides the names in `megatron_deepep.fp8.FORMATS`.
 FP8_DISPATCH_CHOICES = FLAG_NAMES  # one list: fp8/dispatch.py's
@@ -146,21 +146,19 @@ REPLAN_FLAG = "--moe-mdeep-replan (moe_mdeep_replan / MDEEP_REPLAN)"
 
 def check_replan_option(value, ep_size: Optional[int] = None,
                         num_experts: Optional[int] = None) -> int:
-    """Raises ValueError naming the flag unless `value` is an int >= 0 (a multiple of
-    `ep_size` when given, and at most `num_experts * (ep_size - 1)`, one copy of an expert
-    per rank, when both are given); returns it."""
+    """Raises ValueError naming the flag unless `value` is an int >= 0 (with `ep_size`, extra
+    slots a plan can fill: `placement.check_extra_slots`); returns it."""
+    from megatron_deepep import placement
+
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{REPLAN_FLAG} takes the extra slots for copies of hot experts, an "
                          f"integer >= 0, got {value!r}")
-    if ep_size is not None and value % max(ep_size, 1):
-        raise ValueError(f"{REPLAN_FLAG} {value}: the extra slots must be a multiple of "
-                         f"--expert-model-parallel-size {ep_size} (equal slots per rank)")
-    if ep_size is not None and num_experts is not None \
-            and value > num_experts * (max(ep_size, 1) - 1):
-        raise ValueError(f"{REPLAN_FLAG} {value}: more extra slots than the "
-                         f"{num_experts * (max(ep_size, 1) - 1)} copies {num_experts} experts "
-                         f"can have over --expert-model-parallel-size {ep_size} (one copy of an "
-                         f"expert per rank: at most E x (EP - 1))")
+    if ep_size is not None:
+        try:
+            placement.check_extra_slots(value, max(ep_size, 1), num_experts)
+        except ValueError as exc:
+            raise ValueError(f"{REPLAN_FLAG} {value} with --expert-model-parallel-size "
+                             f"{ep_size}: {exc}") from None
     return value
 
 
@@ -174,13 +172,12 @@ def check_transport_option(value) -> str:
 
 
 def check_fp8_dispatch_option(value) -> str:
-    """Raises ValueError naming the flag unless `value` is a valid `fp8_dispatch`."""
-    from megatron_deepep.fp8 import FORMATS
-
-    if value not in FP8_DISPATCH_CHOICES and value not in FORMATS:
+    """Raises ValueError naming the flag unless `value` is a valid `fp8_dispatch`
+    (`fp8.dispatch.names()`)."""
+    if value not in names():
         raise ValueError(
             f"--moe-mdeep-fp8-dispatch (moe_mdeep_fp8_dispatch / MDEEP_FP8_DISPATCH) must be one "
-            f"of {list(FP8_DISPATCH_CHOICES) + sorted(FORMATS)}, got {value!r}")
+            f"of {list(names())}, got {value!r}")
     return value
 
 
@@ -525,13 +522,27 @@ def _check_expert_tp(config, options: Optional[DeepEPOptions], etp: int) -> None
             f"--moe-pad-expert-input-to-capacity, or --expert-tensor-parallel-size 1")
 
 
+EXPERT_MAP_FLAG = "--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP)"
+
+
 def _read_map(expert_map):
+    """The `expert_map` option's plan: the JSON of its file, or itself.
+
+    Raises:
+        ValueError: a file that cannot be read or is no JSON, naming the option and the file.
+    """
     import json
 
-    if isinstance(expert_map, str):
+    if not isinstance(expert_map, str):
+        return expert_map
+    try:
         with open(expert_map, encoding="utf-8") as f:
             return json.load(f)
-    return expert_map
+    except OSError as exc:
+        raise ValueError(f"{EXPERT_MAP_FLAG} = {expert_map}: cannot read that file "
+                         f"({exc.strerror})") from None
+    except ValueError as exc:
+        raise ValueError(f"{EXPERT_MAP_FLAG} = {expert_map}: not JSON ({exc})") from None
 
 
 def physical_slot_count(expert_map) -> Optional[int]:
@@ -550,7 +561,7 @@ def physical_slot_count(expert_map) -> Optional[int]:
     counts = {len(p.get("physical_to_logical", ())) if isinstance(p, dict) else len(p)
               for p in plans}
     if len(counts) != 1:
-        raise ValueError(f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP): "
+        raise ValueError(f"{EXPERT_MAP_FLAG}: "
                          f"its plans have different slot counts {sorted(counts)}; every layer "
                          f"needs the same (one balance run with one --redundant)")
     return counts.pop()
@@ -579,12 +590,12 @@ def physical_to_logical_for_layer(expert_map, layer_number: Optional[int]):
             plan = layers.get("0")
         if plan is None:
             raise ValueError(
-                f"--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP) has no plan "
-                f"for layer {layer_number} (layers {sorted(layers)}) and no layer 0 for all")
+                f"{EXPERT_MAP_FLAG} has no plan for layer {layer_number} (layers "
+                f"{sorted(layers)}) and no layer 0 for all")
         data = plan
     if isinstance(data, dict):
         data = data.get("physical_to_logical")
     if not isinstance(data, (list, tuple)) or not all(isinstance(v, int) for v in data):
-        raise ValueError("--moe-mdeep-expert-map (moe_mdeep_expert_map / MDEEP_EXPERT_MAP): "
-                         "expected a balance plan or a physical_to_logical list of ints")
+        raise ValueError(f"{EXPERT_MAP_FLAG}: expected a balance plan or a physical_to_logical "
+                         f"list of ints")
     return [int(v) for v in data]

@@ -118,11 +118,6 @@ def rebind(old, new) -> None:
                     _APPLIED.pop()
 
 
-def applied() -> List[Patch]:
-    """The patches in force, oldest first."""
-    return list(_APPLIED)
-
-
 def undo_all() -> None:
     """Restores every recorded patch, newest first."""
     while _APPLIED:

@@ -173,7 +173,7 @@ def _series(steps, layer: int, key: str):
 
 def plot_monitoring(plt, steps, layers, out_dir: str, limit: float = None) -> str:
     """`monitoring.png`: comm share, idle share (time and counts) and drops per step."""
-    limit = _comm_share_limit() if limit is None else limit
+    limit = comm_share_limit() if limit is None else limit
     fig, (share, idle, drops) = plt.subplots(1, 3, figsize=(15, 3.8))
 
     def missing(ax, field):
@@ -220,12 +220,13 @@ def plot_monitoring(plt, steps, layers, out_dir: str, limit: float = None) -> st
     return path
 
 
-def _comm_share_limit() -> float:
-    """`MDEEP_COMM_SHARE_WARN` as a fraction (20% unset or unreadable)."""
-    try:
-        return float(knobs.get("COMM_SHARE_WARN")) / 100.0
-    except ValueError:
-        return 0.2
+def comm_share_limit() -> float:
+    """`MDEEP_COMM_SHARE_WARN`, the dispatcher's warning limit, as a fraction (0.2 unset).
+
+    Raises:
+        ValueError: a bad value, naming the variable (as the dispatcher refuses it).
+    """
+    return knobs.get("COMM_SHARE_WARN") / 100.0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,6 @@ import struct
 import sys
 import zlib
 
-from megatron_deepep import knobs
 
 #: Most points per line (longer series are averaged into this many buckets).
 MAX_POINTS = 400
@@ -486,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the HTML file to write (default: METRICS_DIR/report.html)")
     parser.add_argument("--comm-share-limit", type=float, default=None, metavar="PERCENT",
                         help="comm share above which a layer is flagged (default: "
-                             "MDEEP_COMM_SHARE_WARN, else 20)")
+                             "MDEEP_COMM_SHARE_WARN, which is 20 unset; a bad value is refused)")
     parser.add_argument("--max-heatmaps", type=int, default=64,
                         help="draw the load heatmaps of at most this many layers (default 64)")
     parser.add_argument("--no-png", action="store_true",
@@ -495,19 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _default_limit() -> float:
-    """MDEEP_COMM_SHARE_WARN, the dispatcher's own warning limit (20 unset or unreadable)."""
-    try:
-        return float(knobs.get("COMM_SHARE_WARN"))
-    except ValueError:
-        return 20.0
-
-
 def main(argv=None) -> int:
+    from megatron_deepep.tools import plot_metrics
+
     args = build_parser().parse_args(argv)
-    limit = (args.comm_share_limit if args.comm_share_limit is not None
-             else _default_limit()) / 100.0
     try:
+        limit = (args.comm_share_limit / 100.0 if args.comm_share_limit is not None
+                 else plot_metrics.comm_share_limit())
         text = render(args.metrics_dir, limit, args.max_heatmaps)
     except (FileNotFoundError, ValueError) as e:
         print(f"report.py: {e}", file=sys.stderr)

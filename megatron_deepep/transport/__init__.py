@@ -23,11 +23,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_deepep import knobs
 from megatron_deepep.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT_NAMES = ("auto", "local", "nvlink", "internode", "reference")
+TRANSPORT_NAMES = knobs.TRANSPORT_NAMES
 
 
 def resolve(name: str, num_ranks: int, cuda_available: bool, num_nodes: int = 1) -> str:
@@ -164,25 +165,29 @@ def _rank_ranges(ranks: List[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + text
 
 
-def agree(name: str, choice: Tuple[str, str], group) -> str:
+def agree(name: str, choice: Tuple[str, str], group, timeout_s: float = 100.0) -> str:
     """Every rank's (transport, reason) goes round the group; returns the one transport.
 
-    A collective on `group` (`all_gather_object`; gloo or any backend), before any transport
-    is built, so a rank that resolved differently fails the whole group at once instead of
-    leaving its peers waiting for data that never comes.
+    Every rank of `group` must call (`rendezvous.gather_objects`; any backend), before any
+    transport is built, so a rank that resolved differently fails the whole group at once
+    instead of leaving its peers waiting for data that never comes.
 
     Args:
         choice: this rank's (transport, reason), or ("error", the message) when it could not
             resolve one.
+        timeout_s: how long to wait for the other ranks (the Buffer's `timeout_s`).
 
     Returns:
         The transport every rank resolved ("error" when none could: each raises its own).
 
     Raises:
         TransportMismatchError: on every rank, naming each rank's choice and reason.
+        PeerTimeoutError: a rank did not arrive within `timeout_s` (it never built its Buffer).
     """
-    choices: List[Optional[Tuple[str, str]]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(choices, tuple(choice), group=group)
+    from megatron_deepep.transport.rendezvous import gather_objects
+
+    choices = gather_objects(tuple(choice), group, timeout_s=timeout_s,
+                             what="the choice of transport")
     if len({c[0] for c in choices}) == 1:
         return choices[0][0]  # "error" on every rank: each raises its own ValueError
     ranks_of: Dict[Tuple[str, str], List[int]] = {}
@@ -219,16 +224,16 @@ def create(name: str, group, num_max_tokens_per_rank: int, hidden: int, num_topk
         num_nodes = Topology(num_ranks, num_ranks_per_node).num_nodes  # validates it
     elif name != "reference" and num_ranks > 1:
         from megatron_deepep.transport.topology import count_hosts
-        num_nodes = count_hosts(group)
+        num_nodes = count_hosts(group, timeout_s)
     try:
         resolved, reason = _resolve_here(name, num_ranks, num_nodes)
     except ValueError as exc:
         if num_ranks == 1:
             raise
-        agree(name, ("error", str(exc)), group)  # raises unless every rank failed alike
+        agree(name, ("error", str(exc)), group, timeout_s)  # raises unless every rank failed alike
         raise
     if num_ranks > 1:
-        resolved = agree(name, (resolved, reason), group)
+        resolved = agree(name, (resolved, reason), group, timeout_s)
     if name == "auto":
         cuda_available = torch.cuda.is_available()
         why = None

@@ -81,25 +81,6 @@ class NodeLayout:
     def num_nodes(self) -> int:
         return self.is_token_in_node.shape[1]
 
-    @property
-    def node(self) -> int:
-        """The source rank's node."""
-        return self.rank // self.num_ranks_per_node
-
-    @property
-    def num_tokens_per_node_rank(self) -> torch.Tensor:
-        """`[num_nodes, P]`, int32: tokens per (node, local rank) (a view of
-        `num_tokens_per_rank`)."""
-        return self.num_tokens_per_rank.view(self.num_nodes, self.num_ranks_per_node)
-
-    @property
-    def num_network_crossings_per_token(self) -> torch.Tensor:
-        """`[N]`, int32: how often each token crosses the network (its destination nodes other
-        than its own)."""
-        remote = self.is_token_in_node.clone()
-        remote[:, self.node] = False
-        return remote.sum(dim=1, dtype=torch.int32)
-
 
 def _check_topk_idx(topk_idx: torch.Tensor) -> None:
     if topk_idx.dim() != 2:

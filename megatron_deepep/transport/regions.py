@@ -22,14 +22,10 @@ import torch
 MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 256
 COUNT_STRIDE = 8 + MAX_LOCAL_EXPERTS
-# Notify's count rows come in two halves chosen by the epoch's parity (`counts_half`).
+# Notify's count rows come in two halves chosen by the epoch's parity (buffer.cuh's
+# `counts_half`).
 COUNT_HALVES = 2
 META_BYTES = (8 * MAX_RANKS) * 4 + COUNT_HALVES * MAX_RANKS * COUNT_STRIDE * 4  # sizeof(Meta)
-
-
-def counts_half(epoch: int) -> int:
-    """The half of `Meta.counts` notify writes and reads at `epoch` (buffer.cuh)."""
-    return epoch & 1
 WORKSPACE_BYTES = 4096
 PAGE = 4096
 

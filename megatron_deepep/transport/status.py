@@ -33,11 +33,6 @@ _NO_BITS = np.uint64(0)  # or-ed into the words: a vectorized copy of them
 _VALUE_SHIFT = np.uint64(32)  # a host_word's value sits above its epoch
 
 
-def host_word(value: int, epoch: int) -> int:
-    """The 64-bit word `host_word` of host_info.cuh stores: (value << 32) | epoch (unsigned)."""
-    return ((value & 0xFFFFFFFF) << 32) | (epoch & 0xFFFFFFFF)
-
-
 def unpack_host_word(word: int) -> Tuple[int, int]:
     """(value as int32, epoch as uint32) of a `host_word`."""
     word = int(word) & 0xFFFFFFFFFFFFFFFF

@@ -62,11 +62,6 @@ class Topology:
         return self.num_ranks // self.num_ranks_per_node
 
     @property
-    def is_internode(self) -> bool:
-        """True when the group spans more than one node."""
-        return self.num_nodes > 1
-
-    @property
     def node(self) -> int:
         """This rank's node."""
         return self.node_of(self.rank)
@@ -75,17 +70,6 @@ class Topology:
     def local_rank(self) -> int:
         """This rank's index within its node."""
         return self.local_rank_of(self.rank)
-
-    @property
-    def node_of_rank(self) -> Tuple[int, ...]:
-        """`[R]`: the node of every rank."""
-        return tuple(r // self.num_ranks_per_node for r in range(self.num_ranks))
-
-    @property
-    def rail_peers(self) -> Tuple[int, ...]:
-        """`[num_nodes]`: the rank with this rank's local index on every node (itself on its
-        own node)."""
-        return tuple(self.rail_peer(self.rank, n) for n in range(self.num_nodes))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.num_ranks:
@@ -198,11 +182,12 @@ def topology_from_hosts(hosts: Sequence[str], rank: int,
     return Topology(num_ranks, per_node, rank)
 
 
-def count_hosts(group=None) -> int:
-    """How many hosts the ranks of `group` run on (a collective: host names go round with
-    `all_gather_object`)."""
-    hosts: List[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, _host_name(), group=group)
+def count_hosts(group=None, timeout_s: float = 100.0) -> int:
+    """How many hosts the ranks of `group` run on (every rank must call: host names go round,
+    `rendezvous.gather_objects`, waiting at most `timeout_s` for the others)."""
+    from megatron_deepep.transport.rendezvous import gather_objects
+
+    hosts = gather_objects(_host_name(), group, timeout_s=timeout_s, what="the count of hosts")
     return len(set(hosts))
 
 

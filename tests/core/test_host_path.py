@@ -22,6 +22,7 @@ from megatron_deepep.kernels import jit
 from megatron_deepep.transport import local, nvlink
 from megatron_deepep.transport.epochs import DeviceEpochs
 from megatron_deepep.transport.regions import BufferRegions
+from tests.helpers import mirrors
 
 
 class _Recorder:
@@ -37,7 +38,7 @@ class _Recorder:
             def launch(self, grid, block, args, stream, shared_mem=0, programmatic=False):
                 assert isinstance(args, ops.KERNEL_ARGS[(source, name)]), name
                 recorder.events.append(
-                    (name, dict(grid=grid, block=block, args=args.as_dict(),
+                    (name, dict(grid=grid, block=block, args=mirrors.args_dict(args),
                                 programmatic=programmatic, shared_mem=shared_mem,
                                 template_args=list(template_args))))
 

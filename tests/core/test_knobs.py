@@ -22,6 +22,7 @@ def world(monkeypatch):
     for name in list(knobs.KNOBS):
         monkeypatch.delenv(knobs.PREFIX + name, raising=False)
     monkeypatch.setattr(knobs, "_warned_names", set())
+    monkeypatch.setenv(knobs.WARNED_ENV, "")  # restored after the test: warnings may set it
     monkeypatch.setattr(knobs, "_dispatcher_built", False)
 
 
@@ -77,6 +78,7 @@ def test_unknown_and_unread_knobs_warn_once(world, monkeypatch, caplog):
     caplog.clear()
     knobs.check_environment("dispatcher")  # the dispatcher reads it: its Buffers stay quiet
     monkeypatch.setattr(knobs, "_warned_names", set())
+    monkeypatch.setenv(knobs.WARNED_ENV, "")
     with caplog.at_level(logging.WARNING, logger="megatron_deepep.knobs"):
         Buffer(None, 16, 64, 2, transport="reference")
     assert [r.getMessage() for r in caplog.records] == [lines[1]]
@@ -96,3 +98,52 @@ def test_knob_choices_and_bounds_agree_with_the_code():
     assert table["INTERNODE_NET_RING_CHUNKS"].high == regions.MAX_NET_CHUNKS
     assert table["FP8_COLUMNWISE"].choices == ("kernel", "dequantize")
     assert all(knob.read_by for knob in table.values()), "every knob says who reads it"
+
+
+def _warnings_of_a_child(env) -> list:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "from megatron_deepep import knobs; "
+                           "knobs.check_environment('dispatcher')"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stderr.splitlines() if "MDEEP_NUM_SMZ" in line]
+
+
+def test_an_unknown_knob_warns_once_for_a_process_and_those_it_starts(world, monkeypatch):
+    """The main job's processes (its pre-check, compare_dispatchers' parent and each run's
+    children) inherit the names already warned about: one warning per job, not per process."""
+    import os
+
+    from tests.helpers import REPO_ROOT
+
+    monkeypatch.setenv("MDEEP_NUM_SMZ", "8")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, RANK="0")
+    assert len(_warnings_of_a_child(env)) == 1  # a fresh process warns
+    knobs.check_environment("dispatcher")
+    knobs.check_environment("dispatcher")
+    assert os.environ[knobs.WARNED_ENV] == "MDEEP_NUM_SMZ"
+    assert _warnings_of_a_child(dict(env, **{knobs.WARNED_ENV: os.environ[knobs.WARNED_ENV]})) \
+        == []  # a child of a process that warned stays quiet
+
+
+@pytest.mark.parametrize("contents", [None, "{not json"])
+def test_an_unreadable_expert_map_is_one_line_naming_the_variable(world, monkeypatch, tmp_path,
+                                                                  contents):
+    path = tmp_path / "plan.json"
+    if contents is not None:
+        path.write_text(contents)
+    monkeypatch.setenv("MDEEP_EXPERT_MAP", str(path))
+    if contents is None:  # the knobs' pre-check: the file must be readable
+        with pytest.raises(ValueError, match=rf"^MDEEP_EXPERT_MAP='{path}': cannot read that "
+                                             rf"file \(No such file or directory\)$"):
+            knobs.check_environment("dispatcher")
+    pytest.importorskip("megatron.core")
+    from megatron_deepep.megatron import options
+
+    with pytest.raises(ValueError) as info:  # where the dispatcher reads it
+        options.physical_slot_count(str(path))
+    message = str(info.value)
+    assert message.startswith(f"{options.EXPERT_MAP_FLAG} = {path}: ") and "\n" not in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__

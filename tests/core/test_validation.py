@@ -377,3 +377,46 @@ def test_repr_names_transport_ranks_nodes_and_bytes(buf):
     for part in ("transport='reference'", "rank=0", "num_ranks=1", "num_nodes=1",
                  "num_max_tokens_per_rank=16", "hidden=64", "num_topk=4", "num_bytes=0"):
         assert part in text, text
+
+
+@pytest.mark.parametrize("call", ["dispatch", "get_dispatch_layout"])
+def test_too_many_tokens_names_get_buffer(buf, call):
+    x, i, w = (torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(17, 2).long(),
+               torch.ones(17, 2))
+    with pytest.raises(ValueError) as info:
+        if call == "dispatch":
+            buf.dispatch(x, i, w, num_experts=4)
+        else:
+            buf.get_dispatch_layout(i, 4)
+    message = str(info.value)
+    assert "17 tokens, more than the Buffer's num_max_tokens_per_rank=16" in message
+    assert "get_buffer(group, num_tokens, hidden, num_topk)" in message, message
+
+
+def _repeated_ids(rank, world):
+    """Every token names expert 1 at each of its k = 4 (on 2 ranks: rank 0's experts)."""
+    torch.manual_seed(rank)
+    num_tokens, hidden, num_topk = 5, 32, 4
+    buf = Buffer(None, 8, hidden, num_topk, transport="reference", dtype=torch.float32)
+    x = torch.randn(num_tokens, hidden)
+    idx = torch.ones(num_tokens, num_topk, dtype=torch.int64)
+    weights = torch.tensor([[0.5, 0.25, 0.125, 0.0625]]).expand(num_tokens, -1).contiguous()
+    recv_x, recv_w, handle, _ = buf.dispatch(x, idx, weights, num_experts=2 * world)
+    expected_rows = num_topk * num_tokens * world if rank == 0 else 0
+    assert recv_x.shape[0] == expected_rows  # one row per k, not one per token
+    out, _, _ = buf.combine(recv_x, handle)
+    torch.testing.assert_close(out, num_topk * x)  # every k's row summed
+    weighted, _, _ = buf.combine(recv_x, handle, weighted=True)
+    torch.testing.assert_close(weighted, 0.9375 * x)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_expert_named_at_several_k_gets_one_row_per_k_and_combine_sums_them(world):
+    """What the dispatch docstring promises for repeated ids (nothing refuses them)."""
+    run_distributed(world, _repeated_ids)
+
+
+def test_the_dispatch_docstring_says_what_repeated_ids_give():
+    doc = " ".join(Buffer.dispatch.__doc__.split())
+    assert "An id a token names at several k is kept, not merged" in doc
+    assert "`combine` sums them all" in doc

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from megatron_deepep.kernels import jit
+from tests.helpers import mirrors
 
 
 class _Args(jit.KernelArgs):
@@ -34,7 +35,7 @@ def test_fill_packs_fields_at_their_ctypes_offsets():
     assert struct.unpack_from("<Q", raw, _Args.t.offset)[0] == 2**64 - 1
     assert struct.unpack_from("<I", raw, _Args.u.offset)[0] == 7
     assert struct.unpack_from("<q", raw, _Args.big.offset)[0] == -(2**40)
-    assert args.as_dict()["q"] == 0 and args.as_dict()["n"] == -5
+    assert mirrors.args_dict(args)["q"] == 0 and mirrors.args_dict(args)["n"] == -5
     # kernelParams: a void*[1] whose one entry is the struct's address.
     assert ctypes.c_void_p.from_address(args.kernel_params).value == ctypes.addressof(args)
 

@@ -22,6 +22,7 @@ from megatron_deepep.kernels import jit, nvshmem_link
 from megatron_deepep.transport import errors, status
 from megatron_deepep.transport import regions as buffer_layout
 from megatron_deepep.transport.regions import BufferRegions
+from tests.helpers import mirrors
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
@@ -135,7 +136,7 @@ def test_regions_host_info_and_error_record_mirrors():
     body += "\n" + _asserts("mdeep::Meta", buffer_layout.META_BYTES,
                             {"notify_flag": 0, "counts": 8 * buffer_layout.MAX_RANKS * 4})
     body += "\n" + "\n".join(
-        f'static_assert(mdeep::counts_half({e}u) == {buffer_layout.counts_half(e)}, "half {e}");'
+        f'static_assert(mdeep::counts_half({e}u) == {mirrors.counts_half(e)}, "half {e}");'
         for e in (0, 1, 2, 0xFFFFFFFF))
     # ErrorRecord: the words transport/errors.py decodes.
     body += "\n" + _asserts("mdeep::ErrorRecord", 4 * errors.ERROR_RECORD_WORDS,
@@ -150,14 +151,14 @@ HOST_WORD_CASES = [(0, 0), (7, 1), (4096, 0xFFFFFFFF), (-1, 2), (0x7FFFFFFF, 0x8
 
 
 def test_host_words_pack_as_the_kernels_store_them():
-    # host_word of common/host_info.cuh, evaluated by NVRTC, against status.host_word; and the
+    # host_word of common/host_info.cuh, evaluated by NVRTC, against the tests' mirror; and the
     # host's unpack returns what was packed.
     body = "\n".join(
-        f'static_assert(mdeep::host_word({value}, {epoch}u) == {status.host_word(value, epoch)}'
+        f'static_assert(mdeep::host_word({value}, {epoch}u) == {mirrors.host_word(value, epoch)}'
         f'ull, "host_word({value}, {epoch})");' for value, epoch in HOST_WORD_CASES)
     _compile(body)
     for value, epoch in HOST_WORD_CASES:
-        assert status.unpack_host_word(status.host_word(value, epoch)) == (value, epoch)
+        assert status.unpack_host_word(mirrors.host_word(value, epoch)) == (value, epoch)
     with pytest.raises(jit.CompileError, match="host_word"):  # the check can fail
         _compile('static_assert(mdeep::host_word(1, 2u) == 0x200000001ull, "host_word swapped");')
 
@@ -172,7 +173,7 @@ class _Recorder:
         class _Kernel:
             def launch(self, grid, block, args, stream, shared_mem=0, programmatic=False):
                 assert isinstance(args, ops.KERNEL_ARGS[(source, name)])
-                recorder.launches.append((name, grid, block, args.as_dict()))
+                recorder.launches.append((name, grid, block, mirrors.args_dict(args)))
 
         return _Kernel()
 

@@ -178,13 +178,13 @@ def _accepts_worker(rank, world_size):
     # the metrics report hooks included.
     from megatron.core.transformer.moe import moe_utils
     from megatron_deepep.megatron import metrics
-    records = patching.applied()
+    records = list(patching._APPLIED)
     patched = {(getattr(r.owner, "__name__", type(r.owner).__name__), r.name) for r in records}
     assert {("TransformerConfig", "__post_init__"), ("MoELayer", "__init__")} <= patched, patched
     if hasattr(moe_utils, "track_moe_metrics"):
         assert metrics.is_report_hook(moe_utils.track_moe_metrics)
     mdm.unregister_deepep_dispatcher()
-    assert patching.applied() == []
+    assert not patching._APPLIED
     for r in records:
         now = r.owner.get(r.name, patching._MISSING) if r.item \
             else getattr(r.owner, r.name, patching._MISSING)
@@ -203,7 +203,7 @@ def _accepts_worker(rank, world_size):
     # Registering again after the undo patches again.
     mdm.register_deepep_dispatcher(transport="reference")
     assert isinstance(_moe_layer("deepep").token_dispatcher, mdm.DeepEPTokenDispatcher)
-    assert len(patching.applied()) == len(records)
+    assert len(patching._APPLIED) == len(records)
     mdm.unregister_deepep_dispatcher()
     ps.destroy_model_parallel()
 

@@ -283,9 +283,13 @@ def test_replan_option_checks():
     assert check_replan_option(4, 2) == 4
     with pytest.raises(ValueError, match="--moe-mdeep-replan .*integer >= 0, got -1"):
         DeepEPOptions(replan=-1)
-    with pytest.raises(ValueError, match="--moe-mdeep-replan .* 3: .*multiple of "
-                                         "--expert-model-parallel-size 2"):
+    with pytest.raises(ValueError, match="--moe-mdeep-replan .* 3 with "
+                                         "--expert-model-parallel-size 2: .*multiple of the 2 EP"):
         check_replan_option(3, 2)
+    with pytest.raises(ValueError, match="--moe-mdeep-replan .* 8 with "
+                                         "--expert-model-parallel-size 2: 8 extra slots exceed "
+                                         "the 4 copies"):
+        check_replan_option(8, 2, 4)
 
 
 def test_plan_keeps_the_placement_when_it_gains_little_or_the_optimizer_is_physical():
@@ -335,6 +339,7 @@ def test_map_origin_names_the_option_or_the_plan_file(tmp_path, replan_state, mo
     from megatron_deepep.megatron.options import DeepEPOptions
 
     monkeypatch.delenv("MDEEP_EXPERT_MAP", raising=False)
+    (tmp_path / "map.json").write_text("[0, 1]")  # the variable must name a readable file
     explicit = DeepEPOptions(expert_map=str(tmp_path / "map.json"))
     assert replan_state.map_origin(explicit) == f"--moe-mdeep-expert-map = {tmp_path}/map.json"
     monkeypatch.setenv("MDEEP_EXPERT_MAP", str(tmp_path / "map.json"))

@@ -431,6 +431,7 @@ def test_template_without_a_gpu_passes_its_flags_to_the_cpu_run(tmp_path):
     fake.write_text(f"""#!/usr/bin/env bash
 case "$1" in
   *prepare_env.py) echo "cpu-demo 0" ;;
+  *megatron_flags.py) exec {sys.executable} "$@" ;;
   -m) printf '%s\\n' "$@" > {record} ;;
 esac
 """)

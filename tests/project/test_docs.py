@@ -176,3 +176,27 @@ def test_nothing_cites_files_outside_the_repository():
                 offenders += [f"{child.relative_to(ROOT)}: {name}" for name in outside
                               if name in text]
     assert not offenders, offenders
+
+
+def test_the_readme_says_what_this_is_before_any_command():
+    """A newcomer reads what this is, for whom, and how it differs, before the first code
+    block; then the links and the words the README uses unexplained elsewhere."""
+    text = (ROOT / "README.md").read_text()
+    before = text.split("```", 1)[0].split("\n", 1)[1]  # after the title
+    sentence = before.strip().split(". ")[0]
+    assert len(sentence.split()) >= 8, before
+    for word in ("Megatron-LM", "alltoall", "DeepEP"):
+        assert word in before, word
+    for link in ("https://github.com/NVIDIA/Megatron-LM", "https://github.com/deepseek-ai/DeepEP",
+                 "https://github.com/NVIDIA/TransformerEngine",
+                 "https://github.com/NVIDIA/cuda-python"):
+        assert f"]({link})" in text, link
+    for term in ("SM:", "HBM:", "MPS:", "NVRTC:", "NVSHMEM:", "TE:"):
+        assert term in text, term
+    commands = text.split("```bash", 1)[1].split("```", 1)[0]
+    assert commands.index("--index-url https://download.pytorch.org/whl/cpu") < commands.index(
+        "bash examples/run_gpt_moe.sh"), "the CPU-only line comes first"
+    assert "examples/balance_demo.py" in text
+    precompile = [line for line in text.splitlines() if not line.startswith("|")
+                  and "python -m megatron_deepep.tools.precompile" in line]  # not the table
+    assert precompile and all("--topk" in line for line in precompile), precompile

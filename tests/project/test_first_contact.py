@@ -118,3 +118,20 @@ def test_known_noise_of_other_libraries_is_dropped():
         finally:
             log.removeHandler(collect)
     assert collect.messages == ["another message"] * len(logs.KNOWN_NOISE)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+def test_compare_dispatchers_without_a_gpu_advises_once():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here")
+    from tests.helpers.distributed import free_port
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()),
+                           os.path.join(EXAMPLES, "compare_dispatchers.py"), "--steps", "2"],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert (done.stdout + done.stderr).count("compare_dispatchers.py: no CUDA GPU.") == 1, \
+        done.stderr

@@ -11,6 +11,14 @@ SHAPES = [(2, 1), (2, 2), (3, 2), (2, 3), (4, 2), (2, 4)]  # (nodes, ranks per n
 ROUTINGS = ["random", "duplicates", "skewed", "empty", "uneven", "no_tokens"]
 
 
+def network_crossings(layout) -> torch.Tensor:
+    """`[N]`, int32: how often each token crosses the network (its destination nodes other
+    than the source rank's own)."""
+    remote = layout.is_token_in_node.clone()
+    remote[:, layout.rank // layout.num_ranks_per_node] = False
+    return remote.sum(dim=1, dtype=torch.int32)
+
+
 def _oracle(idx, num_experts, num_ranks, per_node, rank):
     """Plain loops over tokens: what every link carries for source `rank`'s tokens."""
     num_nodes = num_ranks // per_node
@@ -82,12 +90,12 @@ def test_node_layout_matches_oracle(num_nodes, per_node, kind, dtype):
         assert layout.is_token_in_node.tolist() == want["in_node"] or (
             not rows and layout.is_token_in_node.shape == (0, num_nodes))
         assert layout.num_tokens_per_rank.tolist() == want["per_rank"]
-        assert layout.num_tokens_per_node_rank.tolist() == [
+        assert layout.num_tokens_per_rank.view(num_nodes, per_node).tolist() == [
             want["per_rank"][b * per_node:(b + 1) * per_node] for b in range(num_nodes)]
         assert layout.num_tokens_per_node.tolist() == want["per_node"]
         assert layout.num_network_rows_per_node.tolist() == want["network"]
         assert layout.num_nvlink_rows_per_node.tolist() == want["nvlink"]
-        assert layout.num_network_crossings_per_token.tolist() == want["crossings"]
+        assert network_crossings(layout).tolist() == want["crossings"]
         for t in (layout.num_tokens_per_rank, layout.num_tokens_per_node,
                   layout.num_network_rows_per_node, layout.num_nvlink_rows_per_node):
             assert t.dtype == torch.int32
@@ -108,7 +116,7 @@ def test_hand_worked_case():
     # Node 0: forwarder rank 1 sends token 0 to rank 0. Node 1: forwarder rank 3 sends token 1
     # to rank 2; tokens 0 and 2 stay on rank 3.
     assert layout.num_nvlink_rows_per_node.tolist() == [1, 1]
-    assert layout.num_network_crossings_per_token.tolist() == [1, 1, 1, 0]
+    assert network_crossings(layout).tolist() == [1, 1, 1, 0]
 
 
 def test_node_layout_errors():
@@ -150,10 +158,10 @@ def test_node_limited_topk_matches_megatron_and_bounds_nodes(num_nodes, per_node
     for rank in range(0, num_ranks, max(1, per_node - 1)):
         layout = compute_node_layout(idx, num_experts, Topology(num_ranks, per_node, rank))
         nodes_per_token = layout.is_token_in_node.sum(dim=1)
-        crossings = layout.num_network_crossings_per_token
+        crossings = network_crossings(layout)
         assert int(nodes_per_token.max()) <= group_topk
         assert int(crossings.max()) <= group_topk
-        own = layout.is_token_in_node[:, layout.node]
+        own = layout.is_token_in_node[:, layout.rank // layout.num_ranks_per_node]
         if own.any():
             assert int(crossings[own].max()) <= group_topk - 1
         assert int(layout.num_network_rows_per_node.sum()) == int(crossings.sum())

@@ -5,9 +5,9 @@ with the call's epoch, waits for every peer's flag, then reads the rows. With no
 between two notifies (no dispatch, whose own flags happen to hold a fast rank back today), a
 rank can start the next notify while a slow peer still reads the rows of this one. The model
 runs each rank as a generator that yields at every store, load and spin, under a random
-scheduler: with the two halves chosen by the epoch's parity (`regions.counts_half`) every read
-sees the row of its own call; with one half (the layout before), some schedule overwrites a row
-before it is read.
+scheduler: with the two halves chosen by the epoch's parity (buffer.cuh's `counts_half`,
+mirrored in `tests.helpers.mirrors`) every read sees the row of its own call; with one half (the
+layout before), some schedule overwrites a row before it is read.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import random
 
 import pytest
 
-from megatron_deepep.transport.regions import COUNT_HALVES, counts_half
+from megatron_deepep.transport.regions import COUNT_HALVES
+from tests.helpers.mirrors import counts_half
 
 
 class _Notify:

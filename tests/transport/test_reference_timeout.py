@@ -98,3 +98,24 @@ def test_a_peer_whose_process_exited_is_named():
     assert "waited 30 s" not in text  # the process's exit, not the 30 s timeout
     assert "combine (call 2 of rank 0 of 2)" in text
     assert "rank 1 (global 1) is still at its call 1 (dispatch)" in text
+
+
+def _peer_never_builds(rank, world, transport):
+    group = dist.new_group(backend="gloo")
+    if rank == 1:  # never builds its Buffer (a rank stuck elsewhere)
+        time.sleep(TIMEOUT_S + 3.0)
+        return
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError) as info:
+        Buffer(group, 16, HIDDEN, NUM_TOPK, transport=transport, timeout_s=TIMEOUT_S)
+    assert time.monotonic() - start >= TIMEOUT_S - 0.1
+    message = str(info.value)
+    assert f"waited {TIMEOUT_S:g} s (the Buffer's timeout_s)" in message, message
+    assert "for rank 1 (global 1): every rank of the EP group must build the Buffer" in message
+
+
+@pytest.mark.parametrize("transport", ["reference", "auto"])
+def test_a_peer_that_never_builds_its_buffer_times_out_naming_it(transport):
+    """The set-up's exchanges (which transport; with `auto`, how many hosts) wait at most the
+    Buffer's timeout_s, as its calls do (before, gloo waited until the peer's process ended)."""
+    run_distributed(2, _peer_never_builds, transport, timeout_s=60)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_deepep.transport import errors, status
-from megatron_deepep.transport.status import KernelStatus, host_word
+from megatron_deepep.transport.status import KernelStatus
+from tests.helpers.mirrors import host_word
 
 
 class _Words:

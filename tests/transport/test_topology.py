@@ -8,6 +8,11 @@ from megatron_deepep.transport import topology as topology_mod
 from megatron_deepep.transport.topology import Topology, detect_topology, topology_from_hosts
 from tests.helpers.distributed import run_distributed
 
+def rail_peers(topo):
+    """`[num_nodes]`: the rank with `topo.rank`'s local index on every node."""
+    return tuple(topo.rail_peer(topo.rank, n) for n in range(topo.num_nodes))
+
+
 SHAPES = [(2, 1), (2, 2), (3, 2), (2, 3), (4, 2), (2, 4), (1, 8), (32, 8), (5, 7)]
 
 
@@ -17,16 +22,16 @@ def test_topology_maps_ranks(num_nodes, per_node):
     for rank in range(num_ranks):
         topo = Topology(num_ranks, per_node, rank)
         assert topo.num_nodes == num_nodes
-        assert topo.is_internode == (num_nodes > 1)
         assert (topo.node, topo.local_rank) == (rank // per_node, rank % per_node)
-        assert topo.node_of_rank == tuple(r // per_node for r in range(num_ranks))
+        assert [topo.node_of(r) for r in range(num_ranks)] == [r // per_node
+                                                               for r in range(num_ranks)]
         assert list(topo.ranks_of_node(topo.node)).count(rank) == 1
         for node in range(num_nodes):
             peer = topo.rail_peer(rank, node)
             assert topo.node_of(peer) == node
             assert topo.local_rank_of(peer) == topo.local_rank
-            assert topo.rail_peers[node] == peer
-        assert topo.rail_peers[topo.node] == rank
+            assert rail_peers(topo)[node] == peer
+        assert rail_peers(topo)[topo.node] == rank
     if 2 <= num_nodes <= 32:
         Topology(num_ranks, per_node).check_internode()
 
@@ -66,7 +71,7 @@ def test_hosts_contiguous_nodes():
     hosts = ["a", "a", "a", "b", "b", "b"]
     topo = topology_from_hosts(hosts, rank=4)
     assert (topo.num_ranks, topo.num_ranks_per_node, topo.rank) == (6, 3, 4)
-    assert topo.rail_peers == (1, 4)
+    assert rail_peers(topo) == (1, 4)
     assert topology_from_hosts(["h"] * 4, rank=0).num_nodes == 1
 
 
@@ -105,7 +110,7 @@ def _detect_worker(rank, world_size):
     # The override: 2 virtual nodes x 2 ranks on one host.
     topo = detect_topology(None, num_ranks_per_node=2)
     assert topo == Topology(4, 2, rank), topo
-    assert topo.rail_peers == tuple(n * 2 + rank % 2 for n in range(2))
+    assert rail_peers(topo) == tuple(n * 2 + rank % 2 for n in range(2))
     topo.check_internode()
     # Host names: all processes on this one host -> one node.
     topo = detect_topology(dist.group.WORLD)
