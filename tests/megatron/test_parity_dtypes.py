@@ -109,7 +109,7 @@ def test_wire_rows_are_the_same_bytes():
 
 def test_kernel_names_per_row_dtype():
     names = ops.kernel_names(2, row_dtypes=("bf16", "fp16", "fp32"))["combine.cu"]
-    assert len(names) == 3 * 2 * 2 * 3
+    assert len(names) == 3 * 2 * 2 * 4  # dtypes x weighted x with weights x kernels
     assert "combine_reduce<2, false, true, 2>" in names
     assert all(e.endswith(", 0>") for e in ops.kernel_names(2)["combine.cu"])
     # Dispatch copies bytes: one set of kernels for every dtype.

@@ -49,14 +49,14 @@ def test_list_narrows_by_index_dtype_fp8_format_and_output(capsys):
     fp8 = _listed(capsys, "--topk", "4", "--fp8", "mxfp8_1x32", "--fp8-output", "bf16",
                   "--no-bf16")
     dispatch = [e for s, e in fp8 if s == "dispatch.cu"]
-    # kFmt 3 (MXFP8) only, dequantized on receive; 2 index types x 2 cached x 3 kernels.
-    assert len(dispatch) == 12 and all(", 3" in e for e in dispatch)
+    # kFmt 3 (MXFP8) only, dequantized on receive; 2 index types x 2 cached x 4 kernels.
+    assert len(dispatch) == 16 and all(", 3" in e for e in dispatch)
     assert all(e.endswith("true>") for e in dispatch if not e.startswith("dispatch_send"))
     wide = _listed(capsys, "--topk", "4", "--row-dtype", "fp16", "fp32")
     combine = [e for s, e in wide if s == "combine.cu"]
-    # 2 weighted x 2 with-weights x 3 kernels, each for kDtype 1 (fp16) and 2 (fp32).
+    # 2 weighted x 2 with-weights x 4 kernels, each for kDtype 1 (fp16) and 2 (fp32).
     assert sorted(combine) == sorted(ops.kernel_names(4, row_dtypes=("fp16", "fp32"))
-                                     ["combine.cu"]) and len(combine) == 24
+                                     ["combine.cu"]) and len(combine) == 32
     blockwise = _listed(capsys, "--topk", "4", "--fp8", "blockwise", "blockwise_1x128_fp32_scales",
                         "--no-bf16")
     # The FP8 experts' columnwise copy, once per power-of-two setting; not for bf16 output.
