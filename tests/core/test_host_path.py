@@ -88,7 +88,7 @@ def recorder(monkeypatch):
     return rec
 
 
-def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify, kernels="fused"):
+def _transport(rec, num_ranks, max_tokens, hidden, topk, rows_from_notify, kernels="auto"):
     """The transport `auto` picks for `num_ranks` (local or NVLink, with the kernels
     `MDEEP_NVLINK_KERNELS` names), built on the CPU with no GPU memory; its host wait sees
     `rows_from_notify()`."""
@@ -316,7 +316,7 @@ def test_ep1_fp8_expand_stages_by_sm_budget(recorder, num_sms, stage_bytes):
 
 def test_ep2_runs_the_protocol_kernels(recorder):
     """Fused kernels: layout, notify, the host wait, then one launch per operation."""
-    t = _transport(recorder, 2, 64, 256, 4, lambda: 200)
+    t = _transport(recorder, 2, 64, 256, 4, lambda: 200, kernels="fused")
     x, idx, w = _inputs(64, 256, 16, 4)
     recv_x, _, handle = t.dispatch(x, idx, w, 16)
     assert _names(recorder) == ["layout_kernel", "notify_kernel", "host wait", "dispatch_fused"]
