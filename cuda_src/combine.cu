@@ -291,21 +291,15 @@ __device__ __noinline__ void send_partial(const int4* y, int num_int4,
     }
 }
 
-// A token's slot on each rank (-1: none), passed by value.
-struct TokenSlots {
-    int slot[kMaxRanks];
-};
-
 // Token n's output: its partials summed over ranks in ascending order in fp32 (its own rank's
 // partial computed from y with the same rounding) and rounded once: combine_reduce's values.
 template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
 __device__ __noinline__ void reduce_token(int4* out, float* out_weights, int n, int num_int4,
                                              const int4* y, const float* recv_weights,
                                              const float* grad_row_weights,
-                                             const int* slot_rows, TokenSlots token_slots,
+                                             const int* slot_rows, const int* slots,
                                              const u64* peer_bases, const Regions& rg,
                                              int rank, int num_ranks, int lane) {
-    const int* slots = token_slots.slot;  // by value: in registers, not the caller's stack
     int self_rows[kTopk];
     float self_weights[kTopk];
 #pragma unroll
@@ -415,8 +409,7 @@ __global__ void __launch_bounds__(kFusedCombineThreads) combine_fused(
         for (;;) {
             const bool has_send = send_first < total_send;
             if (n < num_tokens) {
-                TokenSlots token_slots;
-                int* slots = token_slots.slot;
+                int slots[kMaxRanks];
 #pragma unroll
                 for (int r = 0; r < kMaxRanks; ++r)
                     slots[r] = (r < num_ranks && is_token_in_rank[(i64)n * num_ranks + r])
@@ -430,7 +423,7 @@ __global__ void __launch_bounds__(kFusedCombineThreads) combine_fused(
                                                              rg.max_tokens, lane, lane_slot)
                                                  : nullptr;
                 bool ready = __all_sync(0xffffffffu,
-                                        flag == nullptr || epoch_reached(ld_relaxed_sys(flag),
+                                        flag == nullptr || epoch_reached(ld_acquire_sys(flag),
                                                                          epoch));
                 __syncwarp();
                 if (!ready && !has_send) {
@@ -447,7 +440,7 @@ __global__ void __launch_bounds__(kFusedCombineThreads) combine_fused(
                 if (ready) {
                     reduce_token<kTopk, kWeighted, kWithWeights, kDtype>(
                         out, out_weights, n, num_int4, y, recv_weights, grad_row_weights,
-                        slot_rows, token_slots, peer_bases, rg, rank, num_ranks, lane);
+                        slot_rows, slots, peer_bases, rg, rank, num_ranks, lane);
                     n = warp_claim(&ws->work_counter[kWorkCombineReduce], 1, lane);
                     continue;
                 }

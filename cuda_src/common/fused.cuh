@@ -21,44 +21,26 @@ __device__ __forceinline__ int warp_claim(u32* counter, int count, int lane) {
     return (int)__shfl_sync(0xffffffffu, first, 0);
 }
 
-// Per-slot flags are polled with relaxed loads, not acquire loads: an acquire load invalidates
-// the SM's L1 (every warp's local memory there) at each poll. The slot's data is read only once
-// the flag's value is known, and only past L1 (.cg and volatile loads): the writer's
-// system-scope fence put it in L2 before the flag.
-
-// Whether the slot's flag has reached `epoch` (one load, its answer in every lane).
+// Whether the slot's flag has reached `epoch` (one acquire load, its answer in every lane; the
+// acquire and the __syncwarp order the lanes' later reads of the slot after it).
 __device__ __forceinline__ bool warp_slot_ready(const u32* flag, u32 epoch, int lane) {
     u32 seen = 0;
-    if (lane == 0) seen = ld_relaxed_sys(flag);
+    if (lane == 0) seen = ld_acquire_sys(flag);
     seen = __shfl_sync(0xffffffffu, seen, 0);
     __syncwarp();
     return epoch_reached(seen, epoch);
 }
 
 // Spins (whole warp) until the slot's flag reaches `epoch`, or records a timeout naming `peer`
-// and returns false (also at once once another wait of this buffer failed).
+// and returns false.
 __device__ __forceinline__ bool warp_wait_slot(const u32* flag, u32 epoch, u64 timeout_ns,
                                                const ErrorState& err, int rank, int peer,
                                                int phase, int lane) {
-    int ok = 1;
-    if (lane == 0) {
-        const u64 start = global_timer_ns();
-        for (u32 iter = 0;; ++iter) {
-            const u32 seen = ld_relaxed_sys(flag);
-            if (epoch_reached(seen, epoch)) break;
-            if ((iter & 255u) == 255u) {
-                if (has_error(err)) { ok = 0; break; }
-                if (global_timer_ns() - start > timeout_ns) {
-                    record_error(err, kErrTimeout, rank, peer, phase, 0, (i64)epoch, (i64)seen);
-                    ok = 0;
-                    break;
-                }
-            }
-        }
-    }
-    ok = __shfl_sync(0xffffffffu, ok, 0);
+    bool ok = true;
+    if (lane == 0) ok = wait_epoch(flag, epoch, timeout_ns, err, rank, peer, phase);
+    ok = __shfl_sync(0xffffffffu, (int)ok, 0) != 0;
     __syncwarp();
-    return ok != 0;
+    return ok;
 }
 
 // After a warp's stores of one batch of slots: every lane's stores are fenced at system scope

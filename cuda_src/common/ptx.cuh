@@ -15,15 +15,6 @@ __device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// A relaxed system-scope load: no L1 invalidation (an acquire load invalidates the SM's L1, which
-// holds its warps' local memory). For polling a flag whose data is then read past L1 (.cg or
-// volatile loads, issued only once the flag's value is known).
-__device__ __forceinline__ u32 ld_relaxed_sys(const u32* p) {
-    u32 v;
-    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // The same at GPU scope: for flags only this GPU's blocks read (cheaper than .sys).
 __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
     u32 v;
