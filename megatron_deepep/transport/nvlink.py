@@ -10,8 +10,9 @@ and sums the tokens whose partials have all arrived, in ascending rank order.
 `MDEEP_NVLINK_KERNELS=split` runs the earlier two kernels per operation instead: a send, then,
 after a barrier over every peer, the receive (dispatch_send / dispatch_recv, combine_send /
 combine_reduce; the send overlaps a synchronous dispatch's host wait). The default, `auto`, is
-the fused dispatch and the split combine: measured on an H100 under MPS, the fused combine took
-1.6x the split one's time (benchmarks/h100_2026-12-07_mps.md).
+the fused dispatch of bf16 rows and the split kernels for FP8 rows and the combine: on an H100
+under MPS the fused combine took 1.6x the split one's time, the fused FP8 dispatch 1.08x
+(benchmarks/h100_2026-12-07_mps.md).
 Flags carry per-operation epochs, so the buffer is never zeroed between calls, and every writer
 first waits until its reader has consumed the previous call.
 The epochs live in device words (`epochs.DeviceEpochs`): with a row bound, a dispatch and its
@@ -76,9 +77,8 @@ class NVLinkTransport(Transport):
                                    self.rank, timeout_s)
         self.epochs = DeviceEpochs(self.device)
         self.host_epoch = 0  # what a synchronous dispatch's notify publishes to the host
-        kernels = knobs.get("NVLINK_KERNELS")
-        self.fused_dispatch = kernels in ("auto", "fused")
-        self.fused_combine = kernels == "fused"
+        self.kernels = knobs.get("NVLINK_KERNELS")
+        self.fused_combine = self.kernels == "fused"
 
     @staticmethod
     def size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
@@ -87,6 +87,11 @@ class NVLinkTransport(Transport):
 
     def check_errors(self) -> None:
         self.status.check_errors()
+
+    def _fused_dispatch(self, fp8) -> bool:
+        """Whether a dispatch runs `dispatch_fused`: always with `fused`, never with `split`;
+        with `auto` for bf16 rows only (FP8 rows were faster split in the H100 MPS run)."""
+        return self.kernels == "fused" or (self.kernels == "auto" and fp8 is None)
 
     # ------------------------------------------------------------------ dispatch
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> DispatchLayout:
@@ -130,14 +135,15 @@ class NVLinkTransport(Transport):
                           host_epoch=self.host_epoch, timeout_ns=self.timeout_ns,
                           errors=self.status.errors)
         peers = self._peers(self.epochs.dispatch)
-        if not self.fused_dispatch:
+        fused = self._fused_dispatch(fp8)
+        if not fused:
             ops.dispatch_send(x, x_scales, topk_idx, topk_weights, layout, cached=False,
                               fp8=fp8, num_local=num_local, **peers)
         num_rows = (self.status.wait_num_rows(self.host_epoch) if is_sync
                     else num_max_recv_rows)
         recv_x, recv_scales = empty_recv(num_rows, x.shape[1], fp8, dev)
         recv_weights = torch.empty(num_rows, dtype=torch.float32, device=dev)
-        expand = ops.dispatch_fused if self.fused_dispatch else ops.dispatch_recv
+        expand = ops.dispatch_fused if fused else ops.dispatch_recv
         expand(recv_x, recv_scales, recv_weights, arena, x, x_scales, topk_idx, topk_weights,
                layout, cached=False, fp8=fp8, num_local=num_local, **peers)
         handle = DispatchHandle.from_arena(
@@ -183,11 +189,12 @@ class NVLinkTransport(Transport):
         topk_idx, arena = handle.transport_state
         self.epochs.advance_cached_dispatch()
         peers = self._peers(self.epochs.dispatch)
-        if not self.fused_dispatch:
+        fused = self._fused_dispatch(fp8)
+        if not fused:
             ops.dispatch_send(x, x_scales, topk_idx, None, handle.layout, cached=True, fp8=fp8,
                               num_local=num_local, **peers)
         recv_x, recv_scales = empty_recv(handle.num_recv_rows, x.shape[1], fp8, x.device)
-        expand = ops.dispatch_fused if self.fused_dispatch else ops.dispatch_recv
+        expand = ops.dispatch_fused if fused else ops.dispatch_recv
         expand(recv_x, recv_scales, None, arena, x, x_scales, topk_idx, None, handle.layout,
                cached=True, fp8=fp8, num_local=num_local, **peers)
         if fp8 is None:
