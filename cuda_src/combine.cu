@@ -62,6 +62,123 @@ __device__ __forceinline__ void load_slot_rows(const int* slot_rows, const float
     }
 }
 
+// Slot (s, j)'s partial: its rows of y summed in k order in fp32, rounded to the row dtype and
+// written into peer s's combine region [rank][j] (with the per-k grad_row_weights values when
+// kWithWeights), kU words per lane per step.
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype, int kU>
+__device__ __forceinline__ void send_partial(const int4* y, int num_int4,
+                                             const float* recv_weights,
+                                             const float* grad_row_weights,
+                                             const int* slot_rows, const u64* peer_bases,
+                                             const Regions& rg, int rank, int s, int j,
+                                             int lane) {
+    int rows[kTopk];
+    float weights[kTopk];
+    load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights, (i64)s * rg.max_tokens + j, rows,
+                                     weights);
+    int4* dst = reinterpret_cast<int4*>(
+        slot_ptr(peer_bases[s], rg.combine_rows, rg.row_stride, rg.max_tokens, rank, j));
+    for (int base = 0; base < num_int4; base += 32 * kU) {
+        float acc[kU][8];
+        slot_partial<kTopk, kWeighted, kU, kDtype>(acc, y, rows, weights, num_int4, base, lane);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int w = base + u * 32 + lane;
+            if (w < num_int4) st_v4(dst + w, pack_word<kDtype>(acc[u]));
+        }
+    }
+    if (kWithWeights && lane < kTopk) {
+        float* wdst = reinterpret_cast<float*>(
+            slot_ptr(peer_bases[s], rg.combine_weights, rg.weight_stride, rg.max_tokens, rank, j));
+        int row_lane = -1;
+#pragma unroll
+        for (int k = 0; k < kTopk; ++k)
+            if (k == lane) row_lane = rows[k];
+        wdst[lane] = row_lane >= 0 ? grad_row_weights[row_lane] : 0.f;
+    }
+}
+
+// Token n's output: its partials summed over ranks in ascending order in fp32 (its own rank's
+// partial computed from y with the same rounding) and rounded once; `slots` [kMaxRanks]: its
+// slot on each rank (-1: none); kU words per lane per step.
+template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype, int kU>
+__device__ __forceinline__ void reduce_token(int4* out, float* out_weights, int n, int num_int4,
+                                             const int4* y, const float* recv_weights,
+                                             const float* grad_row_weights,
+                                             const int* slot_rows, const int* slots,
+                                             const u64* peer_bases, const Regions& rg,
+                                             int rank, int num_ranks, int lane) {
+    int self_rows[kTopk];
+    float self_weights[kTopk];
+    if (slots[rank] >= 0)
+        load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights,
+                                         (i64)rank * rg.max_tokens + slots[rank],
+                                         self_rows, self_weights);
+    for (int base = 0; base < num_int4; base += 32 * kU) {
+        // Peers' partials first (all loads in flight), then the sum in rank order.
+        int4 partial[kMaxRanks][kU];
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+            if (r >= num_ranks || r == rank || slots[r] < 0) continue;
+            const int4* src = reinterpret_cast<const int4*>(slot_ptr(
+                peer_bases[rank], rg.combine_rows, rg.row_stride, rg.max_tokens, r,
+                slots[r]));
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < num_int4) partial[r][u] = ld_cg_v4(src + i);
+            }
+        }
+        float acc[kU][8];
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+            if (r >= num_ranks || slots[r] < 0) continue;
+            if (r == rank) {
+                float self_acc[kU][8];
+                slot_partial<kTopk, kWeighted, kU, kDtype>(self_acc, y, self_rows,
+                                                           self_weights, num_int4, base,
+                                                           lane);
+#pragma unroll
+                for (int u = 0; u < kU; ++u) partial[r][u] = pack_word<kDtype>(self_acc[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+                if (base + u * 32 + lane < num_int4)
+                    accumulate_word<kDtype, false>(acc[u], partial[r][u], 1.f);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < num_int4) out[(i64)n * num_int4 + i] = pack_word<kDtype>(acc[u]);
+        }
+    }
+    if (kWithWeights && lane < kTopk) {
+        float wsum = 0.f;
+        for (int r = 0; r < num_ranks; ++r) {
+            if (slots[r] < 0) continue;
+            float v;
+            if (r == rank) {
+                int row_lane = -1;
+#pragma unroll
+                for (int k = 0; k < kTopk; ++k)
+                    if (k == lane) row_lane = self_rows[k];
+                v = row_lane >= 0 ? grad_row_weights[row_lane] : 0.f;
+            } else {
+                const volatile float* src = reinterpret_cast<const volatile float*>(
+                    slot_ptr(peer_bases[rank], rg.combine_weights, rg.weight_stride,
+                             rg.max_tokens, r, slots[r]));
+                v = src[lane];
+            }
+            wsum = __fadd_rn(wsum, v);
+        }
+        out_weights[(i64)n * kTopk + lane] = wsum;
+    }
+}
+
 template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
 __global__ void __launch_bounds__(kCombineThreads) combine_send(
     const __grid_constant__ CombineSendArgs args) {
@@ -95,32 +212,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_send(
             int s = 0;
             while (i >= slot_start[s + 1]) ++s;
             const int j = i - slot_start[s];
-            int rows[kTopk];
-            float weights[kTopk];
-            load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights, (i64)s * rg.max_tokens + j,
-                                             rows, weights);
-            int4* dst = reinterpret_cast<int4*>(slot_ptr(peer_bases[s], rg.combine_rows,
-                                                         rg.row_stride, rg.max_tokens, rank, j));
-            constexpr int kU = CombineUnroll<kTopk>::value;
-            for (int base = 0; base < num_int4; base += 32 * kU) {
-                float acc[kU][8];
-                slot_partial<kTopk, kWeighted, kU, kDtype>(acc, y, rows, weights, num_int4, base,
-                                                            lane);
-#pragma unroll
-                for (int u = 0; u < kU; ++u) {
-                    const int w = base + u * 32 + lane;
-                    if (w < num_int4) st_v4(dst + w, pack_word<kDtype>(acc[u]));
-                }
-            }
-            if (kWithWeights && lane < kTopk) {
-                float* wdst = reinterpret_cast<float*>(slot_ptr(
-                    peer_bases[s], rg.combine_weights, rg.weight_stride, rg.max_tokens, rank, j));
-                int row_lane = -1;
-#pragma unroll
-                for (int k = 0; k < kTopk; ++k)
-                    if (k == lane) row_lane = rows[k];
-                wdst[lane] = row_lane >= 0 ? grad_row_weights[row_lane] : 0.f;
-            }
+            send_partial<kTopk, kWeighted, kWithWeights, kDtype, CombineUnroll<kTopk>::value>(
+                y, num_int4, recv_weights, grad_row_weights, slot_rows, peer_bases, rg, rank, s,
+                j, lane);
         }
     }
     release_peers_when_done<&Meta::combine_done>(peer_bases, rg, 2, rank, num_ranks, epoch, err);
@@ -157,76 +251,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_reduce(
             for (int r = 0; r < kMaxRanks; ++r)
                 slots[r] = (r < num_ranks && is_token_in_rank[(i64)n * num_ranks + r])
                                ? token_slot_in_rank[(i64)n * num_ranks + r] : -1;
-            int self_rows[kTopk];
-            float self_weights[kTopk];
-            if (slots[rank] >= 0)
-                load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights,
-                                                 (i64)rank * rg.max_tokens + slots[rank],
-                                                 self_rows, self_weights);
-            constexpr int kU = CombineUnroll<kTopk>::value;
-            for (int base = 0; base < num_int4; base += 32 * kU) {
-                // Peers' partials first (all loads in flight), then the sum in rank order.
-                int4 partial[kMaxRanks][kU];
-#pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r) {
-                    if (r >= num_ranks || r == rank || slots[r] < 0) continue;
-                    const int4* src = reinterpret_cast<const int4*>(slot_ptr(
-                        peer_bases[rank], rg.combine_rows, rg.row_stride, rg.max_tokens, r,
-                        slots[r]));
-#pragma unroll
-                    for (int u = 0; u < kU; ++u) {
-                        const int i = base + u * 32 + lane;
-                        if (i < num_int4) partial[r][u] = ld_cg_v4(src + i);
-                    }
-                }
-                float acc[kU][8];
-#pragma unroll
-                for (int u = 0; u < kU; ++u)
-#pragma unroll
-                    for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
-#pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r) {
-                    if (r >= num_ranks || slots[r] < 0) continue;
-                    if (r == rank) {
-                        float self_acc[kU][8];
-                        slot_partial<kTopk, kWeighted, kU, kDtype>(self_acc, y, self_rows,
-                                                                   self_weights, num_int4, base,
-                                                                   lane);
-#pragma unroll
-                        for (int u = 0; u < kU; ++u) partial[r][u] = pack_word<kDtype>(self_acc[u]);
-                    }
-#pragma unroll
-                    for (int u = 0; u < kU; ++u)
-                        if (base + u * 32 + lane < num_int4)
-                            accumulate_word<kDtype, false>(acc[u], partial[r][u], 1.f);
-                }
-#pragma unroll
-                for (int u = 0; u < kU; ++u) {
-                    const int i = base + u * 32 + lane;
-                    if (i < num_int4) out[(i64)n * num_int4 + i] = pack_word<kDtype>(acc[u]);
-                }
-            }
-            if (kWithWeights && lane < kTopk) {
-                float wsum = 0.f;
-                for (int r = 0; r < num_ranks; ++r) {
-                    if (slots[r] < 0) continue;
-                    float v;
-                    if (r == rank) {
-                        int row_lane = -1;
-#pragma unroll
-                        for (int k = 0; k < kTopk; ++k)
-                            if (k == lane) row_lane = self_rows[k];
-                        v = row_lane >= 0 ? grad_row_weights[row_lane] : 0.f;
-                    } else {
-                        const volatile float* src = reinterpret_cast<const volatile float*>(
-                            slot_ptr(peer_bases[rank], rg.combine_weights, rg.weight_stride,
-                                     rg.max_tokens, r, slots[r]));
-                        v = src[lane];
-                    }
-                    wsum = __fadd_rn(wsum, v);
-                }
-                out_weights[(i64)n * kTopk + lane] = wsum;
-            }
+            reduce_token<kTopk, kWeighted, kWithWeights, kDtype, CombineUnroll<kTopk>::value>(
+                out, out_weights, n, num_int4, y, recv_weights, grad_row_weights, slot_rows,
+                slots, peer_bases, rg, rank, num_ranks, lane);
         }
     }
     release_peers_when_done<&Meta::combine_consumed>(peer_bases, rg, 3, rank, num_ranks, epoch,
@@ -254,121 +281,30 @@ constexpr int kFusedCombineThreads = 384;
 // flag of slot b.
 constexpr int kPartialBatch = 4;
 
-// Slot (s, j)'s partial: its rows of y summed in k order in fp32, rounded to the row dtype and
-// written into peer s's combine region [rank][j] (with the per-k grad_row_weights values when
-// kWithWeights). Not inlined: its loads and the reduce's get registers of their own.
+// The fused kernel's calls of send_partial and reduce_token, not inlined: each gets registers of
+// its own (inlined together in one loop, their loads spilled).
 template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
-__device__ __noinline__ void send_partial(const int4* y, int num_int4,
-                                             const float* recv_weights,
-                                             const float* grad_row_weights,
-                                             const int* slot_rows, const u64* peer_bases,
-                                             const Regions& rg, int rank, int s, int j,
-                                             int lane) {
-    int rows[kTopk];
-    float weights[kTopk];
-    load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights, (i64)s * rg.max_tokens + j, rows,
-                                     weights);
-    int4* dst = reinterpret_cast<int4*>(
-        slot_ptr(peer_bases[s], rg.combine_rows, rg.row_stride, rg.max_tokens, rank, j));
-    constexpr int kU = FusedSendUnroll<kTopk>::value;
-    for (int base = 0; base < num_int4; base += 32 * kU) {
-        float acc[kU][8];
-        slot_partial<kTopk, kWeighted, kU, kDtype>(acc, y, rows, weights, num_int4, base, lane);
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-            const int w = base + u * 32 + lane;
-            if (w < num_int4) st_v4(dst + w, pack_word<kDtype>(acc[u]));
-        }
-    }
-    if (kWithWeights && lane < kTopk) {
-        float* wdst = reinterpret_cast<float*>(
-            slot_ptr(peer_bases[s], rg.combine_weights, rg.weight_stride, rg.max_tokens, rank, j));
-        int row_lane = -1;
-#pragma unroll
-        for (int k = 0; k < kTopk; ++k)
-            if (k == lane) row_lane = rows[k];
-        wdst[lane] = row_lane >= 0 ? grad_row_weights[row_lane] : 0.f;
-    }
+__device__ __noinline__ void fused_send_partial(const int4* y, int num_int4,
+                                                const float* recv_weights,
+                                                const float* grad_row_weights,
+                                                const int* slot_rows, const u64* peer_bases,
+                                                const Regions& rg, int rank, int s, int j,
+                                                int lane) {
+    send_partial<kTopk, kWeighted, kWithWeights, kDtype, FusedSendUnroll<kTopk>::value>(
+        y, num_int4, recv_weights, grad_row_weights, slot_rows, peer_bases, rg, rank, s, j, lane);
 }
 
-// Token n's output: its partials summed over ranks in ascending order in fp32 (its own rank's
-// partial computed from y with the same rounding) and rounded once: combine_reduce's values.
 template <int kTopk, bool kWeighted, bool kWithWeights, int kDtype>
-__device__ __noinline__ void reduce_token(int4* out, float* out_weights, int n, int num_int4,
-                                             const int4* y, const float* recv_weights,
-                                             const float* grad_row_weights,
-                                             const int* slot_rows, const int* slots,
-                                             const u64* peer_bases, const Regions& rg,
-                                             int rank, int num_ranks, int lane) {
-    int self_rows[kTopk];
-    float self_weights[kTopk];
-#pragma unroll
-    for (int k = 0; k < kTopk; ++k) self_rows[k] = -1, self_weights[k] = 1.f;
-    if (slots[rank] >= 0)
-        load_slot_rows<kTopk, kWeighted>(slot_rows, recv_weights,
-                                         (i64)rank * rg.max_tokens + slots[rank], self_rows,
-                                         self_weights);
-    constexpr int kU = FusedReduceUnroll<kTopk>::value;
-    for (int base = 0; base < num_int4; base += 32 * kU) {
-        int4 partial[kMaxRanks][kU];
-#pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) {
-            if (r >= num_ranks || r == rank || slots[r] < 0) continue;
-            const int4* src = reinterpret_cast<const int4*>(slot_ptr(
-                peer_bases[rank], rg.combine_rows, rg.row_stride, rg.max_tokens, r, slots[r]));
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < num_int4) partial[r][u] = ld_cg_v4(src + i);
-            }
-        }
-        float self_acc[kU][8];
-        slot_partial<kTopk, kWeighted, kU, kDtype>(self_acc, y, self_rows, self_weights,
-                                                   num_int4, base, lane);
-        float acc[kU][8];
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-#pragma unroll
-            for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
-#pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) {
-            if (r >= num_ranks || slots[r] < 0) continue;
-            if (r == rank) {
-#pragma unroll
-                for (int u = 0; u < kU; ++u) partial[r][u] = pack_word<kDtype>(self_acc[u]);
-            }
-#pragma unroll
-            for (int u = 0; u < kU; ++u)
-                if (base + u * 32 + lane < num_int4)
-                    accumulate_word<kDtype, false>(acc[u], partial[r][u], 1.f);
-        }
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < num_int4) out[(i64)n * num_int4 + i] = pack_word<kDtype>(acc[u]);
-        }
-    }
-    if (kWithWeights && lane < kTopk) {
-        float wsum = 0.f;
-        for (int r = 0; r < num_ranks; ++r) {
-            if (slots[r] < 0) continue;
-            float v;
-            if (r == rank) {
-                int row_lane = -1;
-#pragma unroll
-                for (int k = 0; k < kTopk; ++k)
-                    if (k == lane) row_lane = self_rows[k];
-                v = row_lane >= 0 ? grad_row_weights[row_lane] : 0.f;
-            } else {
-                const volatile float* src = reinterpret_cast<const volatile float*>(slot_ptr(
-                    peer_bases[rank], rg.combine_weights, rg.weight_stride, rg.max_tokens, r,
-                    slots[r]));
-                v = src[lane];
-            }
-            wsum = __fadd_rn(wsum, v);
-        }
-        out_weights[(i64)n * kTopk + lane] = wsum;
-    }
+__device__ __noinline__ void fused_reduce_token(int4* out, float* out_weights, int n,
+                                                int num_int4, const int4* y,
+                                                const float* recv_weights,
+                                                const float* grad_row_weights,
+                                                const int* slot_rows, const int* slots,
+                                                const u64* peer_bases, const Regions& rg,
+                                                int rank, int num_ranks, int lane) {
+    reduce_token<kTopk, kWeighted, kWithWeights, kDtype, FusedReduceUnroll<kTopk>::value>(
+        out, out_weights, n, num_int4, y, recv_weights, grad_row_weights, slot_rows, slots,
+        peer_bases, rg, rank, num_ranks, lane);
 }
 
 // EP > 1 over NVLink in one launch: warps take send items (kPartialBatch received slots, each
@@ -438,7 +374,7 @@ __global__ void __launch_bounds__(kFusedCombineThreads) combine_fused(
                     if (!ready) break;
                 }
                 if (ready) {
-                    reduce_token<kTopk, kWeighted, kWithWeights, kDtype>(
+                    fused_reduce_token<kTopk, kWeighted, kWithWeights, kDtype>(
                         out, out_weights, n, num_int4, y, recv_weights, grad_row_weights,
                         slot_rows, slots, peer_bases, rg, rank, num_ranks, lane);
                     n = warp_claim(&ws->work_counter[kWorkCombineReduce], 1, lane);
@@ -451,7 +387,7 @@ __global__ void __launch_bounds__(kFusedCombineThreads) combine_fused(
                 int s, j;
                 if (send_first + b >= total_send) break;
                 if (!peer_slot_of(send_slots, send_first + b, rank, num_ranks, &s, &j)) continue;
-                send_partial<kTopk, kWeighted, kWithWeights, kDtype>(
+                fused_send_partial<kTopk, kWeighted, kWithWeights, kDtype>(
                     y, num_int4, recv_weights, grad_row_weights, slot_rows, peer_bases, rg,
                     rank, s, j, lane);
                 if (lane == b)
