@@ -251,8 +251,8 @@ _TABLE = (
          "(one launch per dispatch and per combine, senders and receivers at once, per-slot "
          "flags), `split` (a send kernel, then a receive kernel after a barrier over every "
          "peer) or `auto`: the fused dispatch of bf16 rows, the split FP8 dispatch and combine, "
-         "the faster of each on an H100 under MPS (`benchmarks/h100_2026-12-07_mps.md`)", "transport",
-         read_by=_BUFFER, choices=("auto", "fused", "split")),
+         "the faster of each on an H100 under MPS (`benchmarks/h100_2026-12-07_mps.md`)",
+         "transport", read_by=_BUFFER, choices=("auto", "fused", "split")),
     Knob("SHARED_GPU", "bool", False, "0", "declares that ranks of one host share a GPU "
          "(testing several ranks on one GPU); unset, a kernel transport warns naming the "
          "ranks of a host that share one (a job that forgot `torch.cuda.set_device`)",

@@ -72,7 +72,8 @@ def choose(table: Dict[int, Dict[str, float]]) -> Tuple[Optional[int], float]:
 
 
 def render(table: Dict[int, Dict[str, float]]) -> str:
-    lines = ["| SMs | registers µs | row stage µs | row stage / registers |", "|---:|---:|---:|---:|"]
+    lines = ["| SMs | registers µs | row stage µs | row stage / registers |",
+             "|---:|---:|---:|---:|"]
     for sms, cell in sorted(table.items()):
         lines.append(f"| {sms} | {cell['registers']:.1f} | {cell['row_stage']:.1f} | "
                      f"{cell['row_stage'] / cell['registers']:.3f} |")

@@ -16,7 +16,8 @@ from typing import Dict, List
 # A line NVSHMEM wrote: its debug prefix ("NVSHMEM INFO", "NVSHMEM WARN", ...), its source
 # locations ("src/host/transport/transport.cpp:275: ..."), or its bare "WARN:" lines.
 _NVSHMEM = re.compile(r"NVSHMEM (INFO|WARN|ERROR|TRACE)|(^|/)src/(host|device|modules)/\S+:\d+|"
-                      r"^WARN: |nvshmem[a-z_]*:\d+:|nvshmemi?_\w+ failed|NVSHMEM_\w+ .*(fail|error)",
+                      r"^WARN: |nvshmem[a-z_]*:\d+:|nvshmemi?_\w+ failed"
+                      r"|NVSHMEM_\w+ .*(fail|error)",
                       re.IGNORECASE)
 _PREFIX = re.compile(r"^\S+:\d+:\d+ \[\d+\] ")
 _PROBLEM = re.compile(r"WARN|ERROR|fail|non-zero status|abort|exiting|unable|cannot|not found",

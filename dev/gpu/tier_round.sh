@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU tier on one GPU in three device calls, each inside BUDGET (570 s):
 #   CALL=1 bash dev/gpu/tier_round.sh WHEELS_DIR    # then CALL=2 and CALL=3, one device call each
-#   DRY_RUN=1 bash dev/gpu/tier_round.sh WHEELS_DIR  # the plan: every call, its pieces, limits, sums
+#   DRY_RUN=1 bash dev/gpu/tier_round.sh WHEELS_DIR  # the plan: every call, pieces, limits, sums
 #   PIECES="nvlink-8 ring" bash dev/gpu/tier_round.sh WHEELS_DIR   # any pieces (a rerun)
 # WHEELS_DIR: the TE 2.20.2 set and megatron-core 0.19.2 (dev/gpu/README.md), installed when the
 # call has a piece that needs them (megatron, te, graphs); the tests that need them skip without.
@@ -174,13 +174,19 @@ mkdir -p "$LOGS" "$OUT_DIR"
 GROUPS_=$(call_groups "${CALL:-1}") || exit 2
 plan "$CALL_NAME" "$GROUPS_" | tee "$LOGS/plan.txt"
 need_wheels=0
-for name in ${GROUPS_//+/ }; do piece_spec "$name" || exit 2; (( WHEELS_NEEDED )) && need_wheels=1; done
+for name in ${GROUPS_//+/ }; do
+  piece_spec "$name" || exit 2
+  (( WHEELS_NEEDED )) && need_wheels=1
+done
 if (( need_wheels )); then ev_install_wheels tier_round "$WHEELS" || exit 2; fi
 ev_versions > /dev/null
-{ cat "$EV_LOGS/versions"; echo "commit: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
+{ cat "$EV_LOGS/versions"; echo "commit: $commit"
   echo "MDEEP_TEST_CALLS=$MDEEP_TEST_CALLS MPS=$USE_MPS"; } > "$LOGS/versions.txt"
 cat "$LOGS/versions.txt"
-if [ "$USE_MPS" = 1 ]; then ev_start_mps || { echo "tier_round: MPS off (it did not start)"; USE_MPS=0; }; fi
+if [ "$USE_MPS" = 1 ]; then
+  ev_start_mps || { echo "tier_round: MPS off (it did not start)"; USE_MPS=0; }
+fi
 
 bundle() { tar czf "$OUT_DIR/tier_${CALL_NAME}_logs.tar.gz" -C "$(dirname "$LOGS")" "$CALL_NAME"; }
 
