@@ -1,4 +1,5 @@
-// Combine over NVLink, in two kernels on the communication stream:
+// Combine over NVLink. combine_fused does it in one launch (below); the split kernels, two
+// kernels on the communication stream:
 //   combine_send (expert side): for every slot received from a peer, the slot's rows of y are
 //     summed in k order in fp32 (times their routing weight when kWeighted), rounded to the row
 //     dtype and written once into that peer's combine region; with kWithWeights the per-k values of

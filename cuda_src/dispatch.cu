@@ -1,4 +1,5 @@
-// Dispatch over NVLink, in two kernels on the communication stream:
+// Dispatch over NVLink. dispatch_fused does it in one launch (below); the split kernels, two
+// kernels on the communication stream:
 //   dispatch_send: every token row is read once and written once into the staging region of
 //     each peer rank that holds one of its experts (slot = its index among the tokens sent
 //     there), with its slot metadata; the last block releases "done" to every peer.
