@@ -6,8 +6,9 @@
 # ev_need_dir NAME WHAT PATH   one line and exit 2 when PATH is not a folder
 # ev_install_wheels NAME DIR   every wheel of DIR into a fresh site folder (wheels.sh's
 #                         install_wheels: one pip command), on PYTHONPATH with the repository
-# ev_versions             device, driver, torch, CUDA, NCCL, NVSHMEM, nvcc, TE, megatron-core:
-#                         one line each, also kept in $EV_LOGS/versions for the records
+# ev_versions             device, driver, torch, CUDA, NCCL, NVSHMEM, nvcc, TE, megatron-core,
+#                         the commit (COMMIT, else the copy's HEAD) and its modified paths: one
+#                         line each, also kept in $EV_LOGS/versions for the records
 # ev_piece NAME LIMIT LOG command...   one named piece under its limit (a dry run prints it);
 #                         sets PIECE_RC and PIECE_S and adds a row to the summary
 # ev_record TOPIC TITLE COMMAND LOG TABLE   benchmarks/<card>_<date>_<topic>.md (command,
@@ -109,7 +110,10 @@ for name in ("nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "cuda-bindings", "megatr
     except md.PackageNotFoundError:
         print(f"{name}: not installed")
 PY
-    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    # COMMIT: the tree that runs, where the copy's own .git is not it (a copied working tree
+    # keeps the HEAD it was copied from; its uncommitted changes then show as "modified").
+    echo "git: ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}" \
+      "($(git status --porcelain 2>/dev/null | grep -c . || true) paths modified)"
   } | tee "$EV_LOGS/versions"
 }
 
