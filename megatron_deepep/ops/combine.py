@@ -76,25 +76,38 @@ def combine_send(y: torch.Tensor, handle, weighted: bool,
     kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
 
 
-def combine_reduce(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
-                   handle, weighted: bool, grad_row_weights: Optional[torch.Tensor],
-                   peer_bases: torch.Tensor, regions: torch.Tensor, rank: int, num_ranks: int,
-                   epoch_word: int, num_sms: int, timeout_ns: int, errors: ErrorSink) -> None:
-    """Sums every token's partials over ranks in fp32 into `out [N, H]` (y's dtype)."""
+def _sum_tokens(kind: str, out: torch.Tensor, out_weights: Optional[torch.Tensor],
+                y: torch.Tensor, handle, weighted: bool,
+                grad_row_weights: Optional[torch.Tensor], peer_bases: torch.Tensor,
+                regions: torch.Tensor, rank: int, num_ranks: int, epoch_word: int, num_sms: int,
+                timeout_ns: int, errors: ErrorSink) -> None:
+    """Launches `combine_reduce` or `combine_fused` (`kind`): the same token-side fields; the
+    fused kernel also sends the partials, so it reads the received slots per source too."""
     assert out.dtype == y.dtype, (out.dtype, y.dtype)
-    kernel = jit.get_kernel("combine.cu", "combine_reduce",
+    kernel = jit.get_kernel("combine.cu", kind,
                             [handle.num_topk, weighted, grad_row_weights is not None,
                              row_dtype_code(y)])
+    if kind == "combine_reduce":
+        args_class, threads, sends = CombineReduceArgs, COMM_THREADS, {}
+    else:
+        args_class, threads = CombineFusedArgs, FUSED_COMBINE_THREADS
+        sends = dict(num_recv_tokens_per_rank=handle.address("num_recv_tokens_per_rank"))
     lay = handle.layout
-    args = CombineReduceArgs.fill(
+    args = args_class.fill(
         out=out.data_ptr(), out_weights=addr(out_weights), num_tokens=out.shape[0],
         num_int4=num_int4(out), y=y.data_ptr(),
         recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
         slot_rows=handle.address("slot_rows"), is_token_in_rank=lay.address("is_token_in_rank"),
         token_slot_in_rank=lay.address("token_slot_in_rank"), peer_bases=peer_bases.data_ptr(),
         regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch_word=epoch_word,
-        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
-    kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record, **sends)
+    kernel.launch(num_sms, threads, args, launch_stream())
+
+
+def combine_reduce(*args, **kwargs) -> None:
+    """Sums every token's partials over ranks in fp32 into `out [N, H]` (y's dtype), after
+    `combine_send`. Arguments as `combine_fused`'s."""
+    _sum_tokens("combine_reduce", *args, **kwargs)
 
 
 def combine_fused(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,
@@ -104,22 +117,8 @@ def combine_fused(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: tor
     """Sends each received slot's partial row back to its source and sums every token's
     partials over ranks into `out [N, H]` (y's dtype), in one launch: the values of
     `combine_send` + `combine_reduce`."""
-    assert out.dtype == y.dtype, (out.dtype, y.dtype)
-    kernel = jit.get_kernel("combine.cu", "combine_fused",
-                            [handle.num_topk, weighted, grad_row_weights is not None,
-                             row_dtype_code(y)])
-    lay = handle.layout
-    args = CombineFusedArgs.fill(
-        out=out.data_ptr(), out_weights=addr(out_weights), num_tokens=out.shape[0],
-        num_int4=num_int4(out), y=y.data_ptr(),
-        recv_weights=handle.recv_weights.data_ptr(), grad_row_weights=addr(grad_row_weights),
-        slot_rows=handle.address("slot_rows"),
-        num_recv_tokens_per_rank=handle.address("num_recv_tokens_per_rank"),
-        is_token_in_rank=lay.address("is_token_in_rank"),
-        token_slot_in_rank=lay.address("token_slot_in_rank"), peer_bases=peer_bases.data_ptr(),
-        regions=regions.data_ptr(), rank=rank, num_ranks=num_ranks, epoch_word=epoch_word,
-        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
-    kernel.launch(num_sms, FUSED_COMBINE_THREADS, args, launch_stream())
+    _sum_tokens("combine_fused", out, out_weights, y, handle, weighted, grad_row_weights,
+                peer_bases, regions, rank, num_ranks, epoch_word, num_sms, timeout_ns, errors)
 
 
 def combine_local(out: torch.Tensor, out_weights: Optional[torch.Tensor], y: torch.Tensor,

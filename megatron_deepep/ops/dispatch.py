@@ -91,23 +91,26 @@ def dispatch_send(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: t
     kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
 
 
-def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
-                  recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
-                  x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
-                  topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool,
-                  fp8, peer_bases: torch.Tensor, regions: torch.Tensor, rank: int,
-                  num_ranks: int, num_local: int, epoch_word: int, num_sms: int, timeout_ns: int,
-                  errors: ErrorSink) -> None:
-    """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`.
-
-    `recv_x` is `[M, H]` bf16, or e4m3 rows with `recv_scales` when `fp8` keeps FP8; `recv`
-    holds the dispatch's `recv_fields` arrays (`slot_rows` written unless `cached`).
-    """
+def _expand(kind: str, recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+            recv_weights: Optional[torch.Tensor], recv: Arena, x: torch.Tensor,
+            x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+            topk_weights: Optional[torch.Tensor], lay: DispatchLayout, cached: bool, fp8,
+            peer_bases: torch.Tensor, regions: torch.Tensor, rank: int, num_ranks: int,
+            num_local: int, epoch_word: int, num_sms: int, timeout_ns: int,
+            errors: ErrorSink) -> None:
+    """Launches `dispatch_recv` or `dispatch_fused` (`kind`): the same receive-side fields,
+    and the layout arrays each reads (the slot's token; or each token's ranks and slots)."""
     fmt, dequant, amax_epsilon = wire_format(fp8)
-    kernel = jit.get_kernel("dispatch.cu", "dispatch_recv",
+    kernel = jit.get_kernel("dispatch.cu", kind,
                             [topk_idx.shape[1], cached, index_type_name(topk_idx), fmt, dequant])
+    if kind == "dispatch_recv":
+        args_class, layout = DispatchRecvArgs, dict(slot_token=lay.address("slot_token"))
+    else:
+        args_class, layout = DispatchFusedArgs, dict(
+            is_token_in_rank=lay.address("is_token_in_rank"),
+            token_slot_in_rank=lay.address("token_slot_in_rank"))
     a = recv.address
-    args = DispatchRecvArgs.fill(
+    args = args_class.fill(
         recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
         recv_weights=addr(recv_weights), max_rows=recv_x.shape[0], hidden=recv_x.shape[1],
         num_recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
@@ -116,11 +119,20 @@ def dispatch_recv(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
         slot_rows=a("slot_rows"), x=x.data_ptr(), x_scales=addr(x_scales),
         amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
         topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
-        slot_token=lay.address("slot_token"), num_tokens=x.shape[0],
-        peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
-        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
-        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
+        num_tokens=x.shape[0], peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(),
+        rank=rank, num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
+        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record, **layout)
     kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
+
+
+def dispatch_recv(*args, **kwargs) -> None:
+    """Expands staged rows (and this rank's own tokens) into the expert-major `recv_x`, after
+    `dispatch_send`. Arguments as `dispatch_fused`'s.
+
+    `recv_x` is `[M, H]` bf16, or e4m3 rows with `recv_scales` when `fp8` keeps FP8; `recv`
+    holds the dispatch's `recv_fields` arrays (`slot_rows` written unless `cached`).
+    """
+    _expand("dispatch_recv", *args, **kwargs)
 
 
 def dispatch_fused(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
@@ -137,25 +149,9 @@ def dispatch_fused(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
     `[M, H]` bf16, or e4m3 rows with `recv_scales` when `fp8` keeps FP8; `recv` holds the
     dispatch's `recv_fields` arrays (`slot_rows` and `recv_weights` written unless `cached`).
     """
-    fmt, dequant, amax_epsilon = wire_format(fp8)
-    kernel = jit.get_kernel("dispatch.cu", "dispatch_fused",
-                            [topk_idx.shape[1], cached, index_type_name(topk_idx), fmt, dequant])
-    a = recv.address
-    args = DispatchFusedArgs.fill(
-        recv_x=recv_x.data_ptr(), recv_scales=addr(recv_scales),
-        recv_weights=addr(recv_weights), max_rows=recv_x.shape[0], hidden=recv_x.shape[1],
-        num_recv_tokens_per_rank=a("num_recv_tokens_per_rank"),
-        num_recv_tokens_per_expert=a("num_recv_tokens_per_expert"),
-        expert_row_start=a("expert_row_start"), src_expert_offset=a("src_expert_offset"),
-        slot_rows=a("slot_rows"), x=x.data_ptr(), x_scales=addr(x_scales),
-        amax_epsilon=amax_epsilon, topk_idx=topk_idx.data_ptr(),
-        topk_weights=addr(topk_weights), pos_in_expert=lay.address("pos_in_expert"),
-        is_token_in_rank=lay.address("is_token_in_rank"),
-        token_slot_in_rank=lay.address("token_slot_in_rank"), num_tokens=x.shape[0],
-        peer_bases=peer_bases.data_ptr(), regions=regions.data_ptr(), rank=rank,
-        num_ranks=num_ranks, num_local=num_local, epoch_word=epoch_word,
-        timeout_ns=timeout_ns, error_claim=errors.claim, error_record=errors.record)
-    kernel.launch(num_sms, COMM_THREADS, args, launch_stream())
+    _expand("dispatch_fused", recv_x, recv_scales, recv_weights, recv, x, x_scales, topk_idx,
+            topk_weights, lay, cached, fp8, peer_bases, regions, rank, num_ranks, num_local,
+            epoch_word, num_sms, timeout_ns, errors)
 
 
 def dispatch_local(recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
