@@ -141,17 +141,26 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_send(
     release_peers_when_done<&Meta::dispatch_done>(peer_bases, rg, 0, rank, num_ranks, epoch, err);
 }
 
-// Whether a peer's slot record (local expert e, position pos) lies in the segment source s
-// fills inside expert e: e < num_local and 0 <= pos < the tokens s sends to e (notify's counts).
-__device__ __forceinline__ bool peer_entry_in_segment(int e, int pos, int s, int num_ranks,
-                                                      int num_local,
-                                                      const int* src_expert_offset,
-                                                      const int* num_recv_tokens_per_expert) {
-    if (e >= num_local || pos < 0) return false;
-    const int start = src_expert_offset[s * num_local + e];
-    const int end = s + 1 < num_ranks ? src_expert_offset[(s + 1) * num_local + e]
-                                      : num_recv_tokens_per_expert[e];
-    return pos < end - start;
+// Entry k of a peer's slot record (local expert e, position pos): e if it lies in the segment
+// source s fills inside expert e (e < num_local and 0 <= pos < the tokens s sends to e, from
+// notify's counts), else -1, the record refused (recorded when `record`): a bad record never
+// writes over other experts' rows.
+__device__ __forceinline__ int peer_expert_or_refuse(int e, int pos, int s, int k, int num_ranks,
+                                                     int num_local, const int* src_expert_offset,
+                                                     const int* num_recv_tokens_per_expert,
+                                                     const ErrorState& err, int rank,
+                                                     bool record) {
+    if (e < 0) return -1;
+    if (e < num_local && pos >= 0) {
+        const int start = src_expert_offset[s * num_local + e];
+        const int end = s + 1 < num_ranks ? src_expert_offset[(s + 1) * num_local + e]
+                                          : num_recv_tokens_per_expert[e];
+        if (pos < end - start) return e;
+    }
+    if (record)
+        record_error(err, kErrBadPeerRow, rank, s, kPhaseDispatchRecv, k, num_local,
+                     (i64)e * (1ll << 32) + pos);
+    return -1;
 }
 
 template <int kTopk, bool kCached, typename IdxT, int kFmt, bool kDequant>
@@ -244,16 +253,10 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_recv(
                     for (int k = 0; k < kTopk; ++k) {
                         e[k] = m->local_expert[k];
                         pos[k] = m->pos[k];
-                        // A record outside its expert's segment from source s: refused
-                        // (recorded once, by lane 0), never written over other rows.
-                        if (e[k] >= 0 && !peer_entry_in_segment(
-                                e[k], pos[k], s, num_ranks, num_local, src_expert_offset,
-                                num_recv_tokens_per_expert)) {
-                            if (lane == 0)
-                                record_error(err, kErrBadPeerRow, rank, s, kPhaseDispatchRecv, k,
-                                             num_local, (i64)e[k] * (1ll << 32) + pos[k]);
-                            e[k] = -1;
-                        }
+                        e[k] = peer_expert_or_refuse(e[k], pos[k], s, k, num_ranks, num_local,
+                                                     src_expert_offset,
+                                                     num_recv_tokens_per_expert, err, rank,
+                                                     lane == 0);
                     }
                     if (lane < kTopk) weight = m->weight[lane];
                 }
@@ -339,17 +342,14 @@ __device__ __forceinline__ int peer_entry_row(const volatile SlotMeta<kTopk>* m,
                                               const ErrorState& err, int lane) {
     if (lane >= kTopk) return -1;
     if (kCached) return my_rows[lane];
-    const int e = m->local_expert[lane], pos = m->pos[lane];
+    const int pos = m->pos[lane];
+    const int e = peer_expert_or_refuse(m->local_expert[lane], pos, s, lane, num_ranks,
+                                        num_local, src_expert_offset,
+                                        num_recv_tokens_per_expert, err, rank, true);
     int row = -1;
     if (e >= 0) {
-        if (peer_entry_in_segment(e, pos, s, num_ranks, num_local, src_expert_offset,
-                                  num_recv_tokens_per_expert)) {
-            row = expert_row_start[e] + src_expert_offset[s * num_local + e] + pos;
-            if (row >= max_rows) row = -1;  // overflow: reported by notify
-        } else {
-            record_error(err, kErrBadPeerRow, rank, s, kPhaseDispatchRecv, lane, num_local,
-                         (i64)e * (1ll << 32) + pos);
-        }
+        row = expert_row_start[e] + src_expert_offset[s * num_local + e] + pos;
+        if (row >= max_rows) row = -1;  // overflow: reported by notify
     }
     my_rows[lane] = row;
     if (row >= 0) recv_weights[row] = m->weight[lane];
